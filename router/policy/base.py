@@ -1,0 +1,53 @@
+"""The one Policy interface every router (baseline, learned, wrapper) implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import numpy as np
+
+from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
+
+
+class PolicyUnavailable(RuntimeError):
+    """A policy that cannot decide at all (missing/corrupt model, spec mismatch). `reason` is a
+    short bounded label for metrics; the message says what was wrong."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    @abstractmethod
+    def choose(self, view: ClusterView, request: RequestInfo) -> int:
+        """Index into `view.replicas` of a healthy replica."""
+
+    def on_complete(self, replica_id: str, request: RequestInfo, outcome: Outcome) -> None:
+        return None
+
+    def reset(self, seed: int | None = None) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def describe(self) -> dict:
+        return {"name": self.name}
+
+
+def healthy_or_raise(view: ClusterView) -> list[int]:
+    idx = view.healthy_indices()
+    if not idx:
+        raise NoHealthyReplica("no healthy replica in the view")
+    return idx
+
+
+def argmin_random_ties(values: list[float], candidates: list[int], rng: np.random.Generator) -> int:
+    """The candidate with the smallest value; ties broken uniformly at random."""
+    best = min(values)
+    tied = [c for c, v in zip(candidates, values) if v == best]
+    return tied[0] if len(tied) == 1 else tied[int(rng.integers(len(tied)))]

@@ -1,0 +1,139 @@
+"""FallbackPolicy: a primary policy guarded by a fallback (LOR), recording why it fell back."""
+
+from __future__ import annotations
+
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.policy.base import Policy, PolicyUnavailable
+from router.policy.features import action_mask
+from router.policy.types import ClusterView, Outcome, RequestInfo
+
+# The bounded set of labels `Decision.fallback_reason` can take (used as a metric label).
+FALLBACK_REASONS = (
+    "exception",
+    "nan",
+    "masked_pick",
+    "over_budget",
+    "stale_stats",
+    "unavailable",
+    "spec_mismatch",
+    "low_confidence",
+    "overload_guard",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    index: int
+    primary_index: int | None  # what the primary said (None if it said nothing usable)
+    fallback_reason: str | None  # None when the primary's pick was used
+    elapsed_s: float | None = None  # primary decision time when a clock was given
+    error: str | None = None  # the exception text, for logs and the admin API
+
+
+class FallbackPolicy(Policy):
+    """Returns the primary's choice unless it raises, returns NaN scores, picks a masked
+    replica, overruns `budget_s` (measured with the injected `clock`), runs on stats older
+    than `max_stats_age_s`, is less sure than `min_confidence`, or picks a replica with more
+    than `overload_margin` requests above the least-loaded healthy one. Then the fallback decides.
+
+    Primaries that expose `scores(view, request) -> np.ndarray` (one logit per replica) get the
+    NaN and confidence checks; others are asked `choose`.
+    """
+
+    name = "fallback"
+
+    def __init__(
+        self,
+        primary: Policy,
+        fallback: Policy,
+        *,
+        budget_s: float | None = None,
+        clock: Callable[[], float] | None = None,
+        max_stats_age_s: float | None = None,
+        min_confidence: float | None = None,
+        overload_margin: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.primary = primary
+        self.fallback = fallback
+        self.budget_s = budget_s
+        self.clock = clock
+        self.max_stats_age_s = max_stats_age_s
+        self.min_confidence = min_confidence
+        self.overload_margin = overload_margin
+        self.last_decision: Decision | None = None
+
+    def describe(self) -> dict:
+        return {"name": self.primary.name, "fallback": self.fallback.name, "primary": self.primary.describe()}
+
+    def _primary_pick(self, view: ClusterView, request: RequestInfo) -> tuple[int | None, str | None, str | None]:
+        """(pick, fallback_reason, error)."""
+        scores_fn = getattr(self.primary, "scores", None)
+        try:
+            if scores_fn is None:
+                return int(self.primary.choose(view, request)), None, None
+            scores = np.asarray(scores_fn(view, request), dtype=np.float64)
+        except PolicyUnavailable as exc:
+            return None, exc.reason, str(exc)
+        except Exception as exc:  # noqa: BLE001 - any primary failure must fall back, never fail a request
+            return None, "exception", f"{type(exc).__name__}: {exc}"
+        mask = action_mask(view).astype(bool)
+        if scores.shape != (len(view.replicas),) or not np.all(np.isfinite(scores[mask])):
+            return None, "nan", f"scores not finite or of shape {scores.shape}"
+        masked = np.where(mask, scores, -np.inf)
+        pick = int(np.argmax(masked))
+        if self.min_confidence is not None:
+            z = masked - masked[pick]
+            probs = np.exp(z) / np.exp(z).sum()
+            if probs[pick] < self.min_confidence:
+                return pick, "low_confidence", None
+        return pick, None, None
+
+    def decide(self, view: ClusterView, request: RequestInfo) -> Decision:
+        reason: str | None = None
+        if self.max_stats_age_s is not None:
+            if any(r.healthy and r.stats_age_s > self.max_stats_age_s for r in view.replicas):
+                reason = "stale_stats"
+        pick: int | None = None
+        error: str | None = None
+        elapsed: float | None = None
+        if reason is None:
+            t0 = self.clock() if self.clock is not None else None
+            pick, reason, error = self._primary_pick(view, request)
+            if t0 is not None:
+                elapsed = self.clock() - t0  # type: ignore[misc]
+                if reason is None and self.budget_s is not None and elapsed > self.budget_s:
+                    reason = "over_budget"
+        if reason is None and pick is not None:
+            if not (0 <= pick < len(view.replicas)) or not view.replicas[pick].healthy:
+                reason = "masked_pick"
+            elif self.overload_margin is not None:
+                least = min(r.outstanding for r in view.replicas if r.healthy)
+                if view.replicas[pick].outstanding - least > self.overload_margin:
+                    reason = "overload_guard"
+        if reason is None and pick is not None:
+            decision = Decision(pick, pick, None, elapsed)
+        else:
+            decision = Decision(self.fallback.choose(view, request), pick, reason, elapsed, error)
+        self.last_decision = decision
+        return decision
+
+    def choose(self, view: ClusterView, request: RequestInfo) -> int:
+        return self.decide(view, request).index
+
+    def on_complete(self, replica_id: str, request: RequestInfo, outcome: Outcome) -> None:
+        self.primary.on_complete(replica_id, request, outcome)
+        self.fallback.on_complete(replica_id, request, outcome)
+
+    def reset(self, seed: int | None = None) -> None:
+        super().reset(seed)
+        self.primary.reset(seed)
+        self.fallback.reset(None if seed is None else seed + 1)
+        self.last_decision = None
+
+

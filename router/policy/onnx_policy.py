@@ -1,0 +1,103 @@
+"""A learned policy served by onnxruntime (one intra-op thread).
+
+Model contract (written by `trainer export`):
+  inputs  features float32 [batch, replicas, N_FEATURES], mask float32 [batch, replicas]
+  output  logits   float32 [batch, replicas]
+  metadata feature_spec_hash, feature_version, policy_version, training_config (JSON)
+Normalisation is folded into the graph, so the input is exactly `build_features(...)`.
+
+A file that is missing, corrupt, of another feature spec or another shape does not raise at
+construction: the policy records `load_error` and every decision raises PolicyUnavailable,
+so a FallbackPolicy keeps serving with LOR and says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from router.policy.base import Policy, PolicyUnavailable
+from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES, action_mask, build_features
+from router.policy.types import ClusterView, RequestInfo
+
+
+class ModelLoadError(ValueError):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def load_session(path: Path):
+    """An onnxruntime session for `path`, checked against the feature contract.
+
+    Raises ModelLoadError naming the file and the mismatch.
+    """
+    import onnxruntime as ort
+
+    if not path.is_file():
+        raise ModelLoadError("unavailable", f"{path}: model file not found")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types for bad files
+        raise ModelLoadError("unavailable", f"{path}: not a loadable ONNX model ({type(exc).__name__}: {exc})") from exc
+    meta = session.get_modelmeta().custom_metadata_map
+    got = meta.get("feature_spec_hash")
+    if got != FEATURE_SPEC_HASH:
+        raise ModelLoadError(
+            "spec_mismatch", f"{path}: feature_spec_hash {got!r} does not match this router's {FEATURE_SPEC_HASH!r}"
+        )
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    if set(inputs) != {"features", "mask"} or inputs["features"][-1] != N_FEATURES:
+        raise ModelLoadError(
+            "spec_mismatch", f"{path}: inputs {inputs} do not match features[batch, replicas, {N_FEATURES}] + mask"
+        )
+    return session
+
+
+class OnnxPolicy(Policy):
+    name = "learned"
+
+    def __init__(self, path: str | Path, seed: int | None = None, greedy: bool = True) -> None:
+        super().__init__(seed)
+        self.path = Path(path)
+        self.greedy = greedy
+        self.load_error: ModelLoadError | None = None
+        self.metadata: dict[str, str] = {}
+        self._session = None
+        try:
+            self._session = load_session(self.path)
+            self.metadata = dict(self._session.get_modelmeta().custom_metadata_map)
+        except ModelLoadError as exc:
+            self.load_error = exc
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "version": self.metadata.get("policy_version", "unknown"),
+            "feature_spec_hash": self.metadata.get("feature_spec_hash", ""),
+            "load_error": None if self.load_error is None else str(self.load_error),
+        }
+
+    def scores(self, view: ClusterView, request: RequestInfo) -> np.ndarray:
+        if self._session is None:
+            err = self.load_error or ModelLoadError("unavailable", f"{self.path}: no model loaded")
+            raise PolicyUnavailable(err.reason, str(err))
+        feats = build_features(view, request)[None]
+        mask = action_mask(view).astype(np.float32)[None]
+        (logits,) = self._session.run(["logits"], {"features": feats, "mask": mask})
+        return logits[0]
+
+    def choose(self, view: ClusterView, request: RequestInfo) -> int:
+        logits = self.scores(view, request).astype(np.float64)
+        mask = action_mask(view).astype(bool)
+        logits = np.where(mask, logits, -np.inf)
+        if self.greedy:
+            return int(np.argmax(logits))
+        p = np.exp(logits - logits.max())
+        return int(self.rng.choice(len(p), p=p / p.sum()))

@@ -1,0 +1,143 @@
+"""Router-side state per replica, kept identically by the live router and the simulator.
+
+Both worlds call the same hooks (dispatch, first token, completion, scrape) and build
+snapshots with the same code, which is what makes their features bit-identical.
+Times are passed in by the caller (this package never reads a clock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
+from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+
+# Expected decode length when a request carries no max_tokens.
+DEFAULT_DECODE_TOKENS_EST = 256
+EMA_ALPHA = 0.2
+
+
+@dataclass(slots=True)
+class _InFlight:
+    prompt_tokens: int
+    decode_tokens: int
+
+
+class ReplicaTracker:
+    """Counters and last-scrape values of one replica, as the router knows them."""
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self.healthy = True
+        self.outstanding = 0
+        self.outstanding_prompt_tokens = 0
+        self.outstanding_decode_tokens = 0
+        self.dispatched_since_scrape = 0
+        self.waiting: int | None = None
+        self.running: int | None = None
+        self.kv_cache_usage: float | None = None
+        self.kv_capacity_tokens: int | None = None
+        self.last_scrape_s: float | None = None
+        self.ttft_ema_s: float | None = None
+        self.tpot_ema_s: float | None = None
+        self._inflight: dict[str, _InFlight] = {}
+
+    def on_dispatch(self, request: RequestInfo) -> None:
+        decode = request.max_tokens if request.max_tokens is not None else DEFAULT_DECODE_TOKENS_EST
+        self._inflight[request.request_id] = _InFlight(request.prompt_tokens_est, decode)
+        self.outstanding += 1
+        self.outstanding_prompt_tokens += request.prompt_tokens_est
+        self.outstanding_decode_tokens += decode
+        self.dispatched_since_scrape += 1
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft_ema_s = ttft_s if self.ttft_ema_s is None else self.ttft_ema_s + EMA_ALPHA * (ttft_s - self.ttft_ema_s)
+
+    def on_complete(self, request_id: str, tpot_s: float | None = None) -> None:
+        entry = self._inflight.pop(request_id, None)
+        if entry is None:
+            return  # already released (e.g. cancelled, then completed): never double-count
+        self.outstanding -= 1
+        self.outstanding_prompt_tokens -= entry.prompt_tokens
+        self.outstanding_decode_tokens -= entry.decode_tokens
+        if tpot_s is not None:
+            self.tpot_ema_s = tpot_s if self.tpot_ema_s is None else self.tpot_ema_s + EMA_ALPHA * (tpot_s - self.tpot_ema_s)
+
+    def on_scrape(
+        self,
+        now_s: float,
+        waiting: int | None,
+        running: int | None,
+        kv_cache_usage: float | None,
+        kv_capacity_tokens: int | None = None,
+    ) -> None:
+        """A successful scrape. A metric missing from the page stays None (flagged, not zero)."""
+        self.waiting = waiting
+        self.running = running
+        self.kv_cache_usage = kv_cache_usage
+        if kv_capacity_tokens is not None:
+            self.kv_capacity_tokens = kv_capacity_tokens
+        self.last_scrape_s = now_s
+        self.dispatched_since_scrape = 0
+
+    def snapshot(self, now_s: float, prefix_match_blocks: int = 0) -> ReplicaSnapshot:
+        age = float("inf") if self.last_scrape_s is None else max(0.0, now_s - self.last_scrape_s)
+        return ReplicaSnapshot(
+            replica_id=self.replica_id,
+            healthy=self.healthy,
+            outstanding=self.outstanding,
+            outstanding_prompt_tokens=self.outstanding_prompt_tokens,
+            outstanding_decode_tokens=self.outstanding_decode_tokens,
+            waiting=self.waiting,
+            running=self.running,
+            kv_cache_usage=self.kv_cache_usage,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            stats_age_s=age,
+            dispatched_since_scrape=self.dispatched_since_scrape,
+            prefix_match_blocks=prefix_match_blocks,
+            ttft_ema_s=self.ttft_ema_s,
+            tpot_ema_s=self.tpot_ema_s,
+        )
+
+
+class ClusterTracker:
+    """All replicas' trackers plus the shared approximate prefix index."""
+
+    def __init__(
+        self,
+        replica_ids: list[str],
+        prefix_capacity_blocks: int = 4096,
+        prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
+    ) -> None:
+        self.prefix_block_tokens = prefix_block_tokens
+        self.trackers: list[ReplicaTracker] = [ReplicaTracker(r) for r in replica_ids]
+        self.by_id: dict[str, ReplicaTracker] = {t.replica_id: t for t in self.trackers}
+        self.prefix_index = PrefixIndex(prefix_capacity_blocks)
+
+    def add(self, replica_id: str) -> ReplicaTracker:
+        if replica_id in self.by_id:
+            return self.by_id[replica_id]
+        t = ReplicaTracker(replica_id)
+        self.trackers.append(t)
+        self.by_id[replica_id] = t
+        return t
+
+    def remove(self, replica_id: str) -> None:
+        t = self.by_id.pop(replica_id, None)
+        if t is not None:
+            self.trackers.remove(t)
+            self.prefix_index.forget(replica_id)
+
+    def view(self, now_s: float, request: RequestInfo) -> ClusterView:
+        blocks = request.prefix_blocks
+        idx = self.prefix_index
+        return ClusterView(tuple(t.snapshot(now_s, idx.match(t.replica_id, blocks) if blocks else 0) for t in self.trackers))
+
+    def dispatch(self, replica_index: int, request: RequestInfo) -> ReplicaTracker:
+        t = self.trackers[replica_index]
+        t.on_dispatch(request)
+        if request.prefix_blocks:
+            # bound the index by the replica's scraped cache size, in router prefix blocks
+            cap = max(1, t.kv_capacity_tokens // self.prefix_block_tokens) if t.kv_capacity_tokens else None
+            self.prefix_index.insert(t.replica_id, request.prefix_blocks, cap)
+        return t

@@ -1,0 +1,52 @@
+"""Validated configuration of a simulated cluster (part of a scenario file)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReplicaGroup(_Strict):
+    """`count` identical replicas of one hardware/model profile (see simulator/profiles/)."""
+
+    profile: str = Field(description="profile name, e.g. llama3-8b-a100")
+    count: int = Field(1, ge=1, le=512)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=16)
+    block_size: int = Field(16, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    speed_factor: float = Field(1.0, gt=0, description="multiplies iteration time (>1 = slower)")
+
+
+class ScrapeConfig(_Strict):
+    """How the router's view of vLLM /metrics lags the truth."""
+
+    interval_s: float = Field(1.0, gt=0)
+    jitter_s: float = Field(0.1, ge=0)
+    lag_s: float = Field(0.0, ge=0, description="age of the values a scrape returns")
+    failure_prob: float = Field(0.0, ge=0, lt=1)
+
+
+class FaultConfig(_Strict):
+    kind: Literal["slowdown", "crash"]
+    replica: int = Field(ge=0, description="index into the flattened replica list")
+    at_s: float = Field(ge=0)
+    duration_s: float | None = Field(None, gt=0, description="None = until the end of the run")
+    factor: float = Field(3.0, gt=0, description="slow-down factor on iteration time")
+
+
+class ClusterConfig(_Strict):
+    replicas: list[ReplicaGroup] = Field(min_length=1)
+    scrape: ScrapeConfig = ScrapeConfig()
+    faults: list[FaultConfig] = []
+    estimator_sigma: float = Field(0.15, ge=0, description="log-normal error of the prompt-token estimator")
+    health_check_delay_s: float = Field(2.0, ge=0, description="time for the router to notice a crash")
+
+    def replica_count(self) -> int:
+        return sum(g.count for g in self.replicas)
