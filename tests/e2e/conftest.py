@@ -1,0 +1,93 @@
+"""Session fixtures: two real vLLM CPU servers, started once per test session and always stopped.
+
+Use from any test module under tests/e2e/:
+
+    @pytest.mark.vllm
+    def test_something(vllm_servers):          # ["http://127.0.0.1:P0", "http://127.0.0.1:P1"]
+        ...
+
+`vllm_fleet` gives the `VllmServer` objects (ports, logs, processes); `vllm_python` and `tiny_model_dir` let a test
+start extra servers of its own with `start_servers(...)` (it must stop them: `stop_servers` in a finally).
+Without a vLLM venv the tests skip locally and fail under CI=true (CI must run them).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .vllm_servers import VLLM_PYTHON_ENV, VllmServer, ensure_tiny_model, start_servers, stop_servers, vllm_python
+
+# Server 0 is deliberately small so modest load makes queueing and KV usage visible:
+# 4 sequences at once and 2 MiB of KV cache (about 2,048 tokens = 64 blocks of 32).
+# Server 1 is roomier (16 sequences, 16 MiB), so the two replicas differ the way a router should notice.
+FLEET_ARGS: list[list[str]] = [
+    ["--max-num-seqs", "4", "--kv-cache-memory-bytes", "2M"],
+    ["--max-num-seqs", "16", "--kv-cache-memory-bytes", "16M"],
+]
+SMALL, ROOMY = 0, 1
+STARTUP_TIMEOUT_S = 240.0
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+
+
+@pytest.fixture(scope="session")
+def vllm_python_path() -> Path:
+    python = vllm_python()
+    if python is None:
+        reason = (
+            f"no vLLM venv: set {VLLM_PYTHON_ENV} or run scripts/install-vllm.sh "
+            "(creates .venv-vllm in the repo root)"
+        )
+        if _in_ci():
+            pytest.fail(f"CI=true but {reason}", pytrace=False)
+        pytest.skip(reason)
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_work_dir() -> Iterator[Path]:
+    work = Path(tempfile.mkdtemp(prefix="routewise-e2e-vllm-"))
+    yield work
+    if os.environ.get("ROUTEWISE_KEEP_VLLM_LOGS"):
+        print(f"vLLM logs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(vllm_python_path: Path, vllm_work_dir: Path) -> Path:
+    return ensure_tiny_model(vllm_work_dir / "model", vllm_python_path)
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(vllm_python_path: Path, tiny_model_dir: Path, vllm_work_dir: Path) -> Iterator[list[VllmServer]]:
+    t0 = time.monotonic()
+    servers = start_servers(
+        len(FLEET_ARGS), tiny_model_dir, vllm_python_path, vllm_work_dir / "fleet",
+        extra_args=FLEET_ARGS, startup_timeout_s=STARTUP_TIMEOUT_S,
+    )
+    print(f"\n{len(servers)} vLLM servers healthy in {time.monotonic() - t0:.1f} s: "
+          + ", ".join(s.base_url for s in servers))
+    # atexit covers an interpreter exit that skips fixture teardown; stopping twice is harmless.
+    atexit.register(stop_servers, servers)
+    try:
+        yield servers
+    finally:
+        stop_servers(servers)
+        atexit.unregister(stop_servers)
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_fleet: list[VllmServer]) -> list[str]:
+    """Base URLs (no /v1) of the two session servers; index 0 is the small one, 1 the roomy one."""
+    return [s.base_url for s in vllm_fleet]

@@ -1,0 +1,380 @@
+"""Real vLLM CPU servers for the end-to-end tests: a tiny local model and server process management.
+
+Two halves with different interpreters:
+- `write_tiny_model(dir)` needs `tokenizers` and `transformers`, which live in the vLLM venv only. Run it there:
+  `.venv-vllm/bin/python tests/e2e/vllm_servers.py write-model DIR` (that is what `ensure_tiny_model` does).
+- Everything else is stdlib only and runs in the test venv: it starts `python -m vllm.entrypoints...` with the
+  vLLM venv's interpreter, each server in its own process group, and stops the whole group.
+
+Recipe and the reasons behind every flag: ../shared/vllm-cpu.md. Loopback only; nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON_ENV = "ROUTEWISE_VLLM_PYTHON"
+SERVED_MODEL_NAME = "tiny"
+# `vllm serve` fails with vllm-cpu (PackageNotFoundError: vllm); the module entry point works.
+API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+
+BASE_SERVER_ARGS: tuple[str, ...] = (
+    "--served-model-name", SERVED_MODEL_NAME,
+    "--load-format", "dummy",
+    "--max-model-len", "1024",
+    "--block-size", "32",
+    "--kv-cache-memory-bytes", "16M",
+    "--max-num-seqs", "16",
+    "--enforce-eager",
+)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny model (runs in the vLLM venv)
+# ---------------------------------------------------------------------------------------------------------------
+
+TOKENIZER_VOCAB_SIZE = 1000
+SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+_WORDS = (
+    "the a an of to in on for with by from at as is are was be been router replica request token tokens "
+    "cache prefix queue latency model server policy load balance route fast slow small large first last "
+    "time second minute user system assistant question answer hello world data text stream batch decode "
+    "prefill memory block page metric gauge counter histogram running waiting usage learn train reward"
+).split()
+
+
+def _synthetic_corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
+    """Deterministic text with enough repeated structure for ~1,000 BPE merges."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "qu", "ex", "th", "sh", "ing", "ed", "er"]
+    words = list(_WORDS) + ["".join(rng.choices(syllables, k=rng.randint(2, 4))) for _ in range(300)]
+    lines = []
+    for _ in range(n_lines):
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(5, 16)))
+        lines.append(sentence.capitalize() + rng.choice([".", "?", "!", ", 42.", " 2024-06-01."]))
+    return lines
+
+
+def write_tiny_model(model_dir: str | os.PathLike) -> Path:
+    """Write a 2-layer Llama config plus a trained byte-level BPE tokenizer; weights come from `--load-format dummy`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_synthetic_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        model_max_length=2048,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,  # CPU attention supports 32/64/80/96/112/128
+        "vocab_size": len(fast),
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": fast.bos_token_id,
+        "eos_token_id": fast.eos_token_id,
+        "pad_token_id": fast.pad_token_id,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Server processes (stdlib only, runs in the test venv)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def vllm_python() -> Path | None:
+    """The vLLM venv's interpreter: $ROUTEWISE_VLLM_PYTHON or <repo>/.venv-vllm/bin/python; None if it is missing."""
+    configured = os.environ.get(VLLM_PYTHON_ENV)
+    path = Path(configured) if configured else REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def ensure_tiny_model(model_dir: str | os.PathLike, python: str | os.PathLike, timeout_s: float = 120.0) -> Path:
+    """Write the tiny model with the vLLM venv's interpreter (it has tokenizers/transformers); reuse if present."""
+    out = Path(model_dir)
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    proc = subprocess.run(
+        [str(python), str(Path(__file__).resolve()), "write-model", str(out)],
+        capture_output=True, text=True, timeout=timeout_s,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"writing the tiny model with {python} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (held open together so they differ; a small race with other programs remains)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any non-zombie process is in the process group (zombies may linger under a non-reaping PID 1)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # fields after the ")" that closes comm: state ppid pgrp ...
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+@dataclass
+class VllmServer:
+    """One vLLM API server process group on 127.0.0.1."""
+
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def log_tail(self, n_lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n_lines:])
+        except OSError as exc:
+            return f"<no log at {self.log_path}: {exc}>"
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, deadline: float) -> None:
+        """Poll /health until it answers 200; raise with the log tail if the process exits or the deadline passes."""
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server on port {self.port} exited with rc={self.process.returncode} during startup; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"vLLM server on port {self.port} not healthy before the deadline; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the whole group (API server, EngineCore, workers), wait until it is empty, SIGKILL after grace_s."""
+        pgid = self.process.pid  # start_new_session=True makes the leader's pid the group id
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self.process.poll()  # reap the leader so it does not count as alive
+            if not _group_alive(pgid):
+                break
+            time.sleep(0.1)
+        else:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            kill_deadline = time.monotonic() + 10.0
+            while _group_alive(pgid) and time.monotonic() < kill_deadline:
+                self.process.poll()
+                time.sleep(0.1)
+        try:
+            self.process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _cpu_ids() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
+
+def server_env(core: int, cache_root: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CACHE_ROOT=str(cache_root / "vllm"),
+        HF_HOME=str(cache_root / "hf"),
+        VLLM_CPU_OMP_THREADS_BIND=str(core),
+    )
+    return env
+
+
+def launch_server(
+    python: str | os.PathLike,
+    model_dir: str | os.PathLike,
+    port: int,
+    work_dir: Path,
+    core: int,
+    extra_args: list[str] | tuple[str, ...] = (),
+) -> VllmServer:
+    """Start one server (does not wait for it). Later flags in extra_args override BASE_SERVER_ARGS."""
+    log_path = work_dir / f"vllm-{port}.log"
+    args = [
+        str(python), "-m", API_SERVER_MODULE, "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), *BASE_SERVER_ARGS, *extra_args,
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=server_env(core, work_dir / "cache"), cwd=work_dir, start_new_session=True,
+        )
+    return VllmServer(port=port, process=process, log_path=log_path, args=args)
+
+
+def start_servers(
+    n: int,
+    model_dir: str | os.PathLike,
+    python: str | os.PathLike,
+    work_dir: str | os.PathLike,
+    base_port: int | None = None,
+    extra_args: list[list[str]] | list[str] | None = None,
+    startup_timeout_s: float = 240.0,
+) -> list[VllmServer]:
+    """Start n servers together and wait until all are healthy; on any failure stop every one and raise.
+
+    extra_args: one list applied to every server, or a list of n lists (one per server).
+    base_port: ports base_port..base_port+n-1; None picks free ports.
+    """
+    if extra_args is None:
+        per_server: list[list[str]] = [[] for _ in range(n)]
+    elif extra_args and all(isinstance(a, (list, tuple)) for a in extra_args):
+        if len(extra_args) != n:
+            raise ValueError(f"extra_args has {len(extra_args)} per-server lists for n={n} servers")
+        per_server = [list(a) for a in extra_args]
+    else:
+        per_server = [list(extra_args) for _ in range(n)]
+    ports = free_ports(n) if base_port is None else [base_port + i for i in range(n)]
+    cores = _cpu_ids()
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    servers: list[VllmServer] = []
+    try:
+        for i, port in enumerate(ports):
+            servers.append(launch_server(python, model_dir, port, work, cores[i % len(cores)], per_server[i]))
+        deadline = time.monotonic() + startup_timeout_s
+        for server in servers:
+            server.wait_healthy(deadline)
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: list[VllmServer]) -> None:
+    """Stop all servers: SIGTERM every group first so they shut down in parallel, then wait for each."""
+    for server in servers:
+        try:
+            os.killpg(server.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for server in servers:
+        server.stop()
+
+
+def _main(argv: list[str]) -> int:
+    """CLI: `write-model DIR` (vLLM venv), or `serve N [--] [extra vLLM args]` to run servers by hand until Ctrl-C."""
+    if len(argv) == 2 and argv[0] == "write-model":
+        out = write_tiny_model(argv[1])
+        print(f"wrote tiny model to {out}")
+        return 0
+    if len(argv) >= 2 and argv[0] == "serve":
+        python = vllm_python()
+        if python is None:
+            print(f"no vLLM interpreter: set {VLLM_PYTHON_ENV} or run scripts/install-vllm.sh", file=sys.stderr)
+            return 2
+        extra = [a for a in argv[2:] if a != "--"]
+        work = Path(tempfile.mkdtemp(prefix="routewise-vllm-"))
+        model = ensure_tiny_model(work / "model", python)
+        t0 = time.monotonic()
+        servers = start_servers(int(argv[1]), model, python, work, extra_args=extra)
+        try:
+            print(f"{len(servers)} servers healthy in {time.monotonic() - t0:.1f} s; logs in {work}")
+            for s in servers:
+                print(f"  {s.base_url}")
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stop_servers(servers)
+        return 0
+    print(__doc__ + "\nusage: vllm_servers.py write-model DIR | serve N [-- extra vLLM args]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
