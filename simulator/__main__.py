@@ -1,0 +1,5 @@
+"""`python -m simulator` = the `simulator` command."""
+
+from simulator.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Scenario files: a workload, a cluster, SLOs and a load level, validated (schema in SCENARIOS.md).
+
+`load_scenario(name_or_path, split)` returns a `Scenario` whose `build(rng)` gives the cluster config and
+the requests. `split="train"` draws only on the traces' training windows (trainer, tuning); `split="eval"`
+only on the evaluation windows (reported figures). The split also salts the workload's generator, so even
+a trace-free synthetic workload never repeats between training and evaluation for the same seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from simulator.config import ClusterConfig
+from simulator.metrics import Slo
+from simulator.traces import Split, TraceLibrary
+from simulator.types import SimRequest
+from simulator.workload import WorkloadSpec
+
+SCENARIOS_DIR = Path(__file__).parent / "scenarios"
+_SPLIT_SALT = {"train": 0x7261696E, "eval": 0x6576616C}
+
+
+class ScenarioError(ValueError):
+    """A scenario that does not exist or does not validate; the message names file, field and value."""
+
+
+class SloSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ttft_s: float = Field(gt=0, description="time-to-first-token target, seconds")
+    tpot_s: float = Field(gt=0, description="time-per-output-token target, seconds")
+
+
+class ScenarioSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    description: str
+    workload: WorkloadSpec
+    cluster: ClusterConfig
+    slo: SloSpec
+    time_scale: float = Field(1.0, gt=0, description="load level: synthetic rates x this, trace times / this")
+    seeds: int = Field(3, ge=1, description="default number of seeds for comparisons")
+
+    @model_validator(mode="after")
+    def _faults_in_range(self) -> ScenarioSpec:
+        n = self.cluster.replica_count()
+        for i, fault in enumerate(self.cluster.faults):
+            if fault.replica >= n:
+                raise ValueError(f"cluster.faults[{i}].replica = {fault.replica} but the cluster has {n} replicas")
+        return self
+
+
+@dataclass
+class Scenario:
+    """A validated scenario bound to a split and a trace library."""
+
+    spec: ScenarioSpec
+    split: Split
+    source: Path
+    library: TraceLibrary = field(default_factory=TraceLibrary, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def slo(self) -> Slo:
+        return Slo(ttft_s=self.spec.slo.ttft_s, tpot_s=self.spec.slo.tpot_s)
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        return self.spec.cluster
+
+    def build(self, rng: np.random.Generator) -> tuple[ClusterConfig, list[SimRequest]]:
+        workload_rng = np.random.default_rng([int(rng.integers(2**63)), _SPLIT_SALT[self.split]])
+        requests = self.spec.workload.build(workload_rng, self.split, self.library, self.spec.time_scale)
+        return self.spec.cluster.model_copy(deep=True), requests
+
+
+def scenario_names() -> list[str]:
+    return sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
+
+
+def _resolve_path(name_or_path: str | Path) -> Path:
+    text = str(name_or_path)
+    if text.endswith((".yaml", ".yml")) or "/" in text:
+        path = Path(text)
+        if not path.is_file():
+            raise ScenarioError(f"scenario file {text!r} not found")
+        return path
+    path = SCENARIOS_DIR / f"{text}.yaml"
+    if not path.is_file():
+        raise ScenarioError(f"unknown scenario {text!r}; known: {', '.join(scenario_names())} or a path to a .yaml file")
+    return path
+
+
+def _format_validation(path: Path, err: ValidationError, data: object) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        got = e.get("input")
+        shown = "missing" if e["type"] == "missing" else f"got {got!r}"
+        lines.append(f"{path.name}: field {where!r}: {e['msg']} ({shown})")
+    return "\n".join(lines)
+
+
+def parse_scenario(path: Path) -> ScenarioSpec:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ScenarioError(f"{path.name}{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path.name}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        spec = ScenarioSpec.model_validate(data)
+    except ValidationError as e:
+        raise ScenarioError(_format_validation(path, e, data)) from None
+    _check_profiles(path, spec)
+    return spec
+
+
+def _check_profiles(path: Path, spec: ScenarioSpec) -> None:
+    """Unknown hardware profiles fail here, naming the field (skipped if the cost model is not importable)."""
+    try:
+        from simulator.costmodel import load_profile
+    except ImportError:
+        return
+    for i, group in enumerate(spec.cluster.replicas):
+        try:
+            load_profile(group.profile)
+        except Exception as e:  # the cost model's own message names the known profiles
+            raise ScenarioError(f"{path.name}: field 'cluster.replicas.{i}.profile': {e}") from None
+
+
+def load_scenario(
+    name_or_path: str | Path, split: Split = "eval", library: TraceLibrary | None = None
+) -> Scenario:
+    """A built-in scenario by name (see `scenario_names()`) or a YAML file, bound to `split`."""
+    if split not in ("train", "eval"):
+        raise ScenarioError(f"unknown split {split!r}; known: train, eval")
+    path = _resolve_path(name_or_path)
+    spec = parse_scenario(path)
+    return Scenario(spec=spec, split=split, source=path, library=library if library is not None else TraceLibrary())
