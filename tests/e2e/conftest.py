@@ -6,8 +6,9 @@ Use from any test module under tests/e2e/:
     def test_something(vllm_servers):          # ["http://127.0.0.1:P0", "http://127.0.0.1:P1"]
         ...
 
-`vllm_fleet` gives the `VllmServer` objects (ports, logs, processes); `vllm_python` and `tiny_model_dir` let a test
-start extra servers of its own with `start_servers(...)` (it must stop them: `stop_servers` in a finally).
+`vllm_fleet` gives the `VllmServer` objects (ports, logs, processes); `vllm_python_path`, `tiny_model_dir` and
+`vllm_work_dir` let a test start extra servers of its own with `start_servers(...)` (it must stop them with
+`stop_servers` in a finally).
 Without a vLLM venv the tests skip locally and fail under CI=true (CI must run them).
 """
 
@@ -23,16 +24,16 @@ from pathlib import Path
 
 import pytest
 
-from .vllm_servers import VLLM_PYTHON_ENV, VllmServer, ensure_tiny_model, start_servers, stop_servers, vllm_python
+from .vllm_servers import (
+    FLEET_ARGS,
+    VLLM_PYTHON_ENV,
+    VllmServer,
+    ensure_tiny_model,
+    start_servers,
+    stop_servers,
+    vllm_python,
+)
 
-# Server 0 is deliberately small so modest load makes queueing and KV usage visible:
-# 4 sequences at once and 2 MiB of KV cache (about 2,048 tokens = 64 blocks of 32).
-# Server 1 is roomier (16 sequences, 16 MiB), so the two replicas differ the way a router should notice.
-FLEET_ARGS: list[list[str]] = [
-    ["--max-num-seqs", "4", "--kv-cache-memory-bytes", "2M"],
-    ["--max-num-seqs", "16", "--kv-cache-memory-bytes", "16M"],
-]
-SMALL, ROOMY = 0, 1
 STARTUP_TIMEOUT_S = 240.0
 
 

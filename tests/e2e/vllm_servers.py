@@ -41,6 +41,15 @@ BASE_SERVER_ARGS: tuple[str, ...] = (
     "--enforce-eager",
 )
 
+# The session fleet (tests/e2e/conftest.py). Server 0 is deliberately small so modest load makes queueing and KV
+# usage visible: 4 sequences at once and 2 MiB of KV cache (about 2,048 tokens = 64 blocks of 32). Server 1 is
+# roomier (16 sequences, 16 MiB), so the two replicas differ the way a router should notice.
+FLEET_ARGS: list[list[str]] = [
+    ["--max-num-seqs", "4", "--kv-cache-memory-bytes", "2M"],
+    ["--max-num-seqs", "16", "--kv-cache-memory-bytes", "16M"],
+]
+SMALL, ROOMY = 0, 1
+
 # ---------------------------------------------------------------------------------------------------------------
 # Tiny model (runs in the vLLM venv)
 # ---------------------------------------------------------------------------------------------------------------
