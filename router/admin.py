@@ -1,0 +1,110 @@
+"""Admin API under /admin/*, behind a bearer token (not mounted at all without one: 404)."""
+
+from __future__ import annotations
+
+import hmac
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from router.errors import error_response
+from router.proxy import Proxy
+from router.replicas import Replica
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(x, 6)
+
+
+def replica_info(rep: Replica, now: float) -> dict[str, Any]:
+    t = rep.tracker
+    return {
+        "id": rep.id,
+        "url": str(rep.url),
+        "state": rep.state(),
+        "routable": rep.routable,
+        "draining": rep.draining,
+        "probe_ok": rep.probe_ok,
+        "last_probe_error": rep.last_probe_error,
+        "breaker": {"state": rep.breaker.state.value, "consecutive_failures": rep.breaker.consecutive_failures,
+                    "trips": rep.breaker.trips},
+        "outstanding": t.outstanding,
+        "outstanding_prompt_tokens": t.outstanding_prompt_tokens,
+        "scrape": {
+            "waiting": t.waiting, "running": t.running, "kv_cache_usage": t.kv_cache_usage,
+            "kv_capacity_tokens": t.kv_capacity_tokens,
+            "age_s": None if t.last_scrape_s is None else _finite(now - t.last_scrape_s),
+            "error": rep.scrape_error,
+            "last": None if rep.scrape is None else asdict(rep.scrape),  # type: ignore[call-overload]
+        },
+        "ttft_ema_s": _finite(t.ttft_ema_s),
+        "tpot_ema_s": _finite(t.tpot_ema_s),
+        "models": sorted(rep.models),
+    }
+
+
+def admin_routes(proxy: Proxy, token: str, started_at: float) -> list[web.RouteDef]:
+    expected = f"Bearer {token}".encode()
+
+    def guarded(handler: Handler) -> Handler:
+        async def wrapper(request: web.Request) -> web.StreamResponse:
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                return error_response(401, "missing or wrong admin bearer token", "authentication_error",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            return await handler(request)
+        return wrapper
+
+    replicas = proxy.replicas
+
+    def lookup(request: web.Request) -> Replica | web.Response:
+        rid = request.match_info["id"]
+        rep = replicas.by_id.get(rid)
+        if rep is None:
+            return error_response(404, f"unknown replica {rid!r}; known: {', '.join(replicas.by_id)}", param="id")
+        return rep
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({
+            "uptime_s": round(time.monotonic() - started_at, 3),
+            "draining": proxy.draining,
+            "inflight": proxy.inflight,
+            "replicas": {"total": len(replicas.ordered), "routable": sum(r.routable for r in replicas.ordered)},
+            "known_models": sorted(replicas.known_models),
+            "policy": proxy.router.main.name,
+        })
+
+    async def list_replicas(request: web.Request) -> web.Response:
+        now = replicas.clock()
+        return web.json_response({"replicas": [replica_info(r, now) for r in replicas.ordered]})
+
+    async def policy(request: web.Request) -> web.Response:
+        return web.json_response({"arms": proxy.router.describe()})
+
+    async def drain(request: web.Request) -> web.Response:
+        rep = lookup(request)
+        if isinstance(rep, web.Response):
+            return rep
+        replicas.drain(rep.id)
+        return web.json_response(replica_info(rep, replicas.clock()))
+
+    async def restore(request: web.Request) -> web.Response:
+        rep = lookup(request)
+        if isinstance(rep, web.Response):
+            return rep
+        replicas.restore(rep.id)
+        return web.json_response(replica_info(rep, replicas.clock()))
+
+    return [
+        web.get("/admin/status", guarded(status)),
+        web.get("/admin/replicas", guarded(list_replicas)),
+        web.get("/admin/policy", guarded(policy)),
+        web.post("/admin/replicas/{id}/drain", guarded(drain)),
+        web.post("/admin/replicas/{id}/restore", guarded(restore)),
+    ]

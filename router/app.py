@@ -1,0 +1,126 @@
+"""`create_app(settings)`: the aiohttp application of the live router.
+
+All state hangs off the app (typed AppKeys); every long-lived resource (client session,
+health prober, discovery, scraper) is opened and closed by a cleanup context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.admin import admin_routes
+from router.proxy import Proxy
+from router.replicas import ReplicaSet
+from router.routing import Router
+from router.scraper import Scraper
+from router.settings import RouterSettings
+from router.telemetry import RouterMetrics
+from router.upstream import make_session
+
+log = logging.getLogger("router.app")
+
+SETTINGS = web.AppKey("settings", RouterSettings)
+METRICS = web.AppKey("metrics", RouterMetrics)
+REPLICAS = web.AppKey("replicas", ReplicaSet)
+ROUTER = web.AppKey("router", Router)
+PROXY = web.AppKey("proxy", Proxy)
+SCRAPER = web.AppKey("scraper", Scraper)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def replica_rows(replicas: ReplicaSet):
+    """Per-replica gauge values for the collector, read at scrape time."""
+
+    def rows():
+        now = replicas.clock()
+        for rep in replicas.ordered:
+            t = rep.tracker
+            yield rep.id, {
+                "llm_router_outstanding_requests": t.outstanding,
+                "llm_router_replica_healthy": 1.0 if rep.routable else 0.0,
+                "llm_router_replica_waiting_requests": t.waiting,
+                "llm_router_replica_running_requests": t.running,
+                "llm_router_replica_kv_cache_usage_ratio": t.kv_cache_usage,
+                "llm_router_scrape_age_seconds": None if t.last_scrape_s is None else now - t.last_scrape_s,
+            }
+
+    return rows
+
+
+def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.monotonic) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body_bytes, handler_args={"max_field_size": 65536})
+    metrics = RouterMetrics()
+    session_getter = lambda: app[SESSION]  # noqa: E731 - the session exists once the app starts
+    replicas = ReplicaSet(settings, session_getter, clock)
+    router = Router(settings, replicas, metrics, clock)
+    proxy = Proxy(settings, replicas, router, metrics, session_getter)
+    scraper = Scraper(replicas, session_getter, metrics, settings.scrape_interval_s, settings.scrape_timeout_s)
+    metrics.add_replica_state(replica_rows(replicas))
+    app[SETTINGS] = settings
+    app[METRICS] = metrics
+    app[REPLICAS] = replicas
+    app[ROUTER] = router
+    app[PROXY] = proxy
+    app[SCRAPER] = scraper
+
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[SESSION] = make_session(settings)
+        yield
+        await app[SESSION].close()
+
+    async def replicas_ctx(app: web.Application) -> AsyncIterator[None]:
+        if settings.discover:
+            await replicas.discover_once()
+        await replicas.probe_all()
+        await replicas.refresh_models()
+        tasks = [asyncio.create_task(replicas.run_prober(), name="health-prober")]
+        if settings.discover:
+            tasks.append(asyncio.create_task(replicas.run_discovery(), name="dns-discovery"))
+        log.info("%d replicas, %d healthy", len(replicas.ordered), sum(r.routable for r in replicas.ordered))
+        yield
+        for t in tasks:
+            await _cancel(t)
+
+    async def scraper_ctx(app: web.Application) -> AsyncIterator[None]:
+        await scraper.scrape_all()
+        task = asyncio.create_task(scraper.run(), name="metrics-scraper")
+        yield
+        await _cancel(task)
+
+    async def on_shutdown(app: web.Application) -> None:
+        proxy.draining = True
+
+    app.cleanup_ctx.extend([session_ctx, replicas_ctx, scraper_ctx])
+    app.on_shutdown.append(on_shutdown)
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(metrics.registry))
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    app.add_routes([
+        web.post("/v1/completions", proxy.completions),
+        web.post("/v1/chat/completions", proxy.chat_completions),
+        web.get("/v1/models", proxy.passthrough),
+        web.route("*", "/v1/{tail:.*}", proxy.passthrough),
+        web.get("/health", proxy.health),
+        web.get("/ready", proxy.ready),
+        web.get("/metrics", metrics_handler),
+    ])
+    if settings.admin_token is not None:
+        app.add_routes(admin_routes(proxy, settings.admin_token.get_secret_value(), time.monotonic()))
+    return app

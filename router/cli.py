@@ -1,0 +1,98 @@
+"""`router serve`: run the live router (also `python -m router serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from router.policy.registry import policy_names
+from router.settings import RouterSettings, build_settings
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "settings"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  {field}: {err['msg'].removeprefix('Value error, ')}{shown}")
+    return "invalid router settings:\n" + "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="router", description="routewise: a learned request router for vLLM replicas.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser(
+        "serve", help="serve the OpenAI API in front of vLLM replicas",
+        description="Serve the OpenAI API in front of vLLM replicas. Every setting can also come from a "
+        "ROUTEWISE_<FIELD> environment variable or a YAML/JSON --config file (flags win, then the "
+        "environment, then the file). See router/settings.py for all fields.",
+    )
+    s.add_argument("--config", help="YAML or JSON file of settings (field names as in RouterSettings)")
+    s.add_argument("--host", help="listen address (default 0.0.0.0)")
+    s.add_argument("--port", type=int, help="listen port (default 8000)")
+    s.add_argument("--replica", action="append", dest="replicas", metavar="URL",
+                   help="vLLM base URL, e.g. http://10.0.0.5:8000 (repeatable)")
+    s.add_argument("--discover", metavar="HOST:PORT", help="resolve HOST's A records periodically (headless service)")
+    s.add_argument("--policy", help=f"one of {', '.join(policy_names())}, or a path to an .onnx file (default learned)")
+    s.add_argument("--admin-token", help="bearer token of /admin/* (admin API disabled without one)")
+    s.add_argument("--scrape-interval", type=float, dest="scrape_interval_s", help="seconds between /metrics scrapes")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])
+    return p
+
+
+async def serve(settings: RouterSettings) -> None:
+    from router.app import PROXY, create_app
+
+    app = create_app(settings)
+    runner = web.AppRunner(app, handle_signals=False, access_log=logging.getLogger("router.access")
+                           if settings.access_log else None,
+                           handler_cancellation=True, shutdown_timeout=settings.drain_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_address=True)
+    await site.start()
+    log = logging.getLogger("router")
+    log.info("routewise router on http://%s:%d, policy %s", settings.host, settings.port, settings.policy)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    proxy = app[PROXY]
+    log.info("draining: %d requests in flight, waiting up to %.0fs", proxy.inflight, settings.drain_timeout_s)
+    proxy.draining = True  # new requests on open connections get 503; the listener closes in cleanup
+    await runner.cleanup()  # stops the site, waits for handlers up to drain_timeout_s, runs cleanup contexts
+    log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    try:
+        settings = build_settings(args.config, **overrides)
+    except ValidationError as exc:
+        print(f"router: {format_validation_error(exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as r:
+        r.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

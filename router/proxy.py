@@ -1,0 +1,351 @@
+"""The request hot path: validate, route, forward with retries before the first byte, stream back.
+
+Streaming responses are passed through chunk by chunk as they arrive (no re-serialisation);
+TTFT is taken at the first chunk carrying SSE data, inter-token latency between chunks.
+Every dispatched attempt is released in the tracker exactly once (ReplicaTracker.on_complete
+is idempotent per request id, and each attempt releases in a `finally`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.errors import BadRequest, error_response, sse_error_event
+from router.policy.types import NoHealthyReplica, Outcome
+from router.replicas import Replica, ReplicaSet
+from router.routing import Route, Router
+from router.settings import RouterSettings
+from router.telemetry import RouterMetrics
+from router.upstream import UpstreamError, classify, request_headers, response_headers
+
+log = logging.getLogger("router.proxy")
+
+_DATA = b"data:"
+_DONE = b"data: [DONE]"
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+def _code_class(status: int) -> str:
+    return "2xx" if status < 300 else "4xx" if status < 500 else "5xx"
+
+
+def _check_type(body: dict[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
+    v = body.get(key)
+    if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
+        raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", param=key)
+
+
+def validate(body: Any, chat: bool) -> dict[str, Any]:
+    """Checks the fields the router reads; the replica validates the rest."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    _check_type(body, "stream", (bool,), "a boolean")
+    _check_type(body, "max_tokens", (int,), "an integer")
+    _check_type(body, "max_completion_tokens", (int,), "an integer")
+    _check_type(body, "n", (int,), "an integer")
+    _check_type(body, "user", (str,), "a string")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        if isinstance(body.get(key), int) and body[key] < (1 if key == "n" else 0):
+            raise BadRequest(f"'{key}' must be >= {1 if key == 'n' else 0}, got {body[key]}", param=key)
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("'messages' is required and must be a non-empty array", param="messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'", param=f"messages[{i}]")
+            c = m.get("content")
+            if c is not None and not isinstance(c, (str, list)):
+                raise BadRequest(f"'messages[{i}].content' must be a string or an array", param=f"messages[{i}].content")
+    else:
+        p = body.get("prompt")
+        ok = isinstance(p, str) or (
+            isinstance(p, list) and p and (
+                all(isinstance(x, str) for x in p)
+                or all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+                or all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p)
+            )
+        )
+        if not ok:
+            raise BadRequest(
+                "'prompt' is required: a string, an array of strings, or an array of token ids", param="prompt"
+            )
+    return body
+
+
+class _Children:
+    """Pre-bound metric children of one (replica, policy, arm)."""
+
+    __slots__ = ("ttft", "itl", "e2e", "codes")
+
+    def __init__(self, m: RouterMetrics, rid: str, policy: str, arm: str) -> None:
+        self.ttft = m.ttft.labels(rid, policy, arm)
+        self.itl = m.itl.labels(rid, policy, arm)
+        self.e2e = m.e2e.labels(rid, policy, arm)
+        self.codes = {c: m.requests.labels(rid, policy, arm, c) for c in ("2xx", "4xx", "5xx", "error")}
+
+
+class Proxy:
+    def __init__(
+        self, settings: RouterSettings, replicas: ReplicaSet, router: Router, metrics: RouterMetrics,
+        session_getter: Callable[[], aiohttp.ClientSession],
+    ) -> None:
+        self.settings = settings
+        self.replicas = replicas
+        self.router = router
+        self.metrics = metrics
+        self._session = session_getter
+        self.draining = False
+        self.inflight = 0
+        self._children: dict[tuple[str, str, str], _Children] = {}
+        self._first_byte_timeout = settings.first_byte_timeout_s
+
+    def children(self, route: Route) -> _Children:
+        key = (route.replica.id, route.runner.label, route.runner.arm)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = _Children(self.metrics, *key)
+        return c
+
+    # --- OpenAI generation endpoints ---------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        if self.draining:
+            return error_response(503, "router is shutting down", "server_error", code="draining",
+                                  headers={"Connection": "close"})
+        try:
+            raw = await self._read_body(request)
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise BadRequest(f"request body is not valid JSON: {exc}") from None
+            validate(body, chat)
+            known = self.replicas.known_models
+            if known and body["model"] not in known:
+                raise BadRequest(f"The model `{body['model']}` does not exist.", param="model", status=404,
+                                 code="model_not_found")
+            info = self.router.request_info(body, chat)
+        except BadRequest as exc:
+            return exc.response()
+        stream = body.get("stream") is True
+        self.inflight += 1
+        try:
+            return await self._forward(request, raw, info, stream, t0)
+        finally:
+            self.inflight -= 1
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BadRequest(f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes",
+                             status=413, code="request_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413,
+                             code="request_too_large") from None
+        if len(raw) > limit:
+            raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")
+        return raw
+
+    async def _forward(self, request: web.Request, raw: bytes, info, stream: bool, t0: float) -> web.StreamResponse:
+        headers = request_headers(request.headers)
+        tried: set[str] = set()
+        last: UpstreamError | None = None
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                route = self.router.route(info, tried)
+            except NoHealthyReplica:
+                break
+            rep = route.replica
+            can_retry = attempt < self.settings.max_retries and any(
+                r.routable and r is not rep and r.id not in tried for r in self.replicas.ordered
+            )
+            try:
+                return await self._attempt(request, route, raw, headers, stream, t0, can_retry)
+            except UpstreamError as exc:
+                last = exc
+                tried.add(rep.id)
+                self.metrics.upstream_errors.labels(rep.id, exc.kind).inc()
+                self.replicas.record_failure(rep)
+                log.info("attempt %d on %s failed before the first byte: %s", attempt + 1, rep.id, exc)
+                if not can_retry:
+                    break
+                self.metrics.retries.labels(exc.kind).inc()
+        if last is None:
+            return error_response(503, "no healthy replica available", "server_error", code="no_healthy_replica")
+        return error_response(last.status, f"upstream failed: {last}", "server_error", code=f"upstream_{last.kind}")
+
+    async def _attempt(
+        self, request: web.Request, route: Route, raw: bytes, headers, stream: bool, t0: float, can_retry: bool,
+    ) -> web.StreamResponse:
+        """One upstream attempt. Raises UpstreamError only while nothing has reached the client."""
+        rep = route.replica
+        ch = self.children(route)
+        resp: aiohttp.ClientResponse | None = None
+        clean = False  # the upstream body was read to its end: the connection may be reused
+        try:
+            try:
+                url = rep.url.with_path(request.path)
+                if stream:
+                    async with asyncio.timeout(self._first_byte_timeout):
+                        resp = await self._session().post(url, data=raw, headers=headers)
+                        first = await resp.content.readany() if resp.status < 300 else await resp.read()
+                else:  # a non-streamed answer's first byte comes at its end: only the idle timeout applies
+                    resp = await self._session().post(url, data=raw, headers=headers)
+                    first = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                route.outcome = Outcome(False, None, None)
+                raise UpstreamError(classify(exc), f"{rep.id}: {type(exc).__name__}: {exc}") from None
+            status = resp.status
+            if status >= 500 and can_retry:
+                route.outcome = Outcome(False, None, None)
+                raise UpstreamError("http_5xx", f"{rep.id}: HTTP {status}")
+            if status >= 500:
+                self.metrics.upstream_errors.labels(rep.id, "http_5xx").inc()
+                self.replicas.record_failure(rep)
+            else:
+                self.replicas.record_success(rep)
+            if not stream or status >= 300:
+                clean = True
+                e2e = time.perf_counter() - t0
+                ch.e2e.observe(e2e)
+                ch.codes[_code_class(status)].inc()
+                route.outcome = Outcome(status < 300, None, e2e)
+                return web.Response(status=status, body=first, headers=response_headers(resp.headers))
+            return await self._stream(request, route, resp, first, t0, ch)
+        except _ClientGone:
+            ch.codes["error"].inc()
+            return web.Response(status=499)  # nobody reads it; aiohttp needs a return value
+        except asyncio.CancelledError:  # the client disconnected while we waited on the replica
+            ch.codes["error"].inc()
+            raise
+        finally:
+            if resp is not None:
+                if clean or (route.outcome is not None and route.outcome.ok):
+                    resp.release()
+                else:
+                    resp.close()  # abort: vLLM sees the disconnect and frees the sequence
+            self.router.release(route, route.outcome, route.tpot_s)
+
+    async def _stream(
+        self, request: web.Request, route: Route, resp: aiohttp.ClientResponse, first: bytes, t0: float,
+        ch: _Children,
+    ) -> web.StreamResponse:
+        rep = route.replica
+        out = web.StreamResponse(status=resp.status, headers=response_headers(resp.headers))
+        ttft: float | None = None
+        events = 0
+        done = False
+        last_t = 0.0
+        chunk = first
+        try:
+            await out.prepare(request)
+        except ConnectionError as exc:
+            raise _ClientGone() from exc
+        while chunk:
+            if _DATA in chunk:
+                now = time.perf_counter()
+                n = chunk.count(_DATA)
+                if _DONE in chunk:
+                    n -= 1
+                    done = True
+                if n > 0:
+                    if ttft is None:
+                        ttft = now - t0
+                        ch.ttft.observe(ttft)
+                        self.router.on_first_token(route, ttft)
+                    else:
+                        ch.itl.observe(now - last_t)
+                    last_t = now
+                    events += n
+            try:
+                await out.write(chunk)
+            except ConnectionError as exc:
+                raise _ClientGone() from exc
+            try:
+                chunk = await resp.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                kind = classify(exc)
+                self.metrics.upstream_errors.labels(rep.id, kind).inc()
+                self.replicas.record_failure(rep)
+                ch.codes["error"].inc()
+                route.outcome = Outcome(False, ttft, time.perf_counter() - t0, events)
+                log.info("stream from %s broke after %d events: %s", rep.id, events, exc)
+                try:
+                    await out.write(sse_error_event(f"upstream {rep.id} failed mid-stream ({kind})"))
+                    await out.write_eof()
+                except ConnectionError:
+                    pass
+                return out
+        e2e = time.perf_counter() - t0
+        ch.e2e.observe(e2e)
+        ch.codes["2xx" if done or events else "error"].inc()
+        route.tpot_s = (e2e - ttft) / (events - 1) if ttft is not None and events > 1 else None
+        route.outcome = Outcome(True, ttft, e2e, events)
+        try:
+            await out.write_eof()
+        except ConnectionError as exc:
+            raise _ClientGone() from exc
+        return out
+
+    # --- other endpoints ---------------------------------------------------------------------
+
+    def _any_replica(self) -> Replica | None:
+        candidates = [r for r in self.replicas.ordered if r.routable]
+        return min(candidates, key=lambda r: r.tracker.outstanding) if candidates else None
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """/v1/models and any other /v1/* path: forwarded to one routable replica, not routed by the policy."""
+        if self.draining:
+            return error_response(503, "router is shutting down", "server_error", code="draining")
+        try:
+            raw = await self._read_body(request) if request.can_read_body else None
+        except BadRequest as exc:
+            return exc.response()
+        tried: set[str] = set()
+        for _ in range(self.settings.max_retries + 1):
+            candidates = [r for r in self.replicas.ordered if r.routable and r.id not in tried]
+            if not candidates:
+                break
+            rep = min(candidates, key=lambda r: r.tracker.outstanding)
+            url = rep.url.with_path(request.path).with_query(request.query)
+            try:
+                async with self._session().request(request.method, url, data=raw,
+                                                   headers=request_headers(request.headers)) as resp:
+                    body = await resp.read()
+                    return web.Response(status=resp.status, body=body, headers=response_headers(resp.headers))
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                tried.add(rep.id)
+                self.metrics.upstream_errors.labels(rep.id, classify(exc)).inc()
+        return error_response(503, "no healthy replica available", "server_error", code="no_healthy_replica")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "draining" if self.draining else "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        n = sum(1 for r in self.replicas.ordered if r.routable)
+        ok = n > 0 and not self.draining
+        return web.json_response({"ready": ok, "healthy_replicas": n, "replicas": len(self.replicas.ordered)},
+                                 status=200 if ok else 503)

@@ -1,0 +1,244 @@
+"""The replica set: static or DNS-discovered vLLM replicas, their health and circuit breakers.
+
+Router-side load state lives in `router.policy.tracking.ClusterTracker` (the same code the
+simulator runs); this module only decides each replica's `healthy` flag in it:
+routable = health probe passing AND breaker not open AND not drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import aiohttp
+from yarl import URL
+
+from router.policy.tracking import ClusterTracker, ReplicaTracker
+from router.settings import RouterSettings, replica_id
+
+log = logging.getLogger("router.replicas")
+
+
+class BreakerState(str, Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(slots=True)
+class Breaker:
+    """Opens after `threshold` consecutive request failures; after `cooldown_s` a passing health
+    probe moves it to half-open, where the next request's result closes or re-opens it."""
+
+    threshold: int
+    cooldown_s: float
+    state: BreakerState = BreakerState.CLOSED
+    consecutive_failures: int = 0
+    opened_at: float | None = None
+    trips: int = 0
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.state = BreakerState.CLOSED
+        self.opened_at = None
+
+    def record_failure(self, now: float) -> None:
+        self.consecutive_failures += 1
+        if self.state is BreakerState.HALF_OPEN or self.consecutive_failures >= self.threshold:
+            if self.state is not BreakerState.OPEN:
+                self.trips += 1
+            self.state = BreakerState.OPEN
+            self.opened_at = now
+
+    def cooled_down(self, now: float) -> bool:
+        return self.state is BreakerState.OPEN and self.opened_at is not None and now - self.opened_at >= self.cooldown_s
+
+
+@dataclass(slots=True)
+class Replica:
+    id: str  # host:port, the metric label
+    url: URL  # origin, e.g. http://10.0.0.5:8000
+    tracker: ReplicaTracker
+    breaker: Breaker
+    probe_ok: bool = False
+    probe_failures: int = 0
+    probe_successes: int = 0
+    draining: bool = False
+    last_probe_error: str | None = None
+    models: frozenset[str] = field(default_factory=frozenset)
+    scrape: object | None = None  # last VllmStats, for the admin API
+    scrape_error: str | None = None
+
+    @property
+    def routable(self) -> bool:
+        return self.probe_ok and not self.draining and self.breaker.state is not BreakerState.OPEN
+
+    def sync(self) -> None:
+        self.tracker.healthy = self.routable
+
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        if not self.probe_ok:
+            return "unhealthy"
+        if self.breaker.state is BreakerState.OPEN:
+            return "ejected"
+        return "healthy"
+
+
+class ReplicaSet:
+    def __init__(
+        self, settings: RouterSettings, session_getter: Callable[[], aiohttp.ClientSession],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self._session = session_getter
+        self.clock = clock
+        self.cluster = ClusterTracker([], prefix_capacity_blocks=settings.prefix_capacity_blocks)
+        self.by_id: dict[str, Replica] = {}
+        self.ordered: list[Replica] = []  # aligned with self.cluster.trackers (view indices)
+        self.known_models: frozenset[str] = frozenset()
+        for url in settings.replicas:
+            self.add(url)
+
+    # membership
+    def add(self, url: str) -> Replica:
+        rid = replica_id(url)
+        if rid in self.by_id:
+            return self.by_id[rid]
+        s = self.settings
+        rep = Replica(rid, URL(url), self.cluster.add(rid), Breaker(s.breaker_failure_threshold, s.breaker_cooldown_s))
+        rep.sync()
+        self.by_id[rid] = rep
+        self._reorder()
+        log.info("replica %s added", rid)
+        return rep
+
+    def remove(self, rid: str) -> None:
+        if self.by_id.pop(rid, None) is not None:
+            self.cluster.remove(rid)  # in-flight requests keep their own tracker reference
+            self._reorder()
+            log.info("replica %s removed", rid)
+
+    def _reorder(self) -> None:
+        self.ordered = [self.by_id[t.replica_id] for t in self.cluster.trackers]
+
+    def any_routable(self) -> bool:
+        return any(r.routable for r in self.ordered)
+
+    # request outcomes (circuit breaker)
+    def record_success(self, rep: Replica) -> None:
+        if rep.breaker.state is not BreakerState.CLOSED or rep.breaker.consecutive_failures:
+            rep.breaker.record_success()
+            rep.sync()
+
+    def record_failure(self, rep: Replica) -> None:
+        before = rep.breaker.state
+        rep.breaker.record_failure(self.clock())
+        if rep.breaker.state is BreakerState.OPEN and before is not BreakerState.OPEN:
+            log.warning("replica %s ejected after %d consecutive failures", rep.id, rep.breaker.consecutive_failures)
+        rep.sync()
+
+    # admin
+    def drain(self, rid: str) -> Replica:
+        rep = self.by_id[rid]
+        rep.draining = True
+        rep.sync()
+        return rep
+
+    def restore(self, rid: str) -> Replica:
+        rep = self.by_id[rid]
+        rep.draining = False
+        rep.sync()
+        return rep
+
+    # health probes
+    async def probe(self, rep: Replica) -> bool:
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
+        try:
+            async with self._session().get(rep.url / "health", timeout=timeout) as resp:
+                await resp.read()
+                ok = resp.status == 200
+                rep.last_probe_error = None if ok else f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            ok = False
+            rep.last_probe_error = f"{type(exc).__name__}: {exc}"
+        self._apply_probe(rep, ok)
+        return ok
+
+    def _apply_probe(self, rep: Replica, ok: bool) -> None:
+        s = self.settings
+        if ok:
+            rep.probe_failures = 0
+            rep.probe_successes += 1
+            if not rep.probe_ok and rep.probe_successes >= s.health_success_threshold:
+                rep.probe_ok = True
+                log.info("replica %s healthy", rep.id)
+            if rep.breaker.cooled_down(self.clock()):
+                rep.breaker.state = BreakerState.HALF_OPEN  # the next request is the trial
+                log.info("replica %s half-open after cool-down", rep.id)
+        else:
+            rep.probe_successes = 0
+            rep.probe_failures += 1
+            if rep.probe_ok and rep.probe_failures >= s.health_failure_threshold:
+                rep.probe_ok = False
+                log.warning("replica %s unhealthy: %s", rep.id, rep.last_probe_error)
+        rep.sync()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(r) for r in list(self.ordered)))
+
+    async def refresh_models(self) -> None:
+        """Models served by routable replicas, from their /v1/models."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
+
+        async def one(rep: Replica) -> None:
+            try:
+                async with self._session().get(rep.url / "v1" / "models", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        data = await resp.json(content_type=None)
+                        rep.models = frozenset(m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, TypeError, AttributeError) as exc:
+                log.debug("models of %s: %s", rep.id, exc)
+
+        await asyncio.gather(*(one(r) for r in list(self.ordered) if r.probe_ok))
+        self.known_models = frozenset().union(*(r.models for r in self.ordered))
+
+    async def run_prober(self) -> None:
+        next_models = 0.0
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            await self.probe_all()
+            if self.clock() >= next_models:
+                await self.refresh_models()
+                next_models = self.clock() + self.settings.models_refresh_interval_s
+
+    # DNS discovery of a headless service
+    async def discover_once(self) -> None:
+        host, _, port = self.settings.discover.rpartition(":")  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, int(port), family=socket.AF_INET, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            log.warning("discovery of %s failed: %s (keeping %d replicas)", self.settings.discover, exc, len(self.ordered))
+            return
+        found = {f"http://{info[4][0]}:{port}" for info in infos}
+        static = {replica_id(u) for u in self.settings.replicas}
+        wanted = {replica_id(u) for u in found} | static
+        for url in sorted(found):
+            if replica_id(url) not in self.by_id:
+                rep = self.add(url)
+                await self.probe(rep)
+        for rid in list(self.by_id):
+            if rid not in wanted:
+                self.remove(rid)
+
+    async def run_discovery(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.discover_interval_s)
+            await self.discover_once()

@@ -1,0 +1,182 @@
+"""Turn a parsed OpenAI request into a routing decision.
+
+`PolicyRunner` owns one policy (wrapped in FallbackPolicy with LOR) and its telemetry for one
+arm. `Router` owns the runners, builds the RequestInfo and the ClusterView, and feeds outcomes
+back into the tracker. Shadow evaluation and A/B splits extend `Router.select_runner` and
+`Router.arms`; everything else stays as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, LeastOutstanding, TokenEstimator, make_policy, text_prefix_blocks
+from router.policy.fallback import Decision
+from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
+from router.replicas import Replica, ReplicaSet
+from router.settings import RouterSettings, is_learned
+from router.telemetry import RouterMetrics
+
+log = logging.getLogger("router.routing")
+
+
+def policy_label(name: str) -> str:
+    """A bounded metric label for a policy setting: the name, or an .onnx file's stem."""
+    return Path(name).stem if name.endswith(".onnx") else name
+
+
+class PolicyRunner:
+    """One policy for one arm: decisions, fallback accounting, decision latency, policy info."""
+
+    def __init__(self, arm: str, policy_name: str, settings: RouterSettings, metrics: RouterMetrics) -> None:
+        self.arm = arm
+        self.name = policy_name
+        self.label = policy_label(policy_name)
+        learned = is_learned(policy_name)
+        primary = make_policy(policy_name, seed=settings.seed)
+        self.policy = FallbackPolicy(
+            primary,
+            LeastOutstanding(seed=None if settings.seed is None else settings.seed + 1),
+            budget_s=settings.decision_budget_s,
+            clock=time.perf_counter,
+            max_stats_age_s=settings.max_stats_age_s,
+            min_confidence=settings.min_confidence if learned else None,
+            overload_margin=settings.overload_margin,
+        )
+        self.fallback_counts: Counter[str] = Counter()
+        self.decisions = 0
+        self.last_error: str | None = None
+        self._metrics = metrics
+        self._latency = metrics.decision_latency.labels(self.label)
+        info = primary.describe()
+        if info.get("load_error"):
+            log.warning("policy %s unavailable, every decision falls back to LOR: %s", policy_name, info["load_error"])
+        self.version = str(info.get("version", "builtin"))
+        self.feature_hash = str(info.get("feature_spec_hash") or (FEATURE_SPEC_HASH if learned else ""))
+        metrics.policy_info.labels(arm, self.label, self.version, self.feature_hash).set(1)
+
+    def decide(self, view: ClusterView, request: RequestInfo) -> Decision:
+        d = self.policy.decide(view, request)
+        self.decisions += 1
+        if d.fallback_reason is not None:
+            self.fallback_counts[d.fallback_reason] += 1
+            self._metrics.fallbacks.labels(self.label, d.fallback_reason).inc()
+            if d.error:
+                self.last_error = d.error
+        return d
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "arm": self.arm,
+            "policy": self.name,
+            "version": self.version,
+            "feature_hash": self.feature_hash,
+            "describe": self.policy.describe(),
+            "decisions": self.decisions,
+            "fallbacks": dict(self.fallback_counts),
+            "last_error": self.last_error,
+        }
+
+
+@dataclass(slots=True)
+class Route:
+    replica: Replica
+    decision: Decision
+    runner: PolicyRunner
+    request: RequestInfo
+    outcome: Outcome | None = None  # set by the proxy, passed to the policy at release
+    tpot_s: float | None = None
+
+
+def prompt_text(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
+    """(prompt text, exact token count when the prompt is given as token ids). Assumes a validated body."""
+    if chat:
+        parts: list[str] = []
+        for m in body["messages"]:
+            c = m.get("content")
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                parts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "\n".join(parts), None
+    p = body["prompt"]
+    if isinstance(p, str):
+        return p, None
+    if p and all(isinstance(x, str) for x in p):
+        return "\n".join(p), None
+    if p and isinstance(p[0], int):
+        return "", len(p)
+    return "", sum(len(x) for x in p)  # a batch of token-id lists
+
+
+class Router:
+    def __init__(
+        self, settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.replicas = replicas
+        self.metrics = metrics
+        self.clock = clock
+        self.estimator = TokenEstimator(chars_per_token=settings.chars_per_token)
+        self.main = PolicyRunner("main", settings.policy, settings, metrics)
+        self.arms: dict[str, PolicyRunner] = {"main": self.main}
+        self._ids = itertools.count(1)
+
+    def request_info(self, body: dict[str, Any], chat: bool) -> RequestInfo:
+        text, exact = prompt_text(body, chat)
+        max_tokens = body.get("max_completion_tokens") if chat else None
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        n = body.get("n")
+        if isinstance(max_tokens, int) and isinstance(n, int) and n > 1:
+            max_tokens *= n
+        user = body.get("user")
+        return RequestInfo(
+            request_id=f"r{next(self._ids)}",
+            prompt_tokens_est=exact if exact is not None else self.estimator.from_text(text),
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            prefix_blocks=text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
+            key=user if isinstance(user, str) else None,
+        )
+
+    def select_runner(self, request: RequestInfo) -> PolicyRunner:
+        """The arm that routes this request (A/B splitting hooks in here)."""
+        return self.main
+
+    def route(self, request: RequestInfo, exclude: set[str] | None = None) -> Route:
+        """Pick a replica and dispatch the request to it in the tracker. Raises NoHealthyReplica."""
+        t0 = time.perf_counter()
+        runner = self.select_runner(request)
+        view = self.replicas.cluster.view(self.clock(), request)
+        if exclude:
+            view = ClusterView(tuple(
+                dataclasses.replace(r, healthy=False) if r.replica_id in exclude else r for r in view.replicas
+            ))
+        if not any(r.healthy for r in view.replicas):
+            raise NoHealthyReplica("no healthy replica")
+        decision = runner.decide(view, request)
+        replica = self.replicas.ordered[decision.index]
+        self.replicas.cluster.dispatch(decision.index, request)
+        runner._latency.observe(time.perf_counter() - t0)
+        return Route(replica, decision, runner, request)
+
+    def on_first_token(self, route: Route, ttft_s: float) -> None:
+        route.replica.tracker.on_first_token(ttft_s)
+
+    def release(self, route: Route, outcome: Outcome | None = None, tpot_s: float | None = None) -> None:
+        """The request left this replica (completed, failed or cancelled). Idempotent per request."""
+        route.replica.tracker.on_complete(route.request.request_id, tpot_s)
+        if outcome is not None:
+            route.runner.policy.on_complete(route.replica.id, route.request, outcome)
+
+    def describe(self) -> dict[str, Any]:
+        return {name: runner.describe() for name, runner in self.arms.items()}

@@ -1,0 +1,82 @@
+"""Scrape every replica's vLLM /metrics concurrently and push the numbers into the tracker.
+
+A failed scrape (timeout, HTTP error, unparsable page) is counted and leaves the tracker
+untouched, so the replica's stats age keeps growing. A page that parses but lacks a metric is
+counted as `missing_metric` and that value is None (never zero); a page with none of the
+required metrics counts as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from router.replicas import Replica, ReplicaSet
+from router.telemetry import RouterMetrics
+from router.vllm_metrics import REQUIRED, MetricsParseError, VllmStats, parse_vllm_metrics
+
+log = logging.getLogger("router.scraper")
+
+
+class Scraper:
+    def __init__(
+        self, replicas: ReplicaSet, session_getter: Callable[[], aiohttp.ClientSession], metrics: RouterMetrics,
+        interval_s: float, timeout_s: float,
+    ) -> None:
+        self.replicas = replicas
+        self._session = session_getter
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+
+    def _fail(self, rep: Replica, kind: str, detail: str) -> None:
+        self.metrics.scrape_errors.labels(rep.id, kind).inc()
+        rep.scrape_error = f"{kind}: {detail}"
+        log.debug("scrape of %s failed: %s: %s", rep.id, kind, detail)
+
+    async def scrape(self, rep: Replica) -> VllmStats | None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with self._session().get(rep.url / "metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    self._fail(rep, "http", f"HTTP {resp.status}")
+                    return None
+                text = await resp.text(errors="replace")
+        except asyncio.TimeoutError:
+            self._fail(rep, "timeout", f"no answer within {self.timeout_s}s")
+            return None
+        except (aiohttp.ClientError, OSError) as exc:
+            self._fail(rep, "connect", f"{type(exc).__name__}: {exc}")
+            return None
+        try:
+            stats = parse_vllm_metrics(text)
+        except MetricsParseError as exc:
+            self._fail(rep, "parse", str(exc))
+            return None
+        missing = stats.missing()
+        if missing:
+            self._fail(rep, "missing_metric", ", ".join(missing))
+            if len(missing) == len(REQUIRED):
+                return None
+        else:
+            rep.scrape_error = None
+        # clock read after the answer: the values are as fresh as this moment
+        rep.tracker.on_scrape(
+            self.replicas.clock(), stats.waiting, stats.running, stats.kv_cache_usage, stats.kv_capacity_tokens
+        )
+        rep.scrape = stats
+        return stats
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(r) for r in list(self.replicas.ordered)))
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.scrape_all()
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))

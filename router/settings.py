@@ -1,0 +1,183 @@
+"""RouterSettings: every knob of the live router, built once at the edge and passed down.
+
+Sources, highest priority first: command-line flags, `ROUTEWISE_*` environment variables,
+a YAML/JSON config file (`--config`), defaults. Bad values raise a pydantic ValidationError
+that names the field and the value.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
+from yarl import URL
+
+from router.policy.registry import BASELINES, LEARNED, policy_names
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
+def check_policy_name(value: str, field: str) -> str:
+    """A baseline name, `learned`, or the path of an existing `.onnx` file."""
+    if value in BASELINES or value == LEARNED:
+        return value
+    if value.endswith(".onnx"):
+        if not Path(value).is_file():
+            raise ValueError(f"{field}={value!r}: model file not found")
+        return value
+    raise ValueError(f"{field}={value!r}: unknown policy; known: {', '.join(policy_names())} or a path to an .onnx file")
+
+
+def replica_id(url: str | URL) -> str:
+    """The bounded metric label of a replica: its host:port."""
+    u = URL(url) if isinstance(url, str) else url
+    return f"{u.host}:{u.port}"
+
+
+def is_learned(policy: str) -> bool:
+    return policy == LEARNED or policy.endswith(".onnx")
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ROUTEWISE_", extra="forbid", validate_default=True)
+
+    # listener
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: LogLevel = "info"
+    access_log: bool = False
+
+    # replicas
+    replicas: Annotated[list[str], NoDecode] = Field(default_factory=list, description="vLLM base URLs, e.g. http://10.0.0.5:8000")
+    discover: str | None = Field(None, description="host:port of a headless service; A records resolved periodically")
+    discover_interval_s: float = Field(10.0, gt=0)
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(1.0, gt=0)
+    health_failure_threshold: int = Field(3, ge=1)
+    health_success_threshold: int = Field(1, ge=1)
+    breaker_failure_threshold: int = Field(5, ge=1)
+    breaker_cooldown_s: float = Field(10.0, gt=0)
+    models_refresh_interval_s: float = Field(30.0, gt=0)
+
+    # upstream requests
+    connect_timeout_s: float = Field(2.0, gt=0)
+    first_byte_timeout_s: float = Field(120.0, gt=0, description="until response headers and the first body chunk")
+    idle_timeout_s: float | None = Field(300.0, gt=0, description="between body chunks; no total timeout")
+    max_retries: int = Field(2, ge=0)
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_connections: int = Field(0, ge=0, description="upstream connection pool size; 0 = unlimited")
+
+    # metrics scraping
+    scrape_interval_s: float = Field(1.0, gt=0)
+    scrape_timeout_s: float = Field(0.8, gt=0)
+
+    # routing
+    policy: str = LEARNED
+    seed: int | None = None
+    decision_budget_s: float | None = Field(0.0005, gt=0)
+    max_stats_age_s: float | None = Field(None, gt=0, description="default 10 for learned policies, None for baselines")
+    overload_margin: int | None = Field(None, ge=0, description="default 32 for learned policies, None for baselines")
+    min_confidence: float | None = Field(None, ge=0, le=1)
+    chars_per_token: float = Field(4.0, gt=0)
+    prefix_capacity_blocks: int = Field(4096, ge=1)
+
+    # serving extensions (shadow, A/B, decision log), validated here and passed down
+    shadow_policy: str | None = None
+    ab_treatment: str | None = None
+    ab_share: float = Field(0.0, ge=0.0, le=1.0)
+    decision_log_dir: Path | None = None
+
+    # admin and lifecycle
+    admin_token: SecretStr | None = None
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _split_replicas(cls, v: Any) -> Any:
+        if isinstance(v, str):  # ROUTEWISE_REPLICAS: a JSON list or comma-separated URLs
+            if v.lstrip().startswith("["):
+                return json.loads(v)
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("replicas")
+    @classmethod
+    def _check_replicas(cls, v: list[str]) -> list[str]:
+        out: list[str] = []
+        for raw in v:
+            u = URL(raw)
+            if u.scheme not in ("http", "https") or not u.host or u.explicit_port is None and u.port is None:
+                raise ValueError(f"replicas: {raw!r} is not an http(s)://host:port URL")
+            if u.path not in ("", "/") or u.query_string:
+                raise ValueError(f"replicas: {raw!r} must be a base URL without a path or query")
+            out.append(str(u.origin()))
+        if len({replica_id(x) for x in out}) != len(out):
+            raise ValueError(f"replicas: duplicate host:port in {v!r}")
+        return out
+
+    @field_validator("discover")
+    @classmethod
+    def _check_discover(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"discover={v!r}: expected host:port")
+        return v
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, v: str) -> str:
+        return check_policy_name(v, "policy")
+
+    @field_validator("shadow_policy", "ab_treatment")
+    @classmethod
+    def _check_optional_policy(cls, v: str | None, info) -> str | None:
+        return None if v is None else check_policy_name(v, info.field_name)
+
+    @model_validator(mode="after")
+    def _finish(self) -> "RouterSettings":
+        if not self.replicas and self.discover is None:
+            raise ValueError("replicas: no replicas; give --replica URL (repeatable) or --discover host:port")
+        if self.ab_share > 0 and self.ab_treatment is None:
+            raise ValueError(f"ab_share={self.ab_share}: needs ab_treatment")
+        if self.scrape_timeout_s > self.scrape_interval_s:
+            raise ValueError(f"scrape_timeout_s={self.scrape_timeout_s}: must not exceed scrape_interval_s={self.scrape_interval_s}")
+        learned = is_learned(self.policy)
+        if "max_stats_age_s" not in self.model_fields_set and learned:
+            self.max_stats_age_s = 10.0
+        if "overload_margin" not in self.model_fields_set and learned:
+            self.overload_margin = 32
+        return self
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML or JSON mapping of RouterSettings fields."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {p}: not found")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"config file {p}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p}: expected a mapping of settings, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(RouterSettings.model_fields))
+    if unknown:
+        raise ValueError(f"config file {p}: unknown setting(s) {', '.join(unknown)}")
+    return data
+
+
+def build_settings(config_file: str | Path | None = None, **overrides: Any) -> RouterSettings:
+    """Flags (`overrides`, None = not given) over environment over config file over defaults."""
+    merged: dict[str, Any] = load_config_file(config_file) if config_file else {}
+    merged.update(EnvSettingsSource(RouterSettings)())
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    return RouterSettings(**merged)

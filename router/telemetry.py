@@ -1,0 +1,99 @@
+"""The router's Prometheus metrics, on a registry owned by one app (never the global one).
+
+Names are a contract with deploy/ (dashboards, alerts): change them only together.
+Per-replica state gauges are computed at collection time from the replica set, so they can
+never drift from the tracker and cost nothing on the request path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+def geometric_buckets(lo: float, hi: float, ratio: float) -> tuple[float, ...]:
+    """Bucket bounds lo, lo*ratio, ... up to the first bound >= hi, rounded to 4 significant digits."""
+    n = math.ceil(math.log(hi / lo) / math.log(ratio))
+    return tuple(float(f"{lo * ratio**i:.4g}") for i in range(n + 1))
+
+
+# ~20% apart: p99 is read within about 10% between 10 ms and 60 s (ITL down to 1 ms).
+LATENCY_BUCKETS = geometric_buckets(0.005, 120.0, 1.2)
+ITL_BUCKETS = geometric_buckets(0.001, 60.0, 1.2)
+DECISION_BUCKETS = geometric_buckets(5e-6, 0.05, 1.5)
+
+REPLICA_GAUGES = {
+    "llm_router_outstanding_requests": "Requests the router has in flight to the replica.",
+    "llm_router_replica_healthy": "1 if the replica receives traffic (health probe, circuit breaker, not drained).",
+    "llm_router_replica_waiting_requests": "Last scraped vllm:num_requests_waiting.",
+    "llm_router_replica_running_requests": "Last scraped vllm:num_requests_running.",
+    "llm_router_replica_kv_cache_usage_ratio": "Last scraped vllm:kv_cache_usage_perc (0..1).",
+    "llm_router_scrape_age_seconds": "Seconds since the last successful /metrics scrape of the replica.",
+}
+
+
+class ReplicaStateCollector(Collector):
+    """Reads `rows()` -> [(replica_id, {gauge_name: value or None})] at scrape time."""
+
+    def __init__(self, rows: Callable[[], Iterable[tuple[str, dict[str, float | None]]]]) -> None:
+        self._rows = rows
+
+    def describe(self):
+        return [GaugeMetricFamily(name, doc, labels=["replica"]) for name, doc in REPLICA_GAUGES.items()]
+
+    def collect(self):
+        families = {name: GaugeMetricFamily(name, doc, labels=["replica"]) for name, doc in REPLICA_GAUGES.items()}
+        for rid, values in self._rows():
+            for name, value in values.items():
+                if value is not None:  # never scraped: no sample rather than a fake zero
+                    families[name].add_metric([rid], value)
+        return list(families.values())
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "llm_router_requests", "Client requests by replica, policy, arm and response code class.",
+            ["replica", "policy", "arm", "code_class"], registry=r,
+        )
+        self.ttft = Histogram(
+            "llm_router_ttft_seconds", "Time to first streamed token, measured at the router.",
+            ["replica", "policy", "arm"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "llm_router_inter_token_latency_seconds", "Time between streamed chunks, measured at the router.",
+            ["replica", "policy", "arm"], buckets=ITL_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "llm_router_e2e_latency_seconds", "Request latency from arrival to last byte, measured at the router.",
+            ["replica", "policy", "arm"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.decision_latency = Histogram(
+            "llm_router_decision_latency_seconds", "Time to pick a replica (view + policy + fallback).",
+            ["policy"], buckets=DECISION_BUCKETS, registry=r,
+        )
+        self.fallbacks = Counter(
+            "llm_router_fallbacks", "Decisions the fallback policy made instead of the primary, by reason.",
+            ["policy", "reason"], registry=r,
+        )
+        self.upstream_errors = Counter(
+            "llm_router_upstream_errors", "Failed upstream attempts by replica and kind.", ["replica", "kind"], registry=r,
+        )
+        self.retries = Counter("llm_router_retries", "Requests retried on another replica, by reason.", ["reason"], registry=r)
+        self.scrape_errors = Counter(
+            "llm_router_scrape_errors", "Failed or incomplete /metrics scrapes by replica and kind.",
+            ["replica", "kind"], registry=r,
+        )
+        self.policy_info = Gauge(
+            "llm_router_policy_info", "The policy serving each arm (always 1).",
+            ["arm", "name", "version", "feature_hash"], registry=r,
+        )
+
+    def add_replica_state(self, rows: Callable[[], Iterable[tuple[str, dict[str, float | None]]]]) -> None:
+        self.registry.register(ReplicaStateCollector(rows))

@@ -1,0 +1,76 @@
+"""The upstream side: one shared client session, header filtering, error classification."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.settings import RouterSettings
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+})
+# Also recomputed by aiohttp on each side.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length", "server", "date"}
+
+
+def _filter(headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    named = headers.get("connection")
+    extra = {t.strip().lower() for t in named.split(",")} if named else ()
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        lk = k.lower()
+        if lk not in drop and lk not in extra:
+            out.add(k, v)
+    return out
+
+
+def request_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    return _filter(headers, _REQUEST_DROP)
+
+
+def response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    return _filter(headers, _RESPONSE_DROP)
+
+
+class UpstreamError(Exception):
+    """An attempt that failed before any byte reached the client (so it may be retried)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # connect | timeout | reset | http_5xx | other: a metric label
+
+    @property
+    def status(self) -> int:
+        return 504 if self.kind == "timeout" else 502
+
+
+def classify(exc: BaseException) -> str:
+    """The `kind` label of an upstream failure."""
+    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+        return "connect"
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return "timeout"
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError, ConnectionError)):
+        return "reset"
+    return "other"
+
+
+def client_timeout(settings: RouterSettings) -> aiohttp.ClientTimeout:
+    """Per-phase timeouts, no total: a long generation is never cut while it keeps producing."""
+    return aiohttp.ClientTimeout(
+        total=None, connect=None, sock_connect=settings.connect_timeout_s, sock_read=settings.idle_timeout_s
+    )
+
+
+def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=settings.max_connections, ttl_dns_cache=10, enable_cleanup_closed=True)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=client_timeout(settings), auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        raise_for_status=False,
+    )

@@ -1,0 +1,1 @@
+"""Small fault-injecting fake upstreams for fast router tests (loopback only)."""

@@ -1,0 +1,193 @@
+"""A fake vLLM server: OpenAI-shaped completions (streaming or not), /health, /v1/models and a
+/metrics page with vLLM's metric names, with switchable faults.
+
+    fake = FakeVllm(); url = await fake.start(); ...; fake.mode = "error_500"; ...; await fake.stop()
+
+`mode` (requests):  ok | error_500 | hang (never answers) | hang_stream (headers, then nothing)
+                    | reset_mid_stream (2 chunks, then the connection is aborted) | slow (token_delay_s per token)
+`metrics_mode`:     ok | legacy (gpu_cache_usage_perc) | garbage | missing (no kv usage) | http_500 | hang
+`health_ok`:        False makes GET /health answer 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+
+class FakeVllm:
+    def __init__(self, model: str = "tiny", tokens: int = 4, token_delay_s: float = 0.0) -> None:
+        self.model = model
+        self.tokens = tokens
+        self.token_delay_s = token_delay_s
+        self.mode = "ok"
+        self.metrics_mode = "ok"
+        self.health_ok = True
+        self.waiting, self.running, self.kv_usage = 3, 5, 0.42
+        self.num_gpu_blocks, self.block_size = 1000, 16
+        self.requests = 0  # generation requests received
+        self.active = 0  # generation requests being handled now
+        self.cancelled = 0  # generation requests whose client went away
+        self.completed = 0
+        self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []
+        self.metrics_scrapes = 0
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # --- lifecycle ---
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([
+            web.post("/v1/completions", self._completions),
+            web.post("/v1/chat/completions", self._chat),
+            web.get("/v1/models", self._models),
+            web.get("/health", self._health),
+            web.get("/metrics", self._metrics),
+            web.post("/v1/echo/{tail:.*}", self._echo),
+        ])
+        return app
+
+    async def start(self, port: int = 0) -> str:
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- endpoints ---
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="", status=200 if self.health_ok else 500)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "max_model_len": 1024}
+        ]})
+
+    async def _echo(self, request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path, "query": dict(request.query), "body": await request.text()})
+
+    def metrics_text(self) -> str:
+        kv_name = "vllm:gpu_cache_usage_perc" if self.metrics_mode == "legacy" else "vllm:kv_cache_usage_perc"
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} {float(self.running)}',
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f'vllm:num_requests_waiting{{engine="0",model_name="{self.model}"}} {float(self.waiting)}',
+        ]
+        if self.metrics_mode != "missing":
+            lines += [
+                f"# HELP {kv_name} KV-cache usage. 1 means 100 percent usage.",
+                f"# TYPE {kv_name} gauge",
+                f'{kv_name}{{engine="0",model_name="{self.model}"}} {self.kv_usage}',
+            ]
+        lines += [
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",enable_prefix_caching="True",'
+            f'engine="0",num_gpu_blocks="{self.num_gpu_blocks}"}} 1.0',
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+            "# TYPE vllm:num_preemptions_total counter",
+            f'vllm:num_preemptions_total{{engine="0",model_name="{self.model}"}} 7.0',
+            f'vllm:num_preemptions_created{{engine="0",model_name="{self.model}"}} 1.7e9',
+            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f'vllm:prefix_cache_queries_total{{engine="0",model_name="{self.model}"}} 1200.0',
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f'vllm:prefix_cache_hits_total{{engine="0",model_name="{self.model}"}} 640.0',
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+            f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.01",model_name="{self.model}"}} 3.0',
+            f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf",model_name="{self.model}"}} 5.0',
+            f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="{self.model}"}} 5.0',
+            f'vllm:time_to_first_token_seconds_sum{{engine="0",model_name="{self.model}"}} 0.2',
+        ]
+        return "\n".join(lines) + "\n"
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_scrapes += 1
+        if self.metrics_mode == "garbage":
+            return web.Response(text="<html><body>502 Bad Gateway</body></html>", content_type="text/html")
+        if self.metrics_mode == "http_500":
+            return web.Response(status=500, text="boom")
+        if self.metrics_mode == "hang":
+            await asyncio.sleep(3600)
+        return web.Response(text=self.metrics_text(), content_type="text/plain")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _chunk(self, i: int, chat: bool, finish: str | None) -> bytes:
+        text = f" tok{i}"
+        if chat:
+            choice = {"index": 0, "delta": {"content": text} if i >= 0 else {"role": "assistant", "content": ""},
+                      "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        data = {"id": "cmpl-fake", "object": obj, "created": int(time.time()), "model": self.model, "choices": [choice]}
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        self.requests += 1
+        self.active += 1
+        try:
+            body = await request.json()
+            self.bodies.append(body)
+            self.headers.append(dict(request.headers))
+            mode = self.mode
+            if mode == "error_500":
+                return web.json_response({"object": "error", "message": "engine dead", "type": "InternalServerError",
+                                          "param": None, "code": 500}, status=500)
+            if mode == "hang":
+                await asyncio.sleep(3600)
+            n = int(body.get("max_tokens") or self.tokens)
+            if body.get("stream"):
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await resp.prepare(request)
+                if mode == "hang_stream":
+                    await asyncio.sleep(3600)
+                if chat:
+                    await resp.write(self._chunk(-1, True, None))
+                for i in range(n):
+                    if mode == "reset_mid_stream" and i == 2:
+                        request.transport.abort()  # type: ignore[union-attr]
+                        return resp
+                    if self.token_delay_s:
+                        await asyncio.sleep(self.token_delay_s)
+                    await resp.write(self._chunk(i, chat, "length" if i == n - 1 else None))
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                self.completed += 1
+                return resp
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s * n)
+            text = "".join(f" tok{i}" for i in range(n))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
+            self.completed += 1
+            return web.json_response({
+                "id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model, "choices": [choice],
+                "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n},
+            })
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1

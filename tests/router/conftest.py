@@ -1,0 +1,71 @@
+"""Fixtures: fake vLLM replicas and a router app in front of them, all on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest_asyncio
+from aiohttp.test_utils import TestClient, TestServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for tests.fakes
+
+from router.app import create_app  # noqa: E402
+from router.settings import RouterSettings  # noqa: E402
+from tests.fakes.fake_vllm import FakeVllm  # noqa: E402
+
+FAST = dict(
+    policy="least-outstanding",
+    health_interval_s=0.05,
+    health_timeout_s=0.5,
+    health_failure_threshold=1,
+    scrape_interval_s=0.05,
+    scrape_timeout_s=0.05,
+    breaker_failure_threshold=2,
+    breaker_cooldown_s=0.2,
+    first_byte_timeout_s=0.5,
+    connect_timeout_s=0.5,
+    models_refresh_interval_s=0.1,
+)
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest_asyncio.fixture
+async def fakes() -> AsyncIterator[Callable[[int], Awaitable[list[FakeVllm]]]]:
+    started: list[FakeVllm] = []
+
+    async def start(n: int = 2, **kw) -> list[FakeVllm]:
+        out = [FakeVllm(**kw) for _ in range(n)]
+        for f in out:
+            await f.start()
+        started.extend(out)
+        return out
+
+    yield start
+    for f in started:
+        await f.stop()
+
+
+@pytest_asyncio.fixture
+async def router_client() -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
+    clients: list[TestClient] = []
+
+    async def start(replicas: list[str], **overrides) -> TestClient:
+        settings = RouterSettings(replicas=replicas, **{**FAST, **overrides})
+        client = TestClient(TestServer(create_app(settings), host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield start
+    for c in clients:
+        await c.close()
