@@ -361,24 +361,76 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+CALIBRATION_COLUMNS = ("prefill_tokens", "decode_seqs", "context_tokens", "seconds")
+
+
 def _calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--measurements", required=True, help="CSV of measured iteration timings from a real vLLM server")
-    p.add_argument("--profile", required=True, help="profile to start from (its hardware/model constants)")
+    p.add_argument(
+        "--measurements",
+        required=True,
+        help="CSV of single-iteration timings of a real vLLM server, header " + ",".join(CALIBRATION_COLUMNS),
+    )
+    p.add_argument("--profile", required=True, help="profile to start from: a name in simulator/profiles/ or a YAML path")
     p.add_argument("-o", "--output", required=True, help="where to write the fitted profile YAML")
+    p.add_argument("--name", help="name of the fitted profile (default: <profile>-calibrated)")
+
+
+def read_measurements(path: str) -> list[tuple[float, float, float, float]]:
+    """Rows of CALIBRATION_COLUMNS; a bad row raises UsageError naming file, line, field and value."""
+    import csv
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"measurements file {path!r} not found")
+    rows = []
+    with file.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in CALIBRATION_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise UsageError(f"{file.name}:1: missing column(s) {', '.join(missing)}; header must name " + ",".join(CALIBRATION_COLUMNS))
+        for row in reader:
+            values = []
+            for col in CALIBRATION_COLUMNS:
+                try:
+                    v = float(row[col])
+                except (TypeError, ValueError):
+                    v = math.nan
+                if not math.isfinite(v) or v < 0:
+                    raise UsageError(f"{file.name}:{reader.line_num}: field {col!r}: expected a non-negative number, got {row[col]!r}")
+                values.append(v)
+            rows.append(tuple(values))
+    return rows
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import yaml
+
     from simulator import costmodel
 
     try:
         base = costmodel.load_profile(args.profile)
-    except (KeyError, ValueError, FileNotFoundError) as e:
+    except ValueError as e:
         raise UsageError(str(e)) from None
-    fitted = costmodel.fit_file(args.measurements, base) if hasattr(costmodel, "fit_file") else None
-    if fitted is None:
-        raise UsageError("this cost model has no fit_file(measurements_csv, base_profile)")
-    costmodel.save_profile(fitted, args.output)
-    print(f"wrote {args.output}")
+    rows = read_measurements(args.measurements)
+    try:
+        fitted = costmodel.fit(base, rows)
+    except ValueError as e:
+        raise UsageError(f"{args.measurements}: {e}") from None
+    source = Path(args.profile) if args.profile.endswith((".yaml", ".yml")) else costmodel.PROFILES_DIR / f"{args.profile}.yaml"
+    doc = yaml.safe_load(source.read_text())
+    doc["name"] = args.name or f"{base.name}-calibrated"
+    doc["overhead_s"] = round(fitted.overhead_s, 6)
+    doc["efficiency"] = {"prefill_mfu": round(fitted.prefill_mfu, 4), "decode_bw_util": round(fitted.decode_bw_util, 4)}
+    doc["calibrated_from"] = {"measurements": str(args.measurements), "rows": len(rows), "base_profile": base.name}
+    Path(args.output).write_text(yaml.safe_dump(doc, sort_keys=False))
+    print(
+        f"wrote {args.output}: overhead {fitted.overhead_s * 1e3:.2f} ms (was {base.overhead_s * 1e3:.2f}), "
+        f"prefill MFU {fitted.prefill_mfu:.3f} (was {base.prefill_mfu:.3f}), "
+        f"decode bandwidth utilisation {fitted.decode_bw_util:.3f} (was {base.decode_bw_util:.3f}) from {len(rows)} rows"
+    )
     return 0
 
 

@@ -151,14 +151,14 @@ class _BadField(Exception):
         super().__init__(f"field {name!r}: expected {expected}, got {shown}")
 
 
-def _int_field(name: str, value: object, minimum: int = 0) -> int:
-    if isinstance(value, str):
-        text = value.strip()
-        if re.fullmatch(r"[+-]?\d+", text):
-            value = int(text)
+def _int_field(name: str, raw: object, minimum: int = 0) -> int:
+    """`raw` (an int, or text of one) as an int >= minimum; the error shows `raw` as read."""
+    value = raw
+    if isinstance(raw, str) and re.fullmatch(r"[+-]?\d+", raw.strip()):
+        value = int(raw)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "positive" if minimum == 1 else "non-negative"
-        raise _BadField(name, f"{kind} int", value)
+        raise _BadField(name, f"{kind} int", raw)
     return value
 
 

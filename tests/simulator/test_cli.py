@@ -1,0 +1,126 @@
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from simulator.cli import COMMANDS, main, resolve_policies
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data"
+HAVE_ENGINE = importlib.util.find_spec("simulator.cluster") is not None
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_module_help_lists_every_subcommand():
+    out = _python("-m", "simulator", "--help")
+    assert out.returncode == 0, out.stderr
+    for name in ("run", "compare", "bench", "calibrate"):
+        assert name in out.stdout
+
+
+def test_subcommand_help_explains_options(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--scenario", "--policies", "--seeds", "--split", "--workers", "--json"):
+        assert option in text
+
+
+def test_importing_the_cli_pulls_in_neither_aiohttp_nor_the_engine():
+    code = "import sys, simulator.cli; print(sorted(m for m in ('aiohttp', 'simulator.cluster', 'torch') if m in sys.modules))"
+    out = _python("-c", code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_command_target_resolves():
+    from simulator.cli import _resolve
+
+    for name, cmd in COMMANDS.items():
+        assert callable(_resolve(cmd.run)), name
+
+
+def test_unknown_scenario_exits_2_naming_it_and_the_known_ones(capsys):
+    assert main(["run", "--scenario", "steady", "--policy", "round-robin"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown scenario 'steady'" in err and "steady-chat" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_unknown_policy_exits_2_naming_it_and_the_known_ones(capsys):
+    assert main(["compare", "--scenario", "steady-chat", "--policies", "round-robin,fastest"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'fastest'" in err and "least-outstanding" in err
+
+
+def test_invalid_scenario_file_exits_2_naming_field(capsys):
+    assert main(["run", "--scenario", str(DATA / "scenario_bad_field.yaml"), "--policy", "random"]) == 2
+    assert "workload.synthetic.n_requests" in capsys.readouterr().err
+
+
+def test_all_policies_are_the_baselines_plus_learned_when_shipped():
+    from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH
+
+    names = resolve_policies("all")
+    assert names[: len(BASELINES)] == list(BASELINES)
+    assert ("learned" in names) == DEFAULT_MODEL_PATH.is_file()
+
+
+def test_calibrate_recovers_a_known_overhead(tmp_path):
+    costmodel = pytest.importorskip("simulator.costmodel")
+    truth = dataclasses.replace(costmodel.load_profile("llama3-8b-h100"), overhead_s=0.005)
+    lines = ["prefill_tokens,decode_seqs,context_tokens,seconds"]
+    for prefill, decode, context in [(0, 8, 4000), (0, 64, 30000), (0, 128, 90000), (2048, 0, 0), (4096, 16, 8000),
+                                     (8192, 0, 0), (512, 32, 20000), (0, 16, 9000)]:
+        lines.append(f"{prefill},{decode},{context},{truth.iteration_time(prefill, decode, context)}")
+    csv = tmp_path / "m.csv"
+    csv.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "fitted.yaml"
+    assert main(["calibrate", "--measurements", str(csv), "--profile", "llama3-8b-h100", "-o", str(out)]) == 0
+    doc = yaml.safe_load(out.read_text())
+    assert doc["overhead_s"] == pytest.approx(0.005, rel=0.05)
+    assert doc["name"] == "llama3-8b-h100-calibrated"
+    assert costmodel.profile_from_file(out).overhead_s == pytest.approx(0.005, rel=0.05)
+
+
+def test_calibrate_bad_row_names_line_field_value(tmp_path, capsys):
+    pytest.importorskip("simulator.costmodel")
+    csv = tmp_path / "m.csv"
+    csv.write_text("prefill_tokens,decode_seqs,context_tokens,seconds\n1,2,3,0.01\n1,2,x,0.01\n")
+    assert main(["calibrate", "--measurements", str(csv), "--profile", "llama3-8b-h100", "-o", str(tmp_path / "o.yaml")]) == 2
+    assert "m.csv:3: field 'context_tokens'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAVE_ENGINE, reason="simulator.cluster (the engine) is not built yet")
+def test_run_json_on_a_small_scenario(capsys):
+    assert main(["run", "--scenario", str(DATA / "scenario_good.yaml"), "--policy", "least-outstanding", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["requests"] == 200 and doc["completed_fraction"] == 1.0
+    assert 0 < doc["ttft_p50_s"] <= doc["ttft_p99_s"]
+    assert 0 <= doc["goodput"] <= 1
+
+
+@pytest.mark.skipif(not HAVE_ENGINE, reason="simulator.cluster (the engine) is not built yet")
+def test_compare_json_gives_one_record_per_policy_on_identical_arrivals(capsys):
+    args = ["compare", "--scenario", str(DATA / "scenario_good.yaml"), "--policies", "round-robin,least-outstanding",
+            "--seeds", "2", "--json"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["results"]
+    assert [r["policy"] for r in rows] == ["round-robin", "least-outstanding"]
+    for r in rows:
+        assert r["seeds"] == 2
+        for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "goodput", "throughput_rps"):
+            assert isinstance(r[key], float)
+    # same arrivals for every policy: the same request count, and the best heuristic's ratio is exactly 1
+    assert rows[0]["metrics"]["requests"] == rows[1]["metrics"]["requests"] == 200
+    assert min(r["ttft_p99_vs_best_heuristic"] for r in rows) == 1.0
