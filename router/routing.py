@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, LeastOutstanding, TokenEstimator, make_policy, text_prefix_blocks
-from router.policy.fallback import Decision
+from router.policy.fallback import FALLBACK_REASONS, Decision
 from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
 from router.replicas import Replica, ReplicaSet
 from router.settings import RouterSettings, is_learned
@@ -56,6 +56,8 @@ class PolicyRunner:
         self.last_error: str | None = None
         self._metrics = metrics
         self._latency = metrics.decision_latency.labels(self.label)
+        for reason in FALLBACK_REASONS:  # exported at 0 from the start, so rates and alerts work
+            metrics.fallbacks.labels(self.label, reason)
         info = primary.describe()
         if info.get("load_error"):
             log.warning("policy %s unavailable, every decision falls back to LOR: %s", policy_name, info["load_error"])

@@ -75,8 +75,10 @@ class Scraper:
         await asyncio.gather(*(self.scrape(r) for r in list(self.replicas.ordered)))
 
     async def run(self) -> None:
+        """Scrape every interval (the first scrape is the caller's, at startup)."""
         loop = asyncio.get_running_loop()
+        next_at = loop.time() + self.interval_s
         while True:
-            started = loop.time()
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            next_at = max(next_at + self.interval_s, loop.time())
             await self.scrape_all()
-            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))

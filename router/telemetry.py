@@ -26,6 +26,8 @@ LATENCY_BUCKETS = geometric_buckets(0.005, 120.0, 1.2)
 ITL_BUCKETS = geometric_buckets(0.001, 60.0, 1.2)
 DECISION_BUCKETS = geometric_buckets(5e-6, 0.05, 1.5)
 
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "reset", "http_5xx", "other")
+
 REPLICA_GAUGES = {
     "llm_router_outstanding_requests": "Requests the router has in flight to the replica.",
     "llm_router_replica_healthy": "1 if the replica receives traffic (health probe, circuit breaker, not drained).",
@@ -86,6 +88,8 @@ class RouterMetrics:
             "llm_router_upstream_errors", "Failed upstream attempts by replica and kind.", ["replica", "kind"], registry=r,
         )
         self.retries = Counter("llm_router_retries", "Requests retried on another replica, by reason.", ["reason"], registry=r)
+        for kind in UPSTREAM_ERROR_KINDS:
+            self.retries.labels(kind)
         self.scrape_errors = Counter(
             "llm_router_scrape_errors", "Failed or incomplete /metrics scrapes by replica and kind.",
             ["replica", "kind"], registry=r,

@@ -1,0 +1,112 @@
+"""Settings validation and the `router serve` process: errors name the field, SIGTERM drains."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from pydantic import ValidationError
+
+from router.cli import format_validation_error, main
+from router.settings import RouterSettings, build_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("kwargs,field,value", [
+    (dict(replicas=["http://a:1"], policy="nope"), "policy", "nope"),
+    (dict(replicas=["http://a:1"], policy="/no/such/model.onnx"), "policy", "/no/such/model.onnx"),
+    (dict(replicas=["http://a:1"], shadow_policy="bogus"), "shadow_policy", "bogus"),
+    (dict(replicas=["ftp://a:1"]), "replicas", "ftp://a:1"),
+    (dict(replicas=["http://a:1"], ab_share=1.5), "ab_share", "1.5"),
+    (dict(replicas=["http://a:1"], port=70000), "port", "70000"),
+    (dict(replicas=["http://a:1"], discover="nohostport"), "discover", "nohostport"),
+])
+def test_bad_settings_name_field_and_value(kwargs, field, value):
+    with pytest.raises(ValidationError) as exc:
+        RouterSettings(**kwargs)
+    msg = format_validation_error(exc.value)
+    assert f"{field}:" in msg and value in msg
+
+
+def test_no_replicas_is_an_error():
+    with pytest.raises(ValidationError) as exc:
+        RouterSettings()
+    assert "replicas" in format_validation_error(exc.value)
+
+
+def test_sources_priority_and_learned_defaults(tmp_path, monkeypatch):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("replicas: [http://10.0.0.1:8000]\nport: 9001\nscrape_interval_s: 2.0\n")
+    s = build_settings(cfg)
+    assert s.replicas == ["http://10.0.0.1:8000"] and s.port == 9001 and s.policy == "learned"
+    assert s.max_stats_age_s == 10.0 and s.overload_margin == 32  # learned defaults
+    monkeypatch.setenv("ROUTEWISE_PORT", "9002")
+    monkeypatch.setenv("ROUTEWISE_REPLICAS", "http://10.0.0.2:8000,http://10.0.0.3:8000")
+    s = build_settings(cfg, policy="least-outstanding")
+    assert s.port == 9002 and len(s.replicas) == 2 and s.max_stats_age_s is None  # env over file
+    assert build_settings(cfg, port=9003).port == 9003  # flags over env
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"replicas": ["http://a:1"], "polcy": "random"}))
+    with pytest.raises(ValueError, match="polcy"):
+        build_settings(bad)
+
+
+def test_cli_exit_code_and_message(capsys):
+    assert main(["serve", "--replica", "http://127.0.0.1:1", "--policy", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "policy" in err and "'nope'" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_sigterm_drains_inflight_stream_then_exits(fakes):
+    (a,) = await fakes(1, token_delay_s=0.05)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port), "--replica", a.url,
+         "--policy", "least-outstanding", "--log-level", "warning"],
+        cwd=REPO, env={**os.environ, "ROUTEWISE_DRAIN_TIMEOUT_S": "10"}, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                try:
+                    async with s.get(f"{url}/ready") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            resp = await s.post(f"{url}/v1/completions",
+                                json={"model": "tiny", "prompt": "x", "max_tokens": 20, "stream": True})
+            assert b"tok0" in await resp.content.readany()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            with pytest.raises(aiohttp.ClientConnectionError):  # the listener is closed
+                async with aiohttp.ClientSession() as s2:
+                    await s2.get(f"{url}/health")
+            rest = await resp.read()  # the in-flight stream still finishes
+            assert b"tok19" in rest and rest.rstrip().endswith(b"[DONE]")
+        rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 20)
+        assert rc == 0, proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
