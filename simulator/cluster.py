@@ -1,0 +1,404 @@
+"""The simulated cluster: replicas, the router-side state the live router keeps, one event order.
+
+Router-side state lives only in `router.policy.tracking.ClusterTracker`, fed by the same hooks
+the live router calls (dispatch, first token, completion, scrape), at the simulated times they
+happen. The policy never reads replica internals: scraped values reach the tracker only at
+scrape events (interval, jitter, lag, failures from `ScrapeConfig`).
+
+Events are processed in `(time, priority, seq)` order; at equal times replica outputs come
+first, then faults, scrape samples, scrape deliveries, health changes and finally routing
+decisions. All randomness (scrape jitter and failures, the token estimator's error) comes from
+one `np.random.Generator` per instance.
+
+Crashes: a crashed replica drops everything in flight. The router notices after
+`health_check_delay_s`: the replica is marked unhealthy, its in-flight requests (including any
+routed to it meanwhile) are released and routed again as fresh decisions, so no request is lost.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from router.policy.base import Policy
+from router.policy.estimate import TokenEstimator, chain_hash
+from router.policy.tracking import ClusterTracker
+from router.policy.types import ClusterView, Outcome, RequestInfo
+from simulator.config import ClusterConfig
+from simulator.costmodel import load_profile
+from simulator.replica import COMPLETE, ReqState, Replica
+from simulator.types import RequestRecord, SimRequest
+
+# event priorities at equal times
+P_REPLICA, P_FAULT, P_SAMPLE, P_SCRAPE, P_HEALTH, P_DECISION = range(6)
+# event kinds
+E_REPLICA, E_ARRIVAL, E_RETRY, E_SAMPLE, E_SCRAPE, E_CRASH, E_RECOVER, E_SLOW, E_HEALTH = range(9)
+
+CompletionHook = Callable[[str, RequestInfo, Outcome], None]
+
+
+class ClusterSim:
+    def __init__(self, config: ClusterConfig, requests: Sequence[SimRequest], seed: int | None = None) -> None:
+        self.config = config
+        self.rng = np.random.default_rng(seed)
+        self.replicas: list[Replica] = []
+        profiles: dict[str, object] = {}
+        for group in config.replicas:
+            prof = profiles.get(group.profile) or profiles.setdefault(group.profile, load_profile(group.profile))
+            for _ in range(group.count):
+                i = len(self.replicas)
+                self.replicas.append(Replica(f"r{i}-{group.profile}", group, prof))  # type: ignore[arg-type]
+        self.replica_ids: list[str] = [r.replica_id for r in self.replicas]
+        n_rep = len(self.replicas)
+        for f in config.faults:
+            if f.replica >= n_rep:
+                raise ValueError(f"fault {f.kind} at {f.at_s}s: replica index {f.replica} out of range (0..{n_rep - 1})")
+
+        self.requests: list[SimRequest] = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+        ids = [r.request_id for r in self.requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+        block_tokens = self.requests[0].block_tokens if self.requests else 512
+        self.tracker = ClusterTracker(list(self.replica_ids), prefix_block_tokens=block_tokens)
+        self.estimator = TokenEstimator(rel_error_sigma=config.estimator_sigma)
+        self.records: list[RequestRecord] = [
+            RequestRecord(r.request_id, "", r.arrival_s, r.prompt_tokens, r.output_tokens, tenant=r.tenant)
+            for r in self.requests
+        ]
+        self._infos: list[RequestInfo | None] = [None] * len(self.requests)
+        self._chain_memo: dict[tuple[int, int], int] = {}
+        self.on_complete_hook: CompletionHook | None = None  # e.g. Policy.on_complete
+
+        self.now_s = 0.0
+        self._heap: list[tuple] = []
+        self._seq = 0
+        self._rep_version = [0] * n_rep
+        self._crashed = [False] * n_rep
+        self._lost: list[list[int]] = [[] for _ in range(n_rep)]
+        self._samples: list[list[tuple[int, int, float] | None]] = [[] for _ in range(n_rep)]
+        self._pending: tuple[int, RequestInfo, float] | None = None
+        self._next_arrival = 0
+        self._decisions_queued = 0
+        self._future_crashes = 0
+        self._detections_due = 0  # crashes the router has not noticed yet (their requests come back)
+        self.n_completed = 0
+        self.n_dispatches = 0
+
+        # reward integrals
+        self._waiting_ft = 0
+        self._int_t = 0.0
+        self._wait_integral = 0.0
+        self._waiting_arrivals: dict[int, float] = {}
+        self._ft_pairs: list[tuple[float, float]] = []
+        self._slo_cache: dict[float, list[float]] = {}
+
+        self._push_arrival()
+        sc = config.scrape
+        for i in range(n_rep):
+            self._schedule_sample(i, float(self.rng.uniform(0.0, sc.interval_s)))
+        for f in config.faults:
+            if f.kind == "crash":
+                self._push(f.at_s, P_FAULT, E_CRASH, f.replica, f.duration_s)
+                self._future_crashes += 1
+            else:
+                self._push(f.at_s, P_FAULT, E_SLOW, f.replica, f.factor)
+                if f.duration_s is not None:
+                    self._push(f.at_s + f.duration_s, P_FAULT, E_SLOW, f.replica, 1.0)
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    def next_decision(self) -> tuple[ClusterView, RequestInfo] | None:
+        """Process events up to the next routing decision; None when no decision remains."""
+        if self._pending is not None:
+            raise RuntimeError("the pending decision has not been dispatched yet")
+        heap = self._heap
+        while True:
+            if self._decisions_queued == 0 and self._detections_due == 0 and (
+                self._future_crashes == 0 or self.n_completed == len(self.requests)
+            ):
+                return None
+            t, _, _, kind, x, y = heapq.heappop(heap)
+            self.now_s = t
+            if kind == E_ARRIVAL or kind == E_RETRY:
+                self._decisions_queued -= 1
+                if kind == E_ARRIVAL:
+                    self._on_arrival(x, t)
+                    self._push_arrival()
+                d = self._decide(x, t)
+                if d is not None:
+                    return d
+            else:
+                self._handle(kind, x, y, t)
+
+    def dispatch(self, index: int) -> None:
+        """Route the pending request to replica `index` (must be healthy in the router's view)."""
+        if self._pending is None:
+            raise RuntimeError("no pending decision: call next_decision() first")
+        if not 0 <= index < len(self.replicas):
+            raise ValueError(f"replica index {index} out of range (0..{len(self.replicas) - 1})")
+        tr = self.tracker.trackers[index]
+        if not tr.healthy:
+            raise ValueError(f"replica {index} ({tr.replica_id}) is unhealthy in the router's view")
+        idx, info, t = self._pending
+        self._pending = None
+        self.tracker.dispatch(index, info)
+        self.records[idx].replica_id = self.replica_ids[index]
+        self.n_dispatches += 1
+        if self._crashed[index]:
+            self._lost[index].append(idx)
+            return
+        rep = self.replicas[index]
+        before = rep.event_s
+        rep.add(ReqState(self.requests[idx], idx, t, info.prefix_blocks), t)
+        if rep.event_s != before:
+            self._push_replica(index)
+
+    def finish(self) -> list[RequestRecord]:
+        """Run until every request completes; records in request_id order."""
+        if self._pending is not None:
+            raise RuntimeError("the pending decision has not been dispatched yet")
+        if self._decisions_queued:
+            raise RuntimeError("requests are still to be routed: call next_decision()/dispatch() until it returns None")
+        heap = self._heap
+        while self.n_completed < len(self.requests):
+            if not heap:
+                raise RuntimeError("simulation stalled with incomplete requests")  # pragma: no cover
+            t, _, _, kind, x, y = heapq.heappop(heap)
+            self.now_s = t
+            if kind == E_RETRY:
+                raise RuntimeError(
+                    "a crash after the last arrival needs routing decisions: use simulate() or next_decision()"
+                )
+            self._handle(kind, x, y, t)
+        self._advance_integrals(self.now_s)
+        return sorted(self.records, key=lambda r: r.request_id)
+
+    def waiting_for_first_token(self) -> int:
+        return self._waiting_ft
+
+    def first_token_wait_integral(self) -> float:
+        self._advance_integrals(self.now_s)
+        return self._wait_integral
+
+    def slo_excess_integral(self, ttft_slo_s: float) -> float:
+        """Integral over time of the number of requests waiting longer than `ttft_slo_s` for their first token."""
+        acc = self._slo_cache.setdefault(ttft_slo_s, [0, 0.0])
+        pairs = self._ft_pairs
+        total = acc[1]
+        for a, f in pairs[int(acc[0]) :]:
+            over = f - a - ttft_slo_s
+            if over > 0:
+                total += over
+        acc[0], acc[1] = len(pairs), total
+        cutoff = self.now_s - ttft_slo_s
+        live = 0.0
+        for a in self._waiting_arrivals.values():
+            if a < cutoff:
+                live += cutoff - a
+        return total + live
+
+    # ---- events --------------------------------------------------------------------------------
+
+    def _push(self, t: float, prio: int, kind: int, x: object = None, y: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, prio, self._seq, kind, x, y))
+
+    def _push_arrival(self) -> None:
+        i = self._next_arrival
+        if i < len(self.requests):
+            self._next_arrival = i + 1
+            self._decisions_queued += 1
+            self._push(self.requests[i].arrival_s, P_DECISION, E_ARRIVAL, i)
+
+    def _push_replica(self, i: int) -> None:
+        self._rep_version[i] += 1
+        t = self.replicas[i].event_s
+        if t is not None:
+            self._push(t, P_REPLICA, E_REPLICA, i, self._rep_version[i])
+
+    def _handle(self, kind: int, x, y, t: float) -> None:
+        if kind == E_REPLICA:
+            if y == self._rep_version[x]:
+                rep = self.replicas[x]
+                rep.on_event(t)
+                if rep.outputs:
+                    self._outputs(x, rep)
+                self._push_replica(x)
+        elif kind == E_SAMPLE:
+            self._on_sample(x, t, y)
+        elif kind == E_SCRAPE:
+            self._on_scrape(x, t)
+        elif kind == E_HEALTH:
+            self._on_health(x, y, t)
+        elif kind == E_CRASH:
+            self._on_crash(x, y, t)
+        elif kind == E_RECOVER:
+            self._crashed[x] = False
+            self.replicas[x].recover()
+        elif kind == E_SLOW:
+            rep = self.replicas[x]
+            before = rep.event_s
+            rep.set_factor(t, y)
+            if rep.event_s != before:
+                self._push_replica(x)
+
+    def _outputs(self, i: int, rep: Replica) -> None:
+        tracker = self.tracker.trackers[i]
+        for kind, st, t in rep.outputs:
+            rec = self.records[st.idx]
+            if kind == COMPLETE:
+                rec.finish_s = t
+                rec.replica_id = rep.replica_id
+                rec.preemptions += st.preemptions
+                rec.prefix_hit_tokens = st.prefix_hit_tokens
+                if math.isnan(rec.queue_delay_s):
+                    rec.queue_delay_s = st.first_scheduled_s - rec.arrival_s
+                tpot = (t - st.first_token_s) / (st.output - 1) if st.output > 1 else None
+                info = self._infos[st.idx]
+                tracker.on_complete(info.request_id, tpot)  # type: ignore[union-attr]
+                self.n_completed += 1
+                if self.on_complete_hook is not None:
+                    self.on_complete_hook(
+                        rep.replica_id,
+                        info,  # type: ignore[arg-type]
+                        Outcome(ok=True, ttft_s=rec.ttft_s, e2e_s=rec.e2e_s, output_tokens=rec.output_tokens),
+                    )
+            else:
+                tracker.on_first_token(t - st.dispatch_s)
+                if math.isnan(rec.first_token_s):
+                    rec.first_token_s = t
+                    self._advance_integrals(t)
+                    self._waiting_ft -= 1
+                    del self._waiting_arrivals[st.idx]
+                    self._ft_pairs.append((rec.arrival_s, t))
+        rep.outputs.clear()
+
+    def _on_arrival(self, idx: int, t: float) -> None:
+        req = self.requests[idx]
+        self._advance_integrals(t)
+        self._waiting_ft += 1
+        self._waiting_arrivals[idx] = req.arrival_s
+        self._infos[idx] = RequestInfo(
+            request_id=str(req.request_id),
+            prompt_tokens_est=self.estimator.from_true_tokens(req.prompt_tokens, self.rng),
+            max_tokens=req.max_tokens,
+            prefix_blocks=self._prefix_blocks(req.block_ids),
+        )
+
+    def _prefix_blocks(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """`id_prefix_blocks(block_ids)`, memoised per (parent, id) since prefixes repeat."""
+        if not block_ids:
+            return ()
+        memo = self._chain_memo
+        out = []
+        parent = 0
+        for b in block_ids:
+            key = (parent, b)
+            h = memo.get(key)
+            if h is None:
+                h = memo[key] = chain_hash(parent, int(b).to_bytes(8, "little", signed=True))
+            out.append(h)
+            parent = h
+        return tuple(out)
+
+    def _decide(self, idx: int, t: float) -> tuple[ClusterView, RequestInfo] | None:
+        info = self._infos[idx]
+        if not any(tr.healthy for tr in self.tracker.trackers):
+            # nobody to route to: hold the request until a replica is back
+            later = [e[0] for e in self._heap if e[3] == E_HEALTH and e[5]]
+            if not later:
+                raise RuntimeError(f"request {info.request_id} at {t:.3f}s: no healthy replica and none recovers")  # type: ignore[union-attr]
+            self._decisions_queued += 1
+            self._push(min(later), P_DECISION, E_RETRY, idx)
+            return None
+        self._pending = (idx, info, t)  # type: ignore[assignment]
+        return self.tracker.view(t, info), info  # type: ignore[arg-type,return-value]
+
+    # ---- scrapes -------------------------------------------------------------------------------
+
+    def _schedule_sample(self, i: int, scrape_t: float) -> None:
+        self._push(max(self.now_s, scrape_t - self.config.scrape.lag_s), P_SAMPLE, E_SAMPLE, i, scrape_t)
+
+    def _on_sample(self, i: int, t: float, scrape_t: float) -> None:
+        self._samples[i].append(None if self._crashed[i] else self.replicas[i].sample(t))
+        self._push(scrape_t, P_SCRAPE, E_SCRAPE, i)
+        sc = self.config.scrape
+        nxt = scrape_t + max(1e-6, sc.interval_s + (float(self.rng.uniform(-sc.jitter_s, sc.jitter_s)) if sc.jitter_s else 0.0))
+        if self.n_completed < len(self.requests):
+            self._schedule_sample(i, nxt)
+
+    def _on_scrape(self, i: int, t: float) -> None:
+        values = self._samples[i].pop(0)
+        fail = self.config.scrape.failure_prob > 0 and self.rng.random() < self.config.scrape.failure_prob
+        if values is None or fail:
+            return  # connection refused / timeout: the tracker keeps its old values, age grows
+        waiting, running, usage = values
+        self.tracker.trackers[i].on_scrape(t, waiting, running, usage, self.replicas[i].kv_capacity_tokens)
+
+    # ---- faults --------------------------------------------------------------------------------
+
+    def _on_crash(self, i: int, duration: float | None, t: float) -> None:
+        self._future_crashes -= 1
+        if self._crashed[i]:
+            return
+        self._crashed[i] = True
+        lost = self.replicas[i].crash()
+        self._rep_version[i] += 1  # drop its pending event
+        self._lost[i].extend(st.idx for st in lost)
+        delay = self.config.health_check_delay_s
+        self._push(t + delay, P_HEALTH, E_HEALTH, i, False)
+        self._detections_due += 1
+        if duration is not None:
+            self._push(t + duration, P_FAULT, E_RECOVER, i)
+            self._push(max(t + duration, t + delay), P_HEALTH, E_HEALTH, i, True)
+
+    def _on_health(self, i: int, healthy: bool, t: float) -> None:
+        tr = self.tracker.trackers[i]
+        tr.healthy = healthy
+        if healthy:
+            return
+        self._detections_due -= 1
+        self.tracker.prefix_index.forget(tr.replica_id)
+        for idx in self._lost[i]:
+            tr.on_complete(self._infos[idx].request_id, None)  # type: ignore[union-attr]
+            self._decisions_queued += 1
+            self._push(t, P_DECISION, E_RETRY, idx)
+        self._lost[i] = []
+
+    # ---- reward integrals ----------------------------------------------------------------------
+
+    def _advance_integrals(self, t: float) -> None:
+        if t > self._int_t:
+            self._wait_integral += self._waiting_ft * (t - self._int_t)
+            self._int_t = t
+
+
+def simulate(
+    config: ClusterConfig,
+    requests: Sequence[SimRequest],
+    policy: Policy,
+    seed: int | None = None,
+    progress: bool = False,
+) -> list[RequestRecord]:
+    """Route every request with `policy` (reset with `seed`) and run to completion."""
+    sim = ClusterSim(config, requests, seed=seed)
+    policy.reset(seed)
+    if type(policy).on_complete is not Policy.on_complete:  # skip the call for policies that ignore it
+        sim.on_complete_hook = policy.on_complete
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(sim.requests), desc="simulate", unit="req")
+    while (d := sim.next_decision()) is not None:
+        view, info = d
+        sim.dispatch(policy.choose(view, info))
+        if bar is not None:
+            bar.update(1)
+    records = sim.finish()
+    if bar is not None:
+        bar.close()
+    return records

@@ -1,0 +1,572 @@
+"""One vLLM V1 replica: FCFS waiting queue, continuous batching with chunked prefill, paged KV
+blocks, recompute preemption and automatic prefix caching, timed by the cost model.
+
+Scheduling follows vLLM V1's scheduler per iteration: the running requests' decodes take
+their token each first, then running partial prefills continue in running order, then (only
+if nothing was preempted) waiting requests are admitted FCFS while the token budget
+(`max_num_batched_tokens`), `max_num_seqs` and free KV blocks allow. When blocks run out, the
+tail of the running list (the most recently admitted) is preempted: its KV is freed, its
+computed tokens are lost and it goes back to the front of the waiting queue.
+
+Speed: a decode-phase request's computed-token count is `base + step` (the replica's step
+counter), so a decode-only iteration costs O(1) whatever the batch size. Residues of `base`
+modulo the block size tell how many requests need a new KV block at any step, and a heap of
+finish steps gives the next completion, so runs of decode-only iterations whose batch does not
+change are advanced in closed form (a "jump"): bounded by the next completion and the last
+step whose block allocations are sure to succeed, and cut short when a request is added or the
+speed changes (`add`, `set_factor`). The owner (the cluster) calls `on_event()` at
+`event_s` and reads `outputs` (first tokens and completions at their simulated times).
+
+Prefix caching: KV block k of a request is content (chained id prefix, sub index) for the
+blocks covered by `SimRequest.block_ids`; tokens beyond are unique to the request and never
+cached. Cached blocks are kept per id block (up to block_tokens // block_size KV blocks, a
+cache entry), reference counted, and entries nobody references are evicted LRU when blocks
+are needed; the usage vLLM reports counts them as free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from typing import Sequence
+
+from simulator.config import ReplicaGroup
+from simulator.costmodel import Profile
+from simulator.types import SimRequest
+
+WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
+IDLE, ITER, JUMP, DOWN = 0, 1, 2, 3
+FIRST, COMPLETE = 0, 1  # output kinds
+
+
+def chained_keys(block_ids: Sequence[int]) -> tuple[int, ...]:
+    """Content keys of a request's id blocks: identical leading ids give identical keys."""
+    out = []
+    k = 0
+    for b in block_ids:
+        k = hash((k, int(b)))
+        out.append(k)
+    return tuple(out)
+
+
+class ReqState:
+    """One dispatch attempt of a request on a replica."""
+
+    __slots__ = (
+        "req", "idx", "prompt", "output", "keys", "full_blocks", "ends",
+        "g", "c", "base", "phase", "shared_blocks", "entries", "n_keyed",
+        "dispatch_s", "first_scheduled_s", "first_token_s", "finish_s", "preemptions", "prefix_hit_tokens",
+        "admitted", "epoch",
+    )  # fmt: skip
+
+    def __init__(self, req: SimRequest, idx: int, dispatch_s: float, keys: Sequence[int] | None = None) -> None:
+        self.req = req
+        self.idx = idx
+        self.prompt = int(req.prompt_tokens)
+        self.output = max(1, int(req.output_tokens))
+        self.keys = tuple(keys) if keys is not None else chained_keys(req.block_ids)
+        self.full_blocks: list[int] = []  # full KV blocks per id block (filled by the replica)
+        self.ends: list[int] = []  # token position after the last full KV block of each id block
+        self.g = 0  # output tokens generated
+        self.c = 0  # computed (KV-cached) tokens; for DECODE it is base + replica.step
+        self.base = 0
+        self.phase = WAITING
+        self.shared_blocks = 0  # KV blocks of this request accounted to cache entries
+        self.entries: list[_Entry] = []  # cache entries this request references
+        self.n_keyed = 0  # leading id blocks already looked up / registered
+        self.dispatch_s = dispatch_s
+        self.first_scheduled_s = math.nan
+        self.first_token_s = math.nan
+        self.finish_s = math.nan
+        self.preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.admitted = False
+        self.epoch = 0
+
+
+class _Entry:
+    __slots__ = ("key", "blocks", "refs")
+
+    def __init__(self, key: int, blocks: int) -> None:
+        self.key = key
+        self.blocks = blocks
+        self.refs = 1
+
+
+class Replica:
+    def __init__(
+        self, replica_id: str, group: ReplicaGroup, profile: Profile, closed_form: bool = True
+    ) -> None:
+        if group.max_num_seqs > group.max_num_batched_tokens:
+            raise ValueError(
+                f"replica {replica_id}: max_num_seqs={group.max_num_seqs} exceeds "
+                f"max_num_batched_tokens={group.max_num_batched_tokens} (vLLM rejects this too)"
+            )
+        self.replica_id = replica_id
+        self.profile = profile
+        self.co = profile.coefficients()
+        self.bs = group.block_size
+        self.max_seqs = group.max_num_seqs
+        self.budget = group.max_num_batched_tokens
+        self.prefix_caching = group.enable_prefix_caching
+        self.num_blocks = profile.num_kv_blocks(group.block_size, group.gpu_memory_utilization)
+        self.base_factor = group.speed_factor
+        self.closed_form = closed_form
+        self.factor = group.speed_factor
+        self.outputs: list[tuple[int, ReqState, float]] = []
+        self.n_iterations = 0  # engine iterations simulated (jumps count all their steps)
+        self.n_preemptions = 0
+        self._reset_state()
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def _reset_state(self) -> None:
+        self.waiting: deque[ReqState] = deque()
+        self.running: list[ReqState] = []  # admission order; preemption takes the tail
+        self.prefilling: list[ReqState] = []  # running requests still in prefill, running order
+        self.step = 0
+        self.hist = [0] * self.bs  # decode requests by base % block_size
+        self.n_dec = 0
+        self.sum_base = 0
+        self.finish_heap: list[tuple[int, int, ReqState]] = []
+        self._seq = 0
+        self.num_free = self.num_blocks
+        self.cache: dict[int, _Entry] = {}
+        self.lru: OrderedDict[int, _Entry] = OrderedDict()  # unreferenced entries, oldest first
+        self.evictable = 0
+        self.mode = IDLE
+        self.event_s: float | None = None
+        self._plan: list[tuple[ReqState, int]] = []
+        self._jump: tuple[float, int, float, float, float, int] | None = None  # t0, k, a, b, c, jstar
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.bs
+
+    def kv_usage(self) -> float:
+        return (self.num_blocks - self.num_free - self.evictable) / self.num_blocks
+
+    def sample(self, now: float) -> tuple[int, int, float]:
+        """(waiting, running, kv_cache_usage) as vLLM's /metrics would report at `now`."""
+        used = self.num_blocks - self.num_free - self.evictable
+        if self.mode == JUMP:
+            t0, k, *_ = self._jump  # type: ignore[misc]
+            used += self._blocks_needed(min(k, self._steps_before(now - t0)))
+        return len(self.waiting), len(self.running), used / self.num_blocks
+
+    def in_flight(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the owner's interface ---------------------------------------------------------------
+
+    def add(self, st: ReqState, now: float) -> None:
+        """A request dispatched to this replica at `now`."""
+        if self.mode == DOWN:
+            raise RuntimeError(f"replica {self.replica_id} is down")
+        if st.prompt + st.output - 1 > self.kv_capacity_tokens:
+            raise ValueError(
+                f"request {st.req.request_id}: {st.prompt} prompt + {st.output} output tokens exceed the KV cache of "
+                f"replica {self.replica_id} ({self.kv_capacity_tokens} tokens); pick a larger profile or shorter requests"
+            )
+        self._prepare_keys(st)
+        st.dispatch_s = now
+        self.waiting.append(st)
+        if self.mode == IDLE:
+            self._plan_next(now)
+        elif self.mode == JUMP:
+            self._cut(now)
+
+    def on_event(self, now: float) -> None:
+        """Finish the iteration or jump that ends at `now` and start the next one."""
+        if self.mode == ITER:
+            self._finish_iteration(now)
+        elif self.mode == JUMP:
+            self._commit_jump(now)
+        else:
+            return
+        self._plan_next(now)
+
+    def set_factor(self, now: float, factor: float) -> None:
+        """Iteration-time multiplier for iterations starting from `now` (slow-down faults)."""
+        new = self.base_factor * factor
+        if self.mode == JUMP:
+            t0, k, *_ = self._jump  # type: ignore[misc]
+            m = min(k, self._steps_before(now - t0))
+            self.factor = new
+            if m == 0:
+                self._plan_next(t0)
+            elif m < k:
+                self._shrink_jump(m)
+        else:
+            self.factor = new
+
+    def crash(self) -> list[ReqState]:
+        """Drop everything; returns the in-flight requests (their progress is lost)."""
+        lost = list(self.running) + list(self.waiting)
+        for st in lost:
+            st.phase = DONE
+            st.epoch += 1
+        self._reset_state()
+        self.mode = DOWN
+        return lost
+
+    def recover(self) -> None:
+        self._reset_state()
+
+    # ---- planning ----------------------------------------------------------------------------
+
+    def _plan_next(self, now: float) -> None:
+        if not self.running and not self.waiting:
+            self.mode = IDLE
+            self.event_s = None
+            return
+        if self.closed_form and not self.prefilling and self.n_dec and not self._head_admissible():
+            need = self.hist[(-self.step) % self.bs]
+            if need <= self.num_free + self.evictable:
+                k = min(self._next_finish() - self.step, self._max_block_steps())
+                if k >= 1:
+                    self._start_jump(now, k)
+                    return
+        self._start_iteration(now)
+
+    def _next_finish(self) -> int:
+        h = self.finish_heap
+        while h:
+            fs, _, st = h[0]
+            if st.phase == DECODE and st.output + st.prompt - 1 - st.base == fs:
+                return fs
+            heapq.heappop(h)
+        return 1 << 62
+
+    def _head_admissible(self) -> bool:
+        if not self.waiting or len(self.running) >= self.max_seqs or self.budget - self.n_dec <= 0:
+            return False
+        st = self.waiting[0]
+        hit, _, lost_evictable = self._lookup(st)
+        n = min(st.prompt + st.g - hit, self.budget - self.n_dec)
+        nb = -(-(hit + n) // self.bs) - hit // self.bs
+        return nb <= self.num_free + self.evictable - lost_evictable
+
+    def _max_block_steps(self) -> int:
+        """Most decode-only steps from now whose block allocations all succeed."""
+        avail = self.num_free + self.evictable
+        n = self.n_dec
+        cycles = avail // n
+        left = avail - cycles * n
+        k = cycles * self.bs
+        hist, bs, s = self.hist, self.bs, self.step + k
+        for i in range(bs):
+            need = hist[(-(s + i)) % bs]
+            if need > left:
+                return k + i
+            left -= need
+        return k + bs  # unreachable: a full cycle needs n > left blocks
+
+    def _blocks_needed(self, m: int) -> int:
+        """Blocks the decode requests need over the next `m` steps."""
+        q, r = divmod(m, self.bs)
+        need = q * self.n_dec
+        hist, bs, s = self.hist, self.bs, self.step
+        for i in range(r):
+            need += hist[(-(s + i)) % bs]
+        return need
+
+    # ---- closed-form decode jumps --------------------------------------------------------------
+
+    def _start_jump(self, now: float, k: int) -> None:
+        co, f, D = self.co, self.factor, self.n_dec
+        ctx0 = self.sum_base + D * (self.step + 1)
+        c = f * (co.overhead_s + co.flops_per_token * D * co.s_per_flop)
+        a = f * (co.overhead_s + (co.weight_bytes + co.kv_bytes_per_token * ctx0) * co.s_per_byte)
+        b = f * co.kv_bytes_per_token * D * co.s_per_byte
+        if a >= c:
+            jstar = 0
+        elif b <= 0:
+            jstar = k
+        else:
+            jstar = min(k, math.ceil((c - a) / b))
+        self._jump = (now, k, a, b, c, jstar)
+        self.mode = JUMP
+        self.event_s = now + self._span(k)
+
+    def _span(self, m: int) -> float:
+        """Seconds taken by the first `m` steps of the current jump."""
+        _, _, a, b, c, jstar = self._jump  # type: ignore[misc]
+        p = m if m < jstar else jstar
+        s = c * p
+        if m > jstar:
+            x = m - jstar
+            s += x * (a + b * jstar) + b * x * (x - 1) * 0.5
+        return s
+
+    def _steps_before(self, horizon: float) -> int:
+        """Number of the jump's steps that start strictly before t0 + horizon."""
+        if horizon <= 0:
+            return 0
+        _, k, a, b, c, jstar = self._jump  # type: ignore[misc]
+        if c * jstar >= horizon:
+            m = math.ceil(horizon / c)
+        else:
+            h2 = horizon - c * jstar
+            a2 = a + b * jstar
+            if b <= 0:
+                x = math.ceil(h2 / a2)
+            else:
+                lin = a2 - 0.5 * b
+                x = math.ceil((-lin + math.sqrt(lin * lin + 2.0 * b * h2)) / b)
+            m = jstar + max(0, x)
+        m = min(m, k + 1)
+        while m > 0 and self._span(m - 1) >= horizon:
+            m -= 1
+        while m <= k and self._span(m) < horizon:
+            m += 1
+        return m
+
+    def _cut(self, now: float) -> None:
+        t0, k, *_ = self._jump  # type: ignore[misc]
+        m = self._steps_before(now - t0)
+        if m == 0:
+            self._plan_next(t0)
+        elif m < k:
+            self._shrink_jump(m)
+
+    def _shrink_jump(self, m: int) -> None:
+        t0, _, a, b, c, jstar = self._jump  # type: ignore[misc]
+        self._jump = (t0, m, a, b, c, min(jstar, m))
+        self.event_s = t0 + self._span(m)
+
+    def _commit_jump(self, now: float) -> None:
+        _, k, *_ = self._jump  # type: ignore[misc]
+        self._allocate(self._blocks_needed(k))
+        self.step += k
+        self.n_iterations += k
+        self._jump = None
+        self._complete_decodes(now)
+
+    # ---- one general iteration -----------------------------------------------------------------
+
+    def _start_iteration(self, now: float) -> None:
+        bs = self.bs
+        preempted = False
+        while True:
+            budget = self.budget - self.n_dec
+            plan = []
+            need = self.hist[(-self.step) % bs]
+            for st in self.prefilling:
+                if budget <= 0:
+                    break
+                n = min(st.prompt + st.g - st.c, budget)
+                budget -= n
+                need += -(-(st.c + n) // bs) - (-(-st.c // bs))
+                plan.append((st, n))
+            if need <= self.num_free + self.evictable:
+                break
+            self._preempt(self.running[-1])
+            preempted = True
+        self._allocate(need)
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+                st = self.waiting[0]
+                hit, entries, lost_evictable = self._lookup(st)
+                n = min(st.prompt + st.g - hit, budget)
+                nb = -(-(hit + n) // bs) - hit // bs
+                if nb > self.num_free + self.evictable - lost_evictable:
+                    break
+                self.waiting.popleft()
+                for e in entries:
+                    if e.refs == 0:
+                        del self.lru[e.key]
+                        self.evictable -= e.blocks
+                    e.refs += 1
+                st.entries = entries
+                st.n_keyed = len(entries)
+                st.shared_blocks = hit // bs
+                st.c = hit
+                st.phase = PREFILL
+                if not st.admitted:
+                    st.admitted = True
+                    st.first_scheduled_s = now
+                    st.prefix_hit_tokens = hit
+                self._allocate(nb)
+                self.running.append(st)
+                self.prefilling.append(st)
+                plan.append((st, n))
+                budget -= n
+        if not plan and not self.n_dec:
+            if self.running or self.waiting:
+                raise RuntimeError(f"replica {self.replica_id}: scheduler made no progress")  # pragma: no cover
+            self.mode = IDLE
+            self.event_s = None
+            return
+        D = self.n_dec
+        prefill = 0
+        ctx = self.sum_base + D * (self.step + 1)
+        attn = 0.0
+        for st, n in plan:
+            prefill += n
+            ctx += st.c + n
+            attn += n * (st.c + 0.5 * n)
+        dt = self.factor * self.co.iteration_time(prefill, D, ctx, attn)
+        self._plan = plan
+        self.mode = ITER
+        self.event_s = now + dt
+
+    def _finish_iteration(self, now: float) -> None:
+        self.step += 1
+        self.n_iterations += 1
+        step = self.step
+        for st, n in self._plan:
+            if st.phase != PREFILL:
+                continue  # pragma: no cover - a planned request cannot leave mid-iteration
+            st.c += n
+            if self.prefix_caching and st.n_keyed < len(st.keys):
+                self._register(st)
+            if st.c == st.prompt + st.g:
+                st.g += 1
+                if st.g == 1:
+                    st.first_token_s = now
+                    self.outputs.append((FIRST, st, now))
+                self.prefilling.remove(st)
+                if st.g >= st.output:
+                    self._complete(st, now)
+                else:
+                    st.phase = DECODE
+                    st.base = st.c - step
+                    self.hist[st.base % self.bs] += 1
+                    self.n_dec += 1
+                    self.sum_base += st.base
+                    self._seq += 1
+                    heapq.heappush(self.finish_heap, (st.prompt + st.output - 1 - st.base, self._seq, st))
+        self._plan = []
+        self._complete_decodes(now)
+
+    def _complete_decodes(self, now: float) -> None:
+        h = self.finish_heap
+        step = self.step
+        while h and h[0][0] <= step:
+            fs, _, st = heapq.heappop(h)
+            if st.phase == DECODE and st.prompt + st.output - 1 - st.base == fs:
+                st.c = st.base + step
+                st.g = st.c - st.prompt + 1
+                self._complete(st, now)
+
+    def _complete(self, st: ReqState, now: float) -> None:
+        self._release(st)
+        self.running.remove(st)
+        st.phase = DONE
+        st.finish_s = now
+        self.outputs.append((COMPLETE, st, now))
+
+    # ---- KV blocks -----------------------------------------------------------------------------
+
+    def _allocate(self, n: int) -> None:
+        if self.num_free < n:
+            lru = self.lru
+            while self.num_free < n:
+                _, e = lru.popitem(last=False)
+                del self.cache[e.key]
+                self.num_free += e.blocks
+                self.evictable -= e.blocks
+        self.num_free -= n
+
+    def _release(self, st: ReqState) -> None:
+        """Free a running request's own blocks and drop its cache references."""
+        if st.phase == DECODE:
+            st.c = st.base + self.step
+            self.hist[st.base % self.bs] -= 1
+            self.n_dec -= 1
+            self.sum_base -= st.base
+        self.num_free += -(-st.c // self.bs) - st.shared_blocks
+        for e in st.entries:
+            e.refs -= 1
+            if e.refs == 0:
+                self.lru[e.key] = e
+                self.evictable += e.blocks
+        st.entries = []
+        st.shared_blocks = 0
+
+    def _preempt(self, st: ReqState) -> None:
+        self._release(st)
+        self.running.pop()  # st is the tail
+        if st.phase == PREFILL:
+            self.prefilling.remove(st)
+        st.phase = WAITING
+        st.c = 0
+        st.n_keyed = 0
+        st.epoch += 1
+        st.preemptions += 1
+        self.n_preemptions += 1
+        self.waiting.appendleft(st)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+
+    def _prepare_keys(self, st: ReqState) -> None:
+        if not self.prefix_caching or not st.keys:
+            st.keys = ()
+            return
+        bt = st.req.block_tokens
+        if bt % self.bs:
+            raise ValueError(
+                f"request {st.req.request_id}: block_tokens={bt} is not a multiple of the KV block size {self.bs}"
+            )
+        full, ends = [], []
+        for j in range(len(st.keys)):
+            start = j * bt
+            n = max(0, min(bt, st.prompt - start)) // self.bs
+            if n == 0:
+                break
+            full.append(n)
+            ends.append(start + n * self.bs)
+            if n < bt // self.bs:
+                break
+        st.keys = st.keys[: len(full)]
+        st.full_blocks = full
+        st.ends = ends
+
+    def _lookup(self, st: ReqState) -> tuple[int, list[_Entry], int]:
+        """(cached prefix tokens usable now, entries to reference, their evictable blocks)."""
+        if not st.keys:
+            return 0, [], 0
+        cache = self.cache
+        cap = ((st.prompt + st.g - 1) // self.bs) * self.bs  # vLLM recomputes at least one token
+        hit = 0
+        entries: list[_Entry] = []
+        lost = 0
+        for key, full in zip(st.keys, st.full_blocks):
+            if hit >= cap:
+                break
+            e = cache.get(key)
+            if e is None:
+                break
+            use = min(e.blocks, full, (cap - hit) // self.bs)
+            if use <= 0:
+                break
+            hit += use * self.bs
+            entries.append(e)
+            if e.refs == 0:
+                lost += e.blocks
+            if use < full:
+                break
+        return hit, entries, lost
+
+    def _register(self, st: ReqState) -> None:
+        """Publish the request's fully computed id blocks to the cache (as vLLM hashes full blocks)."""
+        j = st.n_keyed
+        # an entry the request references only partially may be extended with the blocks it computed
+        if j > 0 and st.entries and len(st.entries) == j:
+            e = st.entries[-1]
+            if e.blocks < st.full_blocks[j - 1] and st.c >= st.ends[j - 1] and e.refs == 1:
+                st.shared_blocks += st.full_blocks[j - 1] - e.blocks
+                e.blocks = st.full_blocks[j - 1]
+        cache = self.cache
+        while j < len(st.keys) and st.c >= st.ends[j]:
+            key = st.keys[j]
+            if key in cache or len(st.entries) != j:
+                break  # computed twice concurrently: this copy stays private to the request
+            e = _Entry(key, st.full_blocks[j])
+            cache[key] = e
+            st.entries.append(e)
+            st.shared_blocks += e.blocks
+            j += 1
+        st.n_keyed = j
