@@ -41,7 +41,14 @@ CompletionHook = Callable[[str, RequestInfo, Outcome], None]
 
 
 class ClusterSim:
-    def __init__(self, config: ClusterConfig, requests: Sequence[SimRequest], seed: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        requests: Sequence[SimRequest],
+        seed: int | None = None,
+        *,
+        closed_form: bool = True,  # False: one iteration at a time (reference for tests)
+    ) -> None:
         self.config = config
         self.rng = np.random.default_rng(seed)
         self.replicas: list[Replica] = []
@@ -50,7 +57,7 @@ class ClusterSim:
             prof = profiles.get(group.profile) or profiles.setdefault(group.profile, load_profile(group.profile))
             for _ in range(group.count):
                 i = len(self.replicas)
-                self.replicas.append(Replica(f"r{i}-{group.profile}", group, prof))  # type: ignore[arg-type]
+                self.replicas.append(Replica(f"r{i}-{group.profile}", group, prof, closed_form=closed_form))  # type: ignore[arg-type]
         self.replica_ids: list[str] = [r.replica_id for r in self.replicas]
         n_rep = len(self.replicas)
         for f in config.faults:

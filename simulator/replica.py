@@ -117,6 +117,7 @@ class Replica:
         self.outputs: list[tuple[int, ReqState, float]] = []
         self.n_iterations = 0  # engine iterations simulated (jumps count all their steps)
         self.n_preemptions = 0
+        self.n_jumps = 0  # closed-form multi-iteration advances
         self._reset_state()
 
     # ---- state -----------------------------------------------------------------------------
@@ -287,6 +288,7 @@ class Replica:
         else:
             jstar = min(k, math.ceil((c - a) / b))
         self._jump = (now, k, a, b, c, jstar)
+        self.n_jumps += 1
         self.mode = JUMP
         self.event_s = now + self._span(k)
 
