@@ -153,12 +153,11 @@ def _run_policies(scenario: str, policies: Sequence[str], seed: int, split: str,
     return out
 
 
-def _replica_ids(cluster) -> list[str] | None:
-    try:
-        from simulator.cluster import replica_ids
-    except ImportError:
-        return None
-    return list(replica_ids(cluster))
+def _replica_ids(cluster) -> list[str]:
+    """Every replica's id, so that one that got no request still counts in the load imbalance."""
+    from simulator.cluster import ClusterSim
+
+    return list(ClusterSim(cluster, [], seed=0).replica_ids)
 
 
 def _task(args: tuple[str, tuple[str, ...], int, str]) -> tuple[str, int, dict[str, dict]]:
