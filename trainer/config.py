@@ -1,0 +1,187 @@
+"""The trainer's configuration: one YAML file, validated by pydantic (unknown keys are errors).
+
+`load_config(path)` raises ConfigError naming the file and the offending field, e.g.
+`trainer/configs/default.yaml: ppo.gamma: Input should be less than or equal to 1 (got 1.5)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RandomisationConfig(_Strict):
+    """Domain randomisation applied to every sampled TRAIN scenario instance."""
+
+    replica_count_scale: tuple[float, float] = Field(
+        (0.5, 1.5), description="multiply each replica group's count by U(lo, hi) (at least 1, at most max_replicas)"
+    )
+    speed_factor: tuple[float, float] = Field(
+        (0.8, 1.25), description="per-group multiplier on iteration time (GPU mix / straggler heterogeneity)"
+    )
+    swap_profile_prob: float = Field(0.2, ge=0, le=1, description="chance that one group's profile is swapped with another's")
+    scrape_interval_s: tuple[float, float] = Field((0.25, 4.0), description="U(lo, hi) scrape interval (staleness)")
+    scrape_lag_s: tuple[float, float] = Field((0.0, 1.5), description="U(lo, hi) age of the scraped values")
+    scrape_failure_prob: tuple[float, float] = Field((0.0, 0.1), description="U(lo, hi) chance a scrape fails")
+    prompt_scale: tuple[float, float] = Field((0.7, 1.4), description="multiply prompt lengths by U(lo, hi)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "RandomisationConfig":
+        for name in ("replica_count_scale", "speed_factor", "scrape_interval_s", "scrape_lag_s", "scrape_failure_prob", "prompt_scale"):
+            lo, hi = getattr(self, name)
+            if lo > hi or lo < 0:
+                raise ValueError(f"{name}: need 0 <= lo <= hi, got ({lo}, {hi})")
+        return self
+
+
+class CurriculumConfig(_Strict):
+    """Load (arrival-rate multiplier) ramps linearly from `start` to U(`end_lo`, `end_hi`) over `ramp_frac` of training."""
+
+    start: float = Field(0.6, gt=0, description="load multiplier at the start of PPO")
+    end_lo: float = Field(0.8, gt=0, description="lower bound of the load multiplier after the ramp")
+    end_hi: float = Field(1.3, gt=0, description="upper bound of the load multiplier after the ramp")
+    ramp_frac: float = Field(0.5, ge=0, le=1, description="fraction of PPO updates over which the load ramps up")
+
+
+class EnvConfig(_Strict):
+    scenarios: list[str] = Field(min_length=1, description="scenario names or YAML paths; sampled from their TRAIN split")
+    max_replicas: int = Field(16, ge=2, le=256, description="observation padding width (replicas per decision)")
+    max_requests: int = Field(600, ge=10, description="requests per training episode (longer scenario instances are cut)")
+    eval_max_requests: int | None = Field(
+        1500, ge=10, description="requests per TRAIN-window instance used to pick heuristics and checkpoints (null = whole)"
+    )
+    slo_penalty: float = Field(1.0, ge=0, description="weight of the SLO-excess integral in the reward")
+    randomise: bool = Field(True, description="apply domain randomisation (see `randomisation`)")
+    randomisation: RandomisationConfig = RandomisationConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+
+
+class NetworkConfig(_Strict):
+    hidden: int = Field(64, ge=8, le=512, description="width of the per-replica embedding")
+    heads: int = Field(4, ge=1, le=16, description="attention heads (must divide hidden)")
+    layers: int = Field(2, ge=0, le=6, description="cross-replica self-attention blocks")
+    gru: bool = Field(False, description="recurrent state over time (ablation only; not supported by export)")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "NetworkConfig":
+        if self.hidden % self.heads:
+            raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden})")
+        if self.gru:
+            raise ValueError("gru: the recurrent variant is not implemented in this release; set gru: false")
+        return self
+
+
+class BCConfig(_Strict):
+    episodes_per_scenario: int = Field(6, ge=0, description="heuristic episodes recorded per scenario (0 = no warm start)")
+    epochs: int = Field(8, ge=0)
+    batch_size: int = Field(256, ge=8)
+    lr: float = Field(2e-3, gt=0)
+    selection_seeds: int = Field(2, ge=1, description="TRAIN seeds per scenario used to pick the best heuristic (p99 TTFT)")
+
+
+class PPOConfig(_Strict):
+    updates: int = Field(40, ge=0, description="PPO updates (each = one rollout phase + optimisation)")
+    steps_per_env: int = Field(256, ge=8, description="decisions per environment per update")
+    envs_per_worker: int = Field(4, ge=1, description="environments each rollout worker steps in lockstep")
+    lr: float = Field(3e-4, gt=0)
+    anneal_lr: bool = True
+    gamma: float = Field(0.99, gt=0, le=1, description="discount per decision")
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    epochs: int = Field(4, ge=1, description="optimisation passes over each rollout batch")
+    minibatches: int = Field(4, ge=1)
+    clip_coef: float = Field(0.2, gt=0)
+    clip_vloss: bool = True
+    norm_adv: bool = True
+    ent_coef_start: float = Field(0.01, ge=0)
+    ent_coef_end: float = Field(0.0, ge=0)
+    vf_coef: float = Field(0.5, ge=0)
+    max_grad_norm: float = Field(0.5, gt=0)
+    target_kl: float | None = Field(0.02, gt=0, description="stop the epoch loop when approx KL exceeds this (null = never)")
+    ref_kl_coef_start: float = Field(1.0, ge=0, description="weight of KL(policy || BC reference) at the start")
+    ref_kl_coef_end: float = Field(0.02, ge=0, description="... decayed linearly to this")
+    paired_baseline: bool = Field(
+        True, description="subtract the best heuristic's per-decision reward on the same arrival sequence (variance cut)"
+    )
+    relative_paired: bool = Field(
+        True, description="divide paired rewards by the heuristic's mean cost per decision (balances light and overloaded episodes)"
+    )
+    reward_scale: float = Field(1.0, gt=0, description="multiplier on rewards before GAE (seconds of waiting -> units)")
+    seed_pool: int = Field(64, ge=1, description="distinct arrival sequences per scenario used in PPO (heuristic runs cached)")
+    update_normaliser: bool = Field(False, description="keep updating observation statistics during PPO")
+
+
+class RunConfig(_Strict):
+    seed: int = 0
+    workers: int = Field(2, ge=0, le=2, description="rollout worker processes (the budget is 2 cores); 0 = roll out in the main process")
+    run_dir: str = Field("runs/default", description="where checkpoints, TensorBoard logs and metrics.csv go")
+    checkpoint_every: int = Field(5, ge=1, description="PPO updates between checkpoints")
+    eval_every: int = Field(10, ge=1, description="PPO updates between greedy TRAIN-window evaluations")
+    eval_seeds: int = Field(2, ge=1, description="TRAIN seeds per scenario in periodic/selection evaluations")
+    torch_threads: int = Field(1, ge=1, le=2)
+
+
+class EvalConfig(_Strict):
+    seeds: list[int] = Field([0, 1, 2], min_length=1, description="EVAL-window seeds for `trainer evaluate`")
+    policies: list[str] | None = Field(None, description="baselines to compare (null = all)")
+
+
+class TrainConfig(_Strict):
+    env: EnvConfig
+    network: NetworkConfig = NetworkConfig()
+    bc: BCConfig = BCConfig()
+    ppo: PPOConfig = PPOConfig()
+    run: RunConfig = RunConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _format_errors(source: str, exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        got = err.get("input")
+        got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{source}: {loc}: {err['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict, source: str = "<config>") -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(source, exc)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Parse and validate a YAML config. `overrides` are `dotted.key=yaml_value` strings."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {p} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return config_from_dict(data, str(path))

@@ -1,0 +1,136 @@
+"""ONNX export in router/policy/onnx_policy.py's contract, plus the torch-vs-onnxruntime parity check.
+
+Contract: inputs `features` float32 [batch, replicas, N_FEATURES] and `mask` float32
+[batch, replicas]; output `logits` float32 [batch, replicas] (masked entries = -1e9);
+metadata `feature_spec_hash`, `feature_version`, `policy_version`, `training_config` (JSON).
+Observation normalisation is folded into the graph.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_FEATURES
+from trainer.network import LogitsOnly, RoutingNet
+
+OPSET = 17
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+@dataclass
+class ParityReport:
+    n_observations: int
+    max_abs_diff: float
+    argmax_agreement: float
+    replica_counts: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.argmax_agreement == 1.0 and self.max_abs_diff < 1e-3
+
+    def __str__(self) -> str:
+        return (
+            f"parity over {self.n_observations} observations (replica widths {list(self.replica_counts)}): "
+            f"max |logit diff| over valid replicas = {self.max_abs_diff:.3g}, "
+            f"identical argmax = {self.argmax_agreement * 100:.2f}%"
+        )
+
+
+def export_onnx(net: RoutingNet, path: str | Path, policy_version: str, training_config: dict) -> Path:
+    """Write the ONNX model (dynamic batch and replica axes) with the contract's metadata."""
+    path = Path(path)
+    net = net.eval()
+    wrapper = LogitsOnly(net).eval()
+    feats = torch.zeros(2, 5, N_FEATURES)
+    mask = torch.ones(2, 5)
+    buf = io.BytesIO()
+    with torch.no_grad():
+        torch.onnx.export(
+            wrapper,
+            (feats, mask),
+            buf,
+            input_names=["features", "mask"],
+            output_names=["logits"],
+            dynamic_axes={"features": {0: "batch", 1: "replicas"}, "mask": {0: "batch", 1: "replicas"}, "logits": {0: "batch", 1: "replicas"}},
+            opset_version=OPSET,
+            dynamo=False,
+        )
+    model = onnx.load_from_string(buf.getvalue())
+    meta = {
+        "feature_spec_hash": FEATURE_SPEC_HASH,
+        "feature_version": str(FEATURE_VERSION),
+        "policy_version": policy_version,
+        "training_config": json.dumps(training_config, sort_keys=True),
+    }
+    del model.metadata_props[:]
+    for k, v in meta.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = k, v
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def parity_check(net: RoutingNet, onnx_path: str | Path, features: np.ndarray, masks: np.ndarray, batch: int = 256) -> ParityReport:
+    """Compare torch and onnxruntime logits on observations `features` [N, R, F], `masks` [N, R].
+
+    Observations are also re-cut to their true replica count (trailing padding removed) in
+    groups, so the dynamic replica axis is exercised at several widths.
+    """
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    net = net.eval()
+    max_diff = 0.0
+    agree = 0
+    total = 0
+    widths = set()
+    present = features[..., 0] > 0.5  # feature 0 is `present`
+    counts = present.sum(1)
+    for width in np.unique(counts):
+        idx = np.nonzero(counts == width)[0]
+        for start in range(0, len(idx), batch):
+            sel = idx[start : start + batch]
+            w = int(max(width, 1))
+            f = np.ascontiguousarray(features[sel, :w], dtype=np.float32)
+            m = np.ascontiguousarray(masks[sel, :w], dtype=np.float32)
+            (onnx_logits,) = sess.run(["logits"], {"features": f, "mask": m})
+            with torch.no_grad():
+                torch_logits = net.logits(torch.from_numpy(f), torch.from_numpy(m)).numpy()
+            valid = m > 0.5
+            has_valid = valid.any(1)
+            if valid.any():
+                max_diff = max(max_diff, float(np.abs(onnx_logits - torch_logits)[valid].max()))
+            agree += int((onnx_logits.argmax(1) == torch_logits.argmax(1))[has_valid].sum()) + int((~has_valid).sum())
+            total += len(sel)
+            widths.add(w)
+    return ParityReport(total, max_diff, agree / max(total, 1), tuple(sorted(widths)))
+
+
+def model_size_bytes(path: str | Path) -> int:
+    return Path(path).stat().st_size
+
+
+def check_onnx_file(path: str | Path) -> dict[str, str]:
+    """Load an ONNX file and check it against the contract; raise ExportError naming file and mismatch."""
+    from router.policy.onnx_policy import ModelLoadError, load_session
+
+    try:
+        sess = load_session(Path(path))
+    except ModelLoadError as exc:
+        raise ExportError(str(exc)) from None
+    outs = [o.name for o in sess.get_outputs()]
+    if outs != ["logits"]:
+        raise ExportError(f"{path}: outputs {outs} do not match the contract's ['logits']")
+    return dict(sess.get_modelmeta().custom_metadata_map)

@@ -1,0 +1,139 @@
+"""The routing network: per-replica encoder, cross-replica self-attention, one logit per replica.
+
+Input is exactly `router.policy.build_features(...)` padded to any width R, plus a mask
+(1 = a present, healthy replica). Observation normalisation lives inside the module as
+buffers, so the exported ONNX graph takes raw features (normalisation folded in).
+Permutation-equivariant over replicas: the replica order never matters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainer.config import NetworkConfig
+
+MASKED_LOGIT = -1e9  # what masked replicas get (the ONNX contract allows a large negative number)
+_OBS_CLIP = 10.0
+
+
+class ObsNormaliser(nn.Module):
+    """Running mean/variance of per-replica feature rows (present rows only), as buffers."""
+
+    def __init__(self, n_features: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(n_features, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(n_features, dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, features: np.ndarray, present: np.ndarray) -> None:
+        """`features` [..., R, F], `present` [..., R] (bool/0-1): rows that are real replicas."""
+        rows = np.asarray(features, dtype=np.float64).reshape(-1, features.shape[-1])[np.asarray(present).reshape(-1) > 0]
+        if len(rows) == 0:
+            return
+        b_mean = torch.from_numpy(rows.mean(0))
+        b_var = torch.from_numpy(rows.var(0))
+        b_count = float(len(rows))
+        delta = b_mean - self.mean
+        tot = self.count + b_count
+        new_mean = self.mean + delta * b_count / tot
+        m2 = self.var * self.count + b_var * b_count + delta.pow(2) * self.count * b_count / tot
+        self.mean.copy_(new_mean)
+        self.var.copy_(m2 / tot)
+        self.count.fill_(tot)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        std = torch.sqrt(self.var + 1e-8).to(x.dtype)
+        return torch.clamp((x - self.mean.to(x.dtype)) / std, -_OBS_CLIP, _OBS_CLIP)
+
+
+class _AttentionBlock(nn.Module):
+    """Pre-norm multi-head self-attention across replicas + a feed-forward layer, with key masking."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = hidden // heads
+        self.norm1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.ff = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+
+    def forward(self, h: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+        # h [B, R, H]; key_bias [B, 1, 1, R]: 0 for valid keys, a large negative number for masked ones
+        b, r, hid = h.shape
+        qkv = self.qkv(self.norm1(h)).reshape(b, r, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]  # [B, heads, R, d]
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim) + key_bias
+        att = torch.softmax(scores, dim=-1)
+        ctx = torch.matmul(att, v).permute(0, 2, 1, 3).reshape(b, r, hid)
+        h = h + self.out(ctx)
+        return h + self.ff(self.norm2(h))
+
+
+class RoutingNet(nn.Module):
+    """features [B, R, F] float32, mask [B, R] float32 -> (logits [B, R], value [B])."""
+
+    def __init__(self, n_features: int, cfg: NetworkConfig) -> None:
+        super().__init__()
+        self.n_features = n_features
+        self.normaliser = ObsNormaliser(n_features)
+        h = cfg.hidden
+        self.encoder = nn.Sequential(nn.Linear(n_features, h), nn.GELU(), nn.Linear(h, h))
+        self.blocks = nn.ModuleList(_AttentionBlock(h, cfg.heads) for _ in range(cfg.layers))
+        self.final_norm = nn.LayerNorm(h)
+        self.policy_head = nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Linear(h, 1))
+        self.value_head = nn.Sequential(nn.Linear(2 * h, h), nn.GELU(), nn.Linear(h, 1))
+        nn.init.zeros_(self.policy_head[-1].weight)  # start near uniform over valid replicas
+        nn.init.zeros_(self.policy_head[-1].bias)
+
+    def _embed(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.normaliser(features)
+        h = self.encoder(x)
+        key_bias = ((1.0 - mask) * MASKED_LOGIT)[:, None, None, :]
+        for block in self.blocks:
+            h = block(h, key_bias)
+        return self.final_norm(h)
+
+    def logits_from_embedding(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        logits = self.policy_head(h).squeeze(-1)
+        return torch.where(mask > 0.5, logits, torch.full_like(logits, MASKED_LOGIT))
+
+    def value_from_embedding(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.unsqueeze(-1)
+        n = m.sum(1).clamp(min=1.0)
+        mean_pool = (h * m).sum(1) / n
+        max_pool = torch.where(m > 0.5, h, torch.full_like(h, -1e4)).max(1).values
+        max_pool = torch.where(n > 0.5, max_pool, torch.zeros_like(max_pool))
+        return self.value_head(torch.cat([mean_pool, max_pool], -1)).squeeze(-1)
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self._embed(features, mask)
+        return self.logits_from_embedding(h, mask), self.value_from_embedding(h, mask)
+
+    def logits(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.logits_from_embedding(self._embed(features, mask), mask)
+
+
+class LogitsOnly(nn.Module):
+    """The exported graph: (features, mask) -> logits."""
+
+    def __init__(self, net: RoutingNet) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.net.logits(features, mask)
+
+
+def masked_categorical(logits: torch.Tensor, mask: torch.Tensor) -> torch.distributions.Categorical:
+    return torch.distributions.Categorical(logits=torch.where(mask > 0.5, logits, torch.full_like(logits, MASKED_LOGIT)))
+
+
+def parameter_count(net: nn.Module) -> int:
+    return sum(p.numel() for p in net.parameters())

@@ -1,0 +1,456 @@
+"""PPO for the routing policy, CleanRL style: the whole algorithm in one file, top to bottom.
+
+Pipeline (`train`):
+  1. Pick, per TRAIN scenario, the best heuristic by p99 TTFT on TRAIN windows.
+  2. Behaviour cloning from it (trainer/bc.py) -> the warm start and the KL reference policy.
+  3. PPO updates. Every update each environment plays one whole episode (a sampled TRAIN
+     scenario instance, load from the curriculum, domain-randomised), in 1-2 worker processes.
+     Rewards are paired: the best heuristic's per-decision reward on the SAME arrival sequence
+     is subtracted (decision t is request t in both runs, over the same time interval), which
+     removes the load-driven part of the return without changing the optimal policy.
+     GAE(lambda) -> clipped surrogate + clipped value loss + decaying entropy bonus
+     + decaying KL(policy || BC reference); target-KL early stop; gradient clipping.
+  4. Greedy evaluation on TRAIN windows every few updates; the best of {BC, PPO checkpoints}
+     by TRAIN p99-TTFT ratio to the best heuristic is kept as `best.pt`. EVAL windows are never used.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
+from trainer.config import TrainConfig
+from trainer.network import RoutingNet, masked_categorical
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantage estimation
+# ----------------------------------------------------------------------------------------------
+def gae(rewards: np.ndarray, values: np.ndarray, last_value: float, terminal: bool, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """GAE over one episode segment. Returns (advantages, returns), both shape (T,).
+
+    `terminal` = the episode really ended after the last step (no bootstrap); otherwise the
+    segment was cut and `last_value` bootstraps the tail.
+    """
+    t_len = len(rewards)
+    adv = np.zeros(t_len, dtype=np.float64)
+    next_value = 0.0 if terminal else last_value
+    running = 0.0
+    for t in range(t_len - 1, -1, -1):
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        adv[t] = running
+        next_value = values[t]
+    return adv, adv + values
+
+
+# ----------------------------------------------------------------------------------------------
+# One PPO optimisation phase
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    features: torch.Tensor  # [N, R, F] float32
+    masks: torch.Tensor  # [N, R] float32
+    actions: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor  # [N]
+    values: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N]
+    returns: torch.Tensor  # [N]
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+
+@dataclass
+class Coefs:
+    lr: float
+    ent_coef: float
+    ref_kl_coef: float
+
+
+def ppo_update(
+    net: RoutingNet,
+    ref_net: RoutingNet | None,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    coefs: Coefs,
+    cfg,  # PPOConfig
+    generator: torch.Generator,
+) -> dict[str, float]:
+    for group in optimizer.param_groups:
+        group["lr"] = coefs.lr
+    n = len(batch)
+    mb_size = max(1, n // cfg.minibatches)
+    clipfracs: list[float] = []
+    stats: dict[str, float] = {}
+    approx_kl = torch.tensor(0.0)
+    epochs_done = 0
+    with torch.no_grad():
+        ref_logits_all = ref_net.logits(batch.features, batch.masks) if (ref_net is not None and coefs.ref_kl_coef > 0) else None
+    for _epoch in range(cfg.epochs):
+        perm = torch.randperm(n, generator=generator)
+        for start in range(0, n, mb_size):
+            idx = perm[start : start + mb_size]
+            logits, new_values = net(batch.features[idx], batch.masks[idx])
+            dist = masked_categorical(logits, batch.masks[idx])
+            new_logprob = dist.log_prob(batch.actions[idx])
+            entropy = dist.entropy().mean()
+            logratio = new_logprob - batch.logprobs[idx]
+            ratio = logratio.exp()
+            with torch.no_grad():
+                approx_kl = ((ratio - 1) - logratio).mean()  # the k3 estimator
+                clipfracs.append(((ratio - 1.0).abs() > cfg.clip_coef).float().mean().item())
+
+            adv = batch.advantages[idx]
+            if cfg.norm_adv and len(idx) > 1:
+                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            pg_loss = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
+
+            if cfg.clip_vloss:
+                v_unclipped = (new_values - batch.returns[idx]) ** 2
+                v_clipped = batch.values[idx] + torch.clamp(new_values - batch.values[idx], -cfg.clip_coef, cfg.clip_coef)
+                v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - batch.returns[idx]) ** 2).mean()
+            else:
+                v_loss = 0.5 * ((new_values - batch.returns[idx]) ** 2).mean()
+
+            ref_kl = torch.tensor(0.0)
+            if ref_logits_all is not None:
+                ref_dist = masked_categorical(ref_logits_all[idx], batch.masks[idx])
+                ref_kl = torch.distributions.kl_divergence(dist, ref_dist).mean()
+
+            loss = pg_loss - coefs.ent_coef * entropy + cfg.vf_coef * v_loss + coefs.ref_kl_coef * ref_kl
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(net.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+        epochs_done += 1
+        if cfg.target_kl is not None and approx_kl.item() > cfg.target_kl:
+            break
+
+    y_pred, y_true = batch.values.numpy(), batch.returns.numpy()
+    var_y = np.var(y_true)
+    stats.update(
+        {
+            "losses/policy_loss": pg_loss.item(),
+            "losses/value_loss": v_loss.item(),
+            "losses/entropy": entropy.item(),
+            "losses/approx_kl": approx_kl.item(),
+            "losses/ref_kl": ref_kl.item(),
+            "losses/clipfrac": float(np.mean(clipfracs)) if clipfracs else 0.0,
+            "losses/explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
+            "losses/epochs": float(epochs_done),
+            "charts/learning_rate": coefs.lr,
+            "charts/ent_coef": coefs.ent_coef,
+            "charts/ref_kl_coef": coefs.ref_kl_coef,
+        }
+    )
+    return stats
+
+
+def schedule(update: int, total: int, start: float, end: float) -> float:
+    frac = min(1.0, update / max(1, total - 1))
+    return start + (end - start) * frac
+
+
+def build_batch(episodes: list[dict], gamma: float, lam: float, reward_scale: float) -> Batch:
+    """Episodes (from trainer.rollout) -> one flat PPO batch with GAE advantages."""
+    feats, masks, acts, logps, vals, advs, rets = [], [], [], [], [], [], []
+    for ep in episodes:
+        rewards = ep["rewards"] * reward_scale
+        adv, ret = gae(rewards, ep["values"].astype(np.float64), float(ep.get("last_value", 0.0)), bool(ep["terminal"]), gamma, lam)
+        feats.append(ep["features"])
+        masks.append(ep["masks"])
+        acts.append(ep["actions"])
+        logps.append(ep["logprobs"])
+        vals.append(ep["values"])
+        advs.append(adv)
+        rets.append(ret)
+    cat = np.concatenate
+    return Batch(
+        features=torch.from_numpy(cat(feats).astype(np.float32)),
+        masks=torch.from_numpy(cat(masks).astype(np.float32)),
+        actions=torch.from_numpy(cat(acts).astype(np.int64)),
+        logprobs=torch.from_numpy(cat(logps).astype(np.float32)),
+        values=torch.from_numpy(cat(vals).astype(np.float32)),
+        advantages=torch.from_numpy(cat(advs).astype(np.float32)),
+        returns=torch.from_numpy(cat(rets).astype(np.float32)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop
+# ----------------------------------------------------------------------------------------------
+EVAL_SEED_BASE = 1_000_000  # TRAIN-window instances used for selection/evaluation (disjoint from the PPO seed pool)
+BC_SEED_BASE = 500_000
+
+
+def eval_specs(cfg: TrainConfig, seeds: int | None = None):
+    from trainer.instances import InstanceSpec
+
+    n = cfg.run.eval_seeds if seeds is None else seeds
+    return [
+        InstanceSpec(sc, EVAL_SEED_BASE + k, 1.0, randomise=False, max_requests=cfg.env.eval_max_requests)
+        for sc in cfg.env.scenarios
+        for k in range(n)
+    ]
+
+
+def select_best_heuristics(pool, cfg: TrainConfig) -> tuple[dict[str, str], dict[str, dict[str, float]], dict]:
+    """Per scenario, the baseline with the lowest mean p99 TTFT on TRAIN-window instances.
+
+    Returns (best name per scenario, mean p99 per scenario and baseline, every run's summary by
+    (scenario, seed, policy) for later comparisons on the same instances).
+    """
+    from router.policy.registry import BASELINES
+
+    specs = eval_specs(cfg, max(cfg.bc.selection_seeds, cfg.run.eval_seeds))
+    names = [n for n in BASELINES if n != "random"]
+    jobs = [(s, p) for s in specs for p in names]
+    results = pool.run("heuristics", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j[0].seed)])
+    runs = {(r["spec"].scenario, r["spec"].seed, r["policy"]): r["summary"] for r in results}
+    best, table = {}, {}
+    for sc in cfg.env.scenarios:
+        p99 = {p: float(np.mean([runs[(sc, s.seed, p)]["ttft_p99_s"] for s in specs if s.scenario == sc])) for p in names}
+        best[sc] = min(p99, key=p99.get)
+        table[sc] = p99
+    return best, table, runs
+
+
+def evaluate_on_train(pool, cfg: TrainConfig, net: RoutingNet, best: dict[str, str], heuristic_runs: dict) -> dict[str, float]:
+    """Greedy network vs the best heuristic on TRAIN-window instances: p99 ratio per scenario and overall."""
+    specs = eval_specs(cfg)
+    sd = {k: v.clone() for k, v in net.state_dict().items()}
+    parts = pool.split([(s, None) for s in specs], key=lambda j: j[0].seed)
+    eps = pool.run("rollout", [{"state_dict": sd, "jobs": part, "greedy": True, "seed": 0} for part in parts])
+    out: dict[str, float] = {}
+    logs, goodput_gaps, ff = [], [], []
+    for sc in cfg.env.scenarios:
+        mine = [e["summary"] for e in eps if e["spec"].scenario == sc]
+        theirs = [heuristic_runs[(sc, e["spec"].seed, best[sc])] for e in eps if e["spec"].scenario == sc]
+        ratio = float(np.mean([m["ttft_p99_s"] for m in mine]) / max(1e-9, np.mean([t["ttft_p99_s"] for t in theirs])))
+        out[f"eval/ttft_p99_ratio/{Path(sc).stem}"] = ratio
+        logs.append(math.log(max(ratio, 1e-9)))
+        goodput_gaps.append(float(np.mean([m["goodput"] - t["goodput"] for m, t in zip(mine, theirs)])))
+        ff.extend(e["fallback_free_share"] for e in eps if e["spec"].scenario == sc)
+    out["eval/score"] = float(math.exp(np.mean(logs)))  # geometric mean of p99 ratios (lower is better)
+    out["eval/worst_ratio"] = float(math.exp(max(logs)))
+    out["eval/min_goodput_gap"] = float(min(goodput_gaps))
+    out["eval/fallback_free_share"] = float(np.mean(ff))
+    out["eval/ttft_p99_s"] = float(np.mean([e["summary"]["ttft_p99_s"] for e in eps]))
+    out["eval/ttft_p90_s"] = float(np.mean([e["summary"]["ttft_p90_s"] for e in eps]))
+    out["eval/slo_attainment"] = float(np.mean([e["summary"]["goodput"] for e in eps]))
+    return out
+
+
+def selection_key(ev: dict[str, float]) -> float:
+    """What `best.pt` minimises: the geometric-mean p99 ratio, with a heavy penalty for any
+    scenario worse than 1.03x or any goodput loss (targets: never above 1.03x, goodput >= best)."""
+    worst = ev["eval/worst_ratio"]
+    return ev["eval/score"] + 2.0 * max(0.0, worst - 1.03) + 5.0 * max(0.0, -ev["eval/min_goodput_gap"] - 0.002)
+
+
+class _Logger:
+    """TensorBoard scalars + one CSV row per logged step, both in the run dir."""
+
+    def __init__(self, run_dir: Path, fields: list[str]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tb"))
+        self.path = run_dir / "metrics.csv"
+        self.fields = ["phase", "update", "wall_s"] + fields
+        new = not self.path.exists()
+        self._fh = self.path.open("a", newline="")
+        self._csv = csv.DictWriter(self._fh, fieldnames=self.fields, extrasaction="ignore")
+        if new:
+            self._csv.writeheader()
+
+    def log(self, phase: str, step: int, wall_s: float, scalars: dict[str, float]) -> None:
+        for k, v in scalars.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.writer.add_scalar(k, v, step)
+        self._csv.writerow({"phase": phase, "update": step, "wall_s": round(wall_s, 2)} | scalars)
+        self._fh.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        self._fh.close()
+
+
+def _csv_fields(cfg: TrainConfig) -> list[str]:
+    base = [
+        "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/ref_kl",
+        "losses/clipfrac", "losses/explained_variance", "losses/epochs", "charts/learning_rate", "charts/ent_coef",
+        "charts/ref_kl_coef", "charts/load", "charts/decisions", "rollout/ttft_p90_s", "rollout/ttft_p99_s",
+        "rollout/slo_attainment", "rollout/paired_gain", "bc/loss", "bc/accuracy",
+        "eval/score", "eval/worst_ratio", "eval/min_goodput_gap", "eval/fallback_free_share", "eval/ttft_p90_s",
+        "eval/ttft_p99_s", "eval/slo_attainment",
+    ]  # fmt: skip
+    return base + [f"eval/ttft_p99_ratio/{Path(s).stem}" for s in cfg.env.scenarios]
+
+
+def _bc_phase(pool, cfg: TrainConfig, net: RoutingNet, best: dict[str, str], rng: np.random.Generator, progress: bool) -> list[dict]:
+    from trainer.bc import behaviour_clone
+    from trainer.instances import InstanceSpec
+
+    c = cfg.env.curriculum
+    jobs = []
+    for sc in cfg.env.scenarios:
+        for k in range(cfg.bc.episodes_per_scenario):
+            load = float(rng.uniform(c.start, c.end_hi))
+            jobs.append((InstanceSpec(sc, BC_SEED_BASE + k, round(load, 2), cfg.env.randomise, cfg.env.max_requests), best[sc]))
+    data = pool.run("record", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j[0].seed)])
+    feats = np.concatenate([d["features"] for d in data])
+    masks = np.concatenate([d["masks"] for d in data])
+    acts = np.concatenate([d["actions"] for d in data])
+    net.normaliser.update(feats, feats[..., 0])
+    return behaviour_clone(
+        net, feats, masks, acts, np.zeros(len(acts)), cfg.bc.epochs, cfg.bc.batch_size, cfg.bc.lr, cfg.run.seed, progress
+    )
+
+
+def _ppo_jobs(cfg: TrainConfig, best: dict[str, str], update: int, rng: np.random.Generator, n: int):
+    from trainer.instances import InstanceSpec
+
+    c = cfg.env.curriculum
+    ramp = min(1.0, update / max(1.0, c.ramp_frac * cfg.ppo.updates)) if c.ramp_frac > 0 else 1.0
+    lo = c.start + (c.end_lo - c.start) * ramp
+    hi = c.start + (c.end_hi - c.start) * ramp
+    jobs = []
+    for _ in range(n):
+        sc = cfg.env.scenarios[int(rng.integers(len(cfg.env.scenarios)))]
+        load = round(float(rng.uniform(lo, hi)) * 20) / 20  # a 0.05 grid keeps paired heuristic runs cacheable
+        spec = InstanceSpec(sc, int(rng.integers(cfg.ppo.seed_pool)), load, cfg.env.randomise, cfg.env.max_requests)
+        jobs.append((spec, best[sc] if cfg.ppo.paired_baseline else None))
+    return jobs, (lo + hi) / 2
+
+
+def train(cfg: TrainConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
+    """Run (or resume) a training run; returns the run summary (also written to run_dir/summary.json)."""
+    from tqdm import tqdm
+
+    from trainer.checkpoint import load_network, read_checkpoint, save_checkpoint
+    from trainer.rollout import WorkerPool
+
+    run_dir = Path(cfg.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.run.torch_threads)
+    torch.manual_seed(cfg.run.seed)
+    net = RoutingNet(N_FEATURES, cfg.network)
+    optimizer = torch.optim.Adam(net.parameters(), lr=cfg.ppo.lr, eps=1e-5)
+    progress_state: dict = {"phase": "select", "update": 0, "wall_s": 0.0, "best": None, "best_key": math.inf, "history": []}
+    rng_state = None
+    if resume is not None:
+        doc = read_checkpoint(resume)
+        net, _, doc = load_network(resume, doc)
+        optimizer = torch.optim.Adam(net.parameters(), lr=cfg.ppo.lr, eps=1e-5)
+        if doc.get("optimizer"):
+            optimizer.load_state_dict(doc["optimizer"])
+        progress_state = doc["progress"]
+        rng_state = progress_state.get("rng_state")
+    rng = np.random.default_rng(cfg.run.seed)
+    if rng_state is not None:
+        rng.bit_generator.state = rng_state
+    wall0 = time.time() - progress_state["wall_s"]
+    logger = _Logger(run_dir, _csv_fields(cfg))
+
+    def checkpoint(name: str, net_: RoutingNet, extra: dict | None = None) -> Path:
+        progress_state["wall_s"] = time.time() - wall0
+        progress_state["rng_state"] = rng.bit_generator.state
+        return save_checkpoint(run_dir / name, net_, cfg, dict(progress_state), optimizer, extra)
+
+    def consider(ev: dict[str, float], label: str) -> None:
+        key = selection_key(ev)
+        progress_state["history"].append({"label": label, "key": key} | ev)
+        if key < progress_state["best_key"]:
+            progress_state["best_key"], progress_state["best"] = key, label
+            checkpoint("best.pt", net, {"selected": label, "eval_train": ev})
+
+    ref_net = None
+    try:
+        with WorkerPool(cfg, cfg.run.workers) as pool:
+            if progress_state["phase"] == "select":
+                best, table, runs = select_best_heuristics(pool, cfg)
+                progress_state |= {"best_heuristic": best, "heuristic_p99_train": table, "heuristic_runs": runs, "phase": "bc"}
+                checkpoint("last.pt", net)
+            best = progress_state["best_heuristic"]
+            if progress_state["phase"] == "bc":
+                if cfg.bc.episodes_per_scenario and cfg.bc.epochs:
+                    for i, st in enumerate(_bc_phase(pool, cfg, net, best, rng, progress)):
+                        logger.log("bc", i, time.time() - wall0, st)
+                ev = evaluate_on_train(pool, cfg, net, best, progress_state["heuristic_runs"])
+                logger.log("bc-eval", 0, time.time() - wall0, ev)
+                progress_state["phase"] = "ppo"
+                consider(ev, "bc")
+                checkpoint("bc.pt", net)
+                checkpoint("last.pt", net)
+            if cfg.ppo.ref_kl_coef_start > 0 and (run_dir / "bc.pt").exists():
+                ref_net = load_network(run_dir / "bc.pt")[0]
+            gen = torch.Generator().manual_seed(cfg.run.seed + progress_state["update"])
+            n_envs = pool.size * cfg.ppo.envs_per_worker
+            bar = tqdm(total=cfg.ppo.updates, initial=progress_state["update"], desc="PPO", unit="update", disable=not progress)
+            while progress_state["update"] < cfg.ppo.updates:
+                u = progress_state["update"]
+                jobs, load = _ppo_jobs(cfg, best, u, rng, n_envs)
+                sd = {k: v.clone() for k, v in net.state_dict().items()}
+                parts = pool.split(jobs, key=lambda j: j[0].seed)
+                episodes = pool.run(
+                    "rollout", [{"state_dict": sd, "jobs": part, "greedy": False, "seed": cfg.run.seed * 100003 + u * 7 + k} for k, part in enumerate(parts)]
+                )
+                if cfg.ppo.update_normaliser:
+                    for ep in episodes:
+                        net.normaliser.update(ep["features"], ep["features"][..., 0])
+                batch = build_batch(episodes, cfg.ppo.gamma, cfg.ppo.gae_lambda, cfg.ppo.reward_scale)
+                frac = u / max(1, cfg.ppo.updates)
+                coefs = Coefs(
+                    lr=cfg.ppo.lr * (1.0 - frac if cfg.ppo.anneal_lr else 1.0),
+                    ent_coef=schedule(u, cfg.ppo.updates, cfg.ppo.ent_coef_start, cfg.ppo.ent_coef_end),
+                    ref_kl_coef=schedule(u, cfg.ppo.updates, cfg.ppo.ref_kl_coef_start, cfg.ppo.ref_kl_coef_end),
+                )
+                net.train()
+                stats = ppo_update(net, ref_net, optimizer, batch, coefs, cfg.ppo, gen)
+                net.eval()
+                stats["charts/load"] = load
+                stats["charts/decisions"] = float(len(batch))
+                stats["rollout/ttft_p90_s"] = float(np.mean([e["summary"]["ttft_p90_s"] for e in episodes]))
+                stats["rollout/ttft_p99_s"] = float(np.mean([e["summary"]["ttft_p99_s"] for e in episodes]))
+                stats["rollout/slo_attainment"] = float(np.mean([e["summary"]["goodput"] for e in episodes]))
+                if cfg.ppo.paired_baseline:  # > 0: the sampled policy waited less than the heuristic
+                    stats["rollout/paired_gain"] = float(np.mean([e["rewards"].sum() for e in episodes]))
+                progress_state["update"] = u + 1
+                if (u + 1) % cfg.run.eval_every == 0 or u + 1 == cfg.ppo.updates:
+                    ev = evaluate_on_train(pool, cfg, net, best, progress_state["heuristic_runs"])
+                    stats |= ev
+                    consider(ev, f"ppo-{u + 1}")
+                logger.log("ppo", u + 1, time.time() - wall0, stats)
+                bar.update(1)
+                bar.set_postfix(p99=f"{stats['rollout/ttft_p99_s']:.2f}s", kl=f"{stats['losses/approx_kl']:.3f}")
+                if (u + 1) % cfg.run.checkpoint_every == 0 or u + 1 == cfg.ppo.updates:
+                    checkpoint("last.pt", net)
+            bar.close()
+    finally:
+        logger.close()
+    progress_state["wall_s"] = time.time() - wall0
+    summary = {
+        "run_dir": str(run_dir),
+        "wall_s": progress_state["wall_s"],
+        "workers": cfg.run.workers,
+        "cores": cfg.run.workers,
+        "updates": progress_state["update"],
+        "selected": progress_state["best"],
+        "best_heuristic": progress_state.get("best_heuristic"),
+        "heuristic_p99_train": progress_state.get("heuristic_p99_train"),
+        "history": progress_state["history"],
+        "feature_spec_hash": FEATURE_SPEC_HASH,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    return summary

@@ -1,0 +1,417 @@
+"""Rollouts: episodes of the torch policy or a heuristic, in 1-2 worker processes.
+
+Each worker process owns its environments (one per lockstep slot, plus one for heuristic
+runs) and a cache of the best heuristic's per-decision rewards by instance, used for paired
+rewards (same arrival sequence => decision t is request t over the same time interval in both
+runs). Workers are started with the `spawn` method and talk over pipes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from router.policy.base import Policy
+from router.policy.baselines import LeastOutstanding
+from router.policy.fallback import FallbackPolicy
+from router.policy.features import N_FEATURES, action_mask, build_features
+from router.policy.registry import make_policy
+from router.policy.types import ClusterView, RequestInfo
+from trainer.config import TrainConfig
+from trainer.instances import InstanceBuilder, InstanceSpec
+from trainer.network import RoutingNet, masked_categorical
+
+
+class TorchPolicy(Policy):
+    """The torch network as a router Policy (greedy by default), fed exactly `build_features`."""
+
+    name = "learned-torch"
+
+    def __init__(self, net: RoutingNet, seed: int | None = None, greedy: bool = True) -> None:
+        super().__init__(seed)
+        self.net = net.eval()
+        self.greedy = greedy
+
+    def scores(self, view: ClusterView, request: RequestInfo) -> np.ndarray:
+        f = torch.from_numpy(build_features(view, request)[None])
+        m = torch.from_numpy(action_mask(view).astype(np.float32)[None])
+        with torch.no_grad():
+            return self.net.logits(f, m)[0].numpy()
+
+    def choose(self, view: ClusterView, request: RequestInfo) -> int:
+        logits = self.scores(view, request).astype(np.float64)
+        logits = np.where(action_mask(view).astype(bool), logits, -np.inf)
+        if self.greedy:
+            return int(np.argmax(logits))
+        p = np.exp(logits - logits.max())
+        return int(self.rng.choice(len(p), p=p / p.sum()))
+
+
+class _FixedScores(Policy):
+    """A primary whose scores were computed outside (batched): lets FallbackPolicy judge them."""
+
+    name = "fixed-scores"
+    logits: np.ndarray = np.zeros(0)
+
+    def scores(self, view: ClusterView, request: RequestInfo) -> np.ndarray:
+        return self.logits
+
+    def choose(self, view: ClusterView, request: RequestInfo) -> int:
+        return int(np.argmax(np.where(action_mask(view).astype(bool), self.logits, -np.inf)))
+
+
+def router_guard() -> FallbackPolicy:
+    """The live router's default guardrails for a learned policy (router/settings.py)."""
+    return FallbackPolicy(_FixedScores(), LeastOutstanding(), max_stats_age_s=10.0, overload_margin=32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Environments
+# ----------------------------------------------------------------------------------------------
+class SpecEnv:
+    """One routing decision per step on a ClusterSim, the instance set by `reset_to(spec)`.
+
+    The same decision process and reward as `simulator.env.RoutingEnv` (observation =
+    `build_features(view, request, pad_to=max_replicas)`, mask = `action_mask`, reward = minus the
+    first-token-wait integral minus `slo_penalty` x the SLO-excess integral since the previous
+    decision, the last step running the cluster to completion), driven directly so heuristics can
+    read the decision's ClusterView and pairing can read the simulated clock.
+    """
+
+    def __init__(self, cfg: TrainConfig, builder: InstanceBuilder) -> None:
+        self.builder = builder
+        self.max_replicas = cfg.env.max_replicas
+        self.slo_penalty = cfg.env.slo_penalty
+        self.sim = None
+        self._decision: tuple[ClusterView, RequestInfo] | None = None
+        self._records = None
+
+    def _cost(self) -> float:
+        return self.sim.first_token_wait_integral() + self.slo_penalty * self.sim.slo_excess_integral(self.ttft_slo_s)
+
+    def _observe(self) -> tuple[np.ndarray, np.ndarray]:
+        view, request = self._decision
+        return build_features(view, request, pad_to=self.max_replicas), action_mask(view, self.max_replicas).astype(np.float32)
+
+    def reset_to(self, spec: InstanceSpec) -> tuple[np.ndarray, np.ndarray, dict]:
+        from simulator.cluster import ClusterSim
+
+        cluster, requests = self.builder.build(spec)
+        if cluster.replica_count() > self.max_replicas:
+            raise ValueError(f"{spec.scenario}: {cluster.replica_count()} replicas exceed env.max_replicas={self.max_replicas}")
+        self.ttft_slo_s = self.builder.scenario(spec.scenario).slo.ttft_s
+        self.sim = ClusterSim(cluster, requests, seed=spec.seed)
+        self._records = None
+        self._decision = self.sim.next_decision()
+        if self._decision is None:
+            raise ValueError(f"{spec}: the instance has no routing decision")
+        self._prev_cost = self._cost()
+        obs, mask = self._observe()
+        return obs, mask, {"time_s": self.sim.now_s}
+
+    def step(self, action: int) -> tuple[np.ndarray, np.ndarray, float, bool, dict]:
+        self.sim.dispatch(int(action))
+        self._decision = self.sim.next_decision()
+        if self._decision is None:
+            self._records = self.sim.finish()
+            cost = self._cost()
+            obs = np.zeros((self.max_replicas, N_FEATURES), np.float32)
+            mask = np.zeros(self.max_replicas, np.float32)
+            done = True
+        else:
+            cost = self._cost()
+            obs, mask = self._observe()
+            done = False
+        reward = -(cost - self._prev_cost)
+        self._prev_cost = cost
+        return obs, mask, reward, done, {"time_s": self.sim.now_s, "cost": cost}
+
+    @property
+    def now_s(self) -> float:
+        return self.sim.now_s
+
+    def decision(self) -> tuple[ClusterView, RequestInfo]:
+        return self._decision
+
+    def records(self):
+        return self._records
+
+
+def heuristic_episode(env: SpecEnv, spec: InstanceSpec, policy_name: str, record: bool) -> dict:
+    """One whole episode driven by a baseline.
+
+    Always returns the cost curve used for pairing (`times`: decision times, `costs`: cumulative
+    cost at each decision, `final_cost`), observations only if `record`.
+    """
+    policy = make_policy(policy_name, seed=spec.seed)
+    obs, mask, info = env.reset_to(spec)
+    feats, masks, acts, times, costs = [], [], [], [], []
+    done = False
+    cost = 0.0
+    while not done:
+        view, request = env.decision()
+        a = policy.choose(view, request)
+        times.append(env.now_s)
+        costs.append(env._prev_cost)
+        if record:
+            feats.append(obs)
+            masks.append(mask)
+            acts.append(a)
+        obs, mask, _r, done, info = env.step(a)
+        cost = info["cost"]
+    out = {
+        "curve": (np.asarray(times), np.asarray(costs), float(cost)),
+        "records": env.records(),
+    }
+    if record:
+        out |= {"features": np.stack(feats), "masks": np.stack(masks), "actions": np.asarray(acts, dtype=np.int64)}
+    return out
+
+
+def paired_baseline_rewards(times: np.ndarray, curve: tuple[np.ndarray, np.ndarray, float]) -> np.ndarray:
+    """The heuristic's reward over each of the policy's decision intervals on the same arrivals.
+
+    The heuristic's cumulative cost is read at the policy's decision times (linear interpolation
+    between the heuristic's own decision times; exact where both decide, i.e. at every arrival).
+    The last interval runs to the end of the episode, so the sum is the heuristic's whole return.
+    """
+    h_times, h_costs, h_final = curve
+    at = np.interp(times, h_times, h_costs)
+    ends = np.append(at[1:], h_final)
+    return -(ends - at)
+
+
+def policy_episodes(
+    envs: list[SpecEnv], specs: list[InstanceSpec], net: RoutingNet, greedy: bool, guard: FallbackPolicy | None = None
+) -> list[dict]:
+    """Whole episodes of the network on `specs`, stepped in lockstep with batched forward passes.
+
+    Sampling uses torch's global generator: seed it per task (`torch.manual_seed`).
+    With a `guard` (a FallbackPolicy around `_FixedScores`), each decision is also checked
+    against the live router's guardrails and the fallback-free decisions are counted.
+    """
+    n = len(specs)
+    state = [env.reset_to(spec) for env, spec in zip(envs, specs)]
+    obs = [s[0] for s in state]
+    masks = [s[1] for s in state]
+    bufs = [{"features": [], "masks": [], "actions": [], "logprobs": [], "values": [], "rewards": [], "times": []} for _ in range(n)]
+    active = list(range(n))
+    net.eval()
+    while active:
+        f = torch.from_numpy(np.stack([obs[i] for i in active]))
+        m = torch.from_numpy(np.stack([masks[i] for i in active]))
+        with torch.no_grad():
+            logits, values = net(f, m)
+            dist = masked_categorical(logits, m)
+            actions = logits.argmax(1) if greedy else dist.sample()
+            logprobs = dist.log_prob(actions)
+        still = []
+        for k, i in enumerate(active):
+            b = bufs[i]
+            if guard is not None:
+                view, request = envs[i].decision()
+                guard.primary.logits = logits[k, : len(view.replicas)].numpy()
+                b["fallback_free"] = b.get("fallback_free", 0) + int(guard.decide(view, request).fallback_reason is None)
+            b["features"].append(obs[i])
+            b["masks"].append(masks[i])
+            b["actions"].append(int(actions[k]))
+            b["logprobs"].append(float(logprobs[k]))
+            b["values"].append(float(values[k]))
+            b["times"].append(envs[i].now_s)
+            obs[i], masks[i], r, done, _ = envs[i].step(int(actions[k]))
+            b["rewards"].append(r)
+            if not done:
+                still.append(i)
+        active = still
+    episodes = []
+    for i, b in enumerate(bufs):
+        episodes.append(
+            {
+                "features": np.stack(b["features"]).astype(np.float32),
+                "masks": np.stack(b["masks"]).astype(np.float32),
+                "actions": np.asarray(b["actions"], dtype=np.int64),
+                "logprobs": np.asarray(b["logprobs"], dtype=np.float32),
+                "values": np.asarray(b["values"], dtype=np.float32),
+                "rewards": np.asarray(b["rewards"], dtype=np.float64),
+                "times": np.asarray(b["times"], dtype=np.float64),
+                "terminal": True,
+                "fallback_free_share": b.get("fallback_free", 0) / max(1, len(b["actions"])) if guard is not None else float("nan"),
+                "records": envs[i].records(),
+            }
+        )
+    return episodes
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker processes
+# ----------------------------------------------------------------------------------------------
+def summarise_records(records, slo) -> dict[str, float]:
+    from simulator.metrics import summarize
+
+    return summarize(records, slo)
+
+
+class WorkerState:
+    """Everything one worker process owns: its environments and its heuristic-reward cache."""
+
+    def __init__(self, cfg: TrainConfig, torch_threads: int = 1) -> None:
+        torch.set_num_threads(torch_threads)
+        self.cfg = cfg
+        self.builder = InstanceBuilder(cfg.env)
+        self.envs: list[SpecEnv] = []
+        self.heuristic_env: SpecEnv | None = None
+        self.net = RoutingNet(N_FEATURES, cfg.network)
+        self.heuristic_curves: dict[tuple, tuple] = {}
+
+    def _envs(self, n: int) -> list[SpecEnv]:
+        while len(self.envs) < n:
+            self.envs.append(SpecEnv(self.cfg, self.builder))
+        return self.envs[:n]
+
+    def _henv(self) -> SpecEnv:
+        if self.heuristic_env is None:
+            self.heuristic_env = SpecEnv(self.cfg, self.builder)
+        return self.heuristic_env
+
+    def _slo(self, spec: InstanceSpec):
+        return self.builder.scenario(spec.scenario).slo
+
+    def heuristic(self, spec: InstanceSpec, policy: str, record: bool = False) -> dict:
+        ep = heuristic_episode(self._henv(), spec, policy, record)
+        self.heuristic_curves[(policy, *spec.key())] = ep.pop("curve")
+        if len(self.heuristic_curves) > 4096:  # bound memory: drop the oldest entries
+            for k in list(self.heuristic_curves)[:1024]:
+                del self.heuristic_curves[k]
+        ep["summary"] = summarise_records(ep.pop("records"), self._slo(spec))
+        return ep
+
+    def paired_curve(self, spec: InstanceSpec, policy: str) -> tuple:
+        key = (policy, *spec.key())
+        if key not in self.heuristic_curves:
+            self.heuristic(spec, policy)
+        return self.heuristic_curves[key]
+
+    # --- commands ---------------------------------------------------------------------------
+    def cmd_heuristics(self, jobs: list[tuple[InstanceSpec, str]]) -> list[dict]:
+        """Summaries of baseline episodes (their cost curves are cached for pairing)."""
+        return [{"spec": spec, "policy": p, "summary": self.heuristic(spec, p)["summary"]} for spec, p in jobs]
+
+    def cmd_record(self, jobs: list[tuple[InstanceSpec, str]]) -> list[dict]:
+        """Heuristic episodes with observations (behaviour-cloning data)."""
+        out = []
+        for spec, p in jobs:
+            ep = self.heuristic(spec, p, record=True)
+            out.append({"spec": spec, "policy": p} | {k: ep[k] for k in ("features", "masks", "actions", "summary")})
+        return out
+
+    def cmd_rollout(self, state_dict: dict, jobs: list[tuple[InstanceSpec, str | None]], greedy: bool, seed: int) -> list[dict]:
+        """Network episodes; where a paired heuristic is named, rewards become (policy - heuristic)."""
+        self.net.load_state_dict(state_dict)
+        torch.manual_seed(seed)
+        specs = [s for s, _ in jobs]
+        episodes = policy_episodes(self._envs(len(specs)), specs, self.net, greedy, router_guard() if greedy else None)
+        for ep, (spec, paired) in zip(episodes, jobs):
+            ep["spec"] = spec
+            ep["raw_return"] = float(ep["rewards"].sum())
+            ep["summary"] = summarise_records(ep.pop("records"), self._slo(spec))
+            if paired is not None:
+                curve = self.paired_curve(spec, paired)
+                base = paired_baseline_rewards(ep["times"], curve)
+                ep["paired_return"] = float(base.sum())
+                ep["rewards"] = ep["rewards"] - base
+                if self.cfg.ppo.relative_paired:  # in units of the heuristic's mean cost per decision
+                    ep["rewards"] = ep["rewards"] / max(1e-6, curve[2] / max(1, len(curve[0])))
+        return episodes
+
+
+def _worker_main(conn, cfg_json: str, torch_threads: int) -> None:
+    from trainer.config import TrainConfig
+
+    state = WorkerState(TrainConfig.model_validate_json(cfg_json), torch_threads)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        name, kwargs = msg
+        try:
+            conn.send(("ok", getattr(state, f"cmd_{name}")(**kwargs)))
+        except Exception:  # noqa: BLE001 - sent back to the parent, which raises it
+            conn.send(("error", traceback.format_exc()))
+    conn.close()
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class WorkerPool:
+    """`n` spawned worker processes (n=0: run in this process, for tests and debugging)."""
+
+    def __init__(self, cfg: TrainConfig, n: int) -> None:
+        self.cfg = cfg
+        self.n = n
+        self._local = WorkerState(cfg, cfg.run.torch_threads) if n == 0 else None
+        self._procs = []
+        self._conns = []
+        if n:
+            ctx = mp.get_context("spawn")
+            for _ in range(n):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker_main, args=(child, cfg.model_dump_json(), 1), daemon=True)
+                p.start()
+                child.close()
+                self._procs.append(p)
+                self._conns.append(parent)
+
+    @property
+    def size(self) -> int:
+        return max(1, self.n)
+
+    def run(self, name: str, per_worker_kwargs: list[dict]) -> list:
+        """Run command `name` with per_worker_kwargs[k] on worker k; results concatenated in worker order."""
+        if self._local is not None:
+            out = []
+            for kw in per_worker_kwargs:
+                out.extend(getattr(self._local, f"cmd_{name}")(**kw))
+            return out
+        for conn, kw in zip(self._conns, per_worker_kwargs):
+            conn.send((name, kw))
+        out, errors = [], []
+        for conn, _ in zip(self._conns, per_worker_kwargs):
+            status, payload = conn.recv()
+            if status == "ok":
+                out.extend(payload)
+            else:
+                errors.append(payload)
+        if errors:
+            raise WorkerError("a rollout worker failed:\n" + "\n".join(errors))
+        return out
+
+    def split(self, items: list, key=None) -> list[list]:
+        """Items partitioned over workers (by `key(item) % n` when given, so caches stay warm)."""
+        parts: list[list] = [[] for _ in range(self.size)]
+        for i, item in enumerate(items):
+            parts[(key(item) if key else i) % self.size].append(item)
+        return parts
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+        self._conns, self._procs = [], []
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
