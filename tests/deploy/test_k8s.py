@@ -17,7 +17,7 @@ from .queries import REPO
 
 K8S = REPO / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.31.0"
-CRDS = {"ServiceMonitor", "Kustomization"}  # no schema bundled: checked structurally below
+CRDS = {"ServiceMonitor", "PrometheusRule", "Kustomization"}  # no schema bundled: checked structurally below
 ROUTER_PATHS = {"/health", "/ready"}
 
 
@@ -208,3 +208,10 @@ def test_images_are_pinned() -> None:
             spec = pod_spec(o)
             for c in spec.get("initContainers", []) + spec["containers"]:
                 assert ":" in c["image"] and not c["image"].endswith(":latest"), c["image"]
+
+
+def test_prometheusrule_carries_exactly_the_alerts_file() -> None:
+    (rule,) = find(BASE_OBJECTS, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    alerts = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"], "copy deploy/prometheus/alerts.yml's groups into prometheusrule.yaml"
