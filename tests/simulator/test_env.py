@@ -1,0 +1,102 @@
+"""RoutingEnv: Gymnasium conformance, determinism, and the reward's meaning."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from router.policy.features import N_FEATURES
+from simulator.config import ClusterConfig, FaultConfig, ReplicaGroup
+from simulator.env import RoutingEnv
+from simulator.types import SimRequest
+
+
+def factory(rng: np.random.Generator, crash: bool = False):
+    n = int(rng.integers(80, 150))
+    arr = np.cumsum(rng.exponential(1 / 25.0, n))
+    reqs = [SimRequest(i, float(arr[i]), int(rng.integers(50, 2000)), int(rng.integers(1, 300))) for i in range(n)]
+    faults = [FaultConfig(kind="crash", replica=1, at_s=1.0)] if crash else []
+    count = int(rng.integers(2, 5))
+    return ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=count)], faults=faults), reqs
+
+
+def rollout(env: RoutingEnv, seed: int, pick=lambda mask, rng: int(np.flatnonzero(mask)[0])):
+    rng = np.random.default_rng(seed)
+    obs, info = env.reset(seed=seed)
+    obs_list, rewards = [obs], []
+    done = False
+    while not done:
+        obs, r, done, trunc, info = env.step(pick(info["action_mask"], rng))
+        assert not trunc
+        obs_list.append(obs)
+        rewards.append(r)
+    return np.array(obs_list), np.array(rewards), info
+
+
+def random_valid(mask, rng):
+    return int(rng.choice(np.flatnonzero(mask)))
+
+
+def test_check_env_passes():
+    env = RoutingEnv(factory, max_replicas=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no spec" render-mode warning only
+        check_env(env.unwrapped)
+
+
+def test_spaces_and_info():
+    env = RoutingEnv(factory, max_replicas=8)
+    obs, info = env.reset(seed=0)
+    assert obs.shape == (8, N_FEATURES) and obs.dtype == np.float32
+    assert env.observation_space.contains(obs)
+    n = info["n_replicas"]
+    assert info["action_mask"].dtype == np.int8
+    assert info["action_mask"].tolist() == [1] * n + [0] * (8 - n)
+    assert np.all(obs[n:] == 0)
+
+
+def test_same_seed_identical_episodes():
+    env = RoutingEnv(factory, max_replicas=8)
+    o1, r1, _ = rollout(env, 5, random_valid)
+    o2, r2, _ = rollout(env, 5, random_valid)
+    o3, r3, _ = rollout(env, 6, random_valid)
+    assert np.array_equal(o1, o2) and np.array_equal(r1, r2)
+    assert o1.shape != o3.shape or not np.array_equal(o1, o3)
+
+
+def test_return_is_minus_total_ttft_without_slo_penalty():
+    env = RoutingEnv(factory, max_replicas=8, slo_penalty=0.0, reward_scale=10.0)
+    _, rewards, info = rollout(env, 1, random_valid)
+    assert rewards.sum() == pytest.approx(-info["episode_ttft"].sum() / 10.0, rel=1e-9)
+    assert np.all(rewards <= 0)
+
+
+def test_slo_penalty_adds_the_excess_beyond_the_slo():
+    slo, pen = 0.05, 2.0
+    env = RoutingEnv(factory, max_replicas=8, ttft_slo_s=slo, slo_penalty=pen)
+    _, rewards, info = rollout(env, 2, random_valid)
+    ttft = info["episode_ttft"]
+    expected = -(ttft.sum() + pen * np.maximum(ttft - slo, 0).sum())
+    assert rewards.sum() == pytest.approx(expected, rel=1e-9)
+
+
+def test_masked_action_falls_back_or_raises():
+    env = RoutingEnv(factory, max_replicas=8)
+    _, info = env.reset(seed=0)
+    _, _, _, _, info = env.step(7)  # a padding row
+    assert info["masked_action"] is True
+    strict = RoutingEnv(factory, max_replicas=8, invalid_action="raise")
+    strict.reset(seed=0)
+    with pytest.raises(ValueError, match="masked"):
+        strict.step(7)
+
+
+def test_crash_requests_come_back_as_decisions_and_all_finish():
+    env = RoutingEnv(lambda rng: factory(rng, crash=True), max_replicas=8)
+    obs, rewards, info = rollout(env, 3, random_valid)
+    records = info["episode_records"]
+    assert len(rewards) > len(records)  # more decisions than requests: re-dispatches
+    assert np.all(np.isfinite(info["episode_ttft"]))
