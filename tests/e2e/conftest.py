@@ -17,7 +17,9 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +36,8 @@ from .vllm_servers import (
     vllm_python,
 )
 
-STARTUP_TIMEOUT_S = 240.0
+# Two servers start in 40-55 s on an idle 2-core machine and took 150 s with a dozen other jobs running.
+STARTUP_TIMEOUT_S = float(os.environ.get("ROUTEWISE_VLLM_STARTUP_TIMEOUT_S", "300"))
 
 
 def _in_ci() -> bool:
@@ -79,13 +82,30 @@ def vllm_fleet(vllm_python_path: Path, tiny_model_dir: Path, vllm_work_dir: Path
     )
     print(f"\n{len(servers)} vLLM servers healthy in {time.monotonic() - t0:.1f} s: "
           + ", ".join(s.base_url for s in servers))
-    # atexit covers an interpreter exit that skips fixture teardown; stopping twice is harmless.
+    # The servers live in their own sessions, so nothing else stops them: atexit covers an interpreter exit that
+    # skips fixture teardown, and SIGTERM (CI cancelling the job) becomes KeyboardInterrupt so teardown runs.
     atexit.register(stop_servers, servers)
+    previous_sigterm = _sigterm_as_keyboard_interrupt()
     try:
         yield servers
     finally:
         stop_servers(servers)
         atexit.unregister(stop_servers)
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _sigterm_as_keyboard_interrupt():
+    """Install a SIGTERM handler raising KeyboardInterrupt if SIGTERM has its default action; return the old one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 @pytest.fixture(scope="session")

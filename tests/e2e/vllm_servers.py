@@ -311,7 +311,7 @@ def start_servers(
     work_dir: str | os.PathLike,
     base_port: int | None = None,
     extra_args: list[list[str]] | list[str] | None = None,
-    startup_timeout_s: float = 240.0,
+    startup_timeout_s: float = 300.0,
 ) -> list[VllmServer]:
     """Start n servers together and wait until all are healthy; on any failure stop every one and raise.
 
