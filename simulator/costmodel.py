@@ -190,7 +190,8 @@ def fit(profile: Profile, measurements: Iterable[Sequence[float]], max_rounds: i
     iterations of a real server. The model t = o + max(a * FLOPs, c * bytes) is linear in
     (o, a, c) once each row's bound (compute or memory) is known, so we alternate: assign
     each row to its bound under the current fit, solve linear least squares, repeat until the
-    assignment is stable. Attention FLOPs are left out (rows carry no per-chunk split).
+    assignment is stable. Rows are weighted by 1/seconds (timing noise is relative). Attention
+    FLOPs are left out (rows carry no per-chunk split).
     """
     rows = np.asarray([tuple(map(float, r)) for r in measurements], dtype=np.float64)
     if rows.ndim != 2 or rows.shape[1] != 4:
@@ -212,8 +213,10 @@ def fit(profile: Profile, measurements: Iterable[Sequence[float]], max_rounds: i
         bound = new_bound
         design = np.column_stack([np.ones_like(t), np.where(bound, flops, 0.0), np.where(bound, 0.0, nbytes)])
         cols = [0] + [j for j in (1, 2) if np.any(design[:, j] > 0)]
-        sol, *_ = np.linalg.lstsq(design[:, cols], t, rcond=None)
-        fitted = dict(zip(cols, sol))
+        scale = design[:, cols].max(axis=0)  # columns span 1 .. 1e13: normalise or the rank cut drops the overhead
+        w = 1.0 / np.maximum(t, 1e-9)[:, None]  # relative errors: timing noise scales with the iteration
+        sol, *_ = np.linalg.lstsq(design[:, cols] / scale * w, t * w[:, 0], rcond=None)
+        fitted = dict(zip(cols, sol / scale))
         o = max(0.0, float(fitted.get(0, o)))
         a = float(fitted.get(1, a)) if fitted.get(1, a) > 0 else a
         c = float(fitted.get(2, c)) if fitted.get(2, c) > 0 else c

@@ -181,3 +181,49 @@ def test_request_larger_than_the_cache_is_rejected():
     rep = Replica("r0", group, A100)
     with pytest.raises(ValueError, match="exceed the KV cache"):
         rep.add(ReqState(SimRequest(0, 0.0, rep.kv_capacity_tokens, 10), 0, 0.0), 0.0)
+
+
+# ---- cost model ----------------------------------------------------------------------------------
+
+
+def test_unknown_profile_lists_the_known_ones():
+    with pytest.raises(ValueError, match="llama3-8b-a100") as exc:
+        load_profile("llama3-8b-tpu")
+    assert "llama3-8b-h100" in str(exc.value) and "llama3-70b-h100-tp4" in str(exc.value)
+
+
+def test_profile_derived_quantities():
+    assert A100.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB per token for Llama-3-8B
+    blocks = A100.num_kv_blocks(16, 0.9)
+    free = 80 * 2**30 * 0.9 - 8.03e9 * 2 - 2 * 2**30
+    assert blocks == int(free // (16 * A100.kv_bytes_per_token))
+    # decode is memory-bound, a long prefill compute-bound
+    co = A100.coefficients()
+    assert A100.iteration_time(0, 8, 8000) == pytest.approx(
+        co.overhead_s + (co.weight_bytes + co.kv_bytes_per_token * 8000) * co.s_per_byte
+    )
+    assert A100.iteration_time(8000, 0, 8000) == pytest.approx(co.overhead_s + co.flops_per_token * 8000 * co.s_per_flop)
+    h100 = load_profile("llama3-8b-h100")
+    assert h100.iteration_time(0, 32, 32000) < A100.iteration_time(0, 32, 32000)
+
+
+def test_fit_recovers_overhead_and_efficiencies():
+    import dataclasses
+
+    from simulator.costmodel import fit
+
+    truth = dataclasses.replace(A100, overhead_s=0.004, prefill_mfu=0.42, decode_bw_util=0.66)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(200):  # like `simulator calibrate` data: decode-only batches and prefill-heavy iterations
+        if i % 2:
+            p, d, c = 0, int(rng.integers(1, 256)), int(rng.integers(0, 400_000))
+        else:
+            p, d, c = int(rng.integers(16, 8192)), int(rng.integers(0, 8)), int(rng.integers(0, 10_000))
+        rows.append((p, d, c, truth.iteration_time(p, d, c) * (1 + rng.normal(0, 0.01))))
+    fitted = fit(A100, rows)
+    assert fitted.overhead_s == pytest.approx(0.004, rel=0.15)
+    assert fitted.prefill_mfu == pytest.approx(0.42, rel=0.03)
+    assert fitted.decode_bw_util == pytest.approx(0.66, rel=0.03)
+    with pytest.raises(ValueError, match="at least 3"):
+        fit(A100, rows[:2])
