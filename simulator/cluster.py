@@ -121,15 +121,22 @@ class ClusterSim:
         """Process events up to the next routing decision; None when no decision remains."""
         if self._pending is not None:
             raise RuntimeError("the pending decision has not been dispatched yet")
-        heap = self._heap
+        heap, versions, replicas, heappop = self._heap, self._rep_version, self.replicas, heapq.heappop
         while True:
             if self._decisions_queued == 0 and self._detections_due == 0 and (
                 self._future_crashes == 0 or self.n_completed == len(self.requests)
             ):
                 return None
-            t, _, _, kind, x, y = heapq.heappop(heap)
+            t, _, _, kind, x, y = heappop(heap)
             self.now_s = t
-            if kind == E_ARRIVAL or kind == E_RETRY:
+            if kind == E_REPLICA:  # the common case, inlined
+                if y == versions[x]:
+                    rep = replicas[x]
+                    rep.on_event(t)
+                    if rep.outputs:
+                        self._outputs(x, rep)
+                    self._push_replica(x)
+            elif kind == E_ARRIVAL or kind == E_RETRY:
                 self._decisions_queued -= 1
                 if kind == E_ARRIVAL:
                     self._on_arrival(x, t)
@@ -254,8 +261,9 @@ class ClusterSim:
 
     def _outputs(self, i: int, rep: Replica) -> None:
         tracker = self.tracker.trackers[i]
+        records = self.records
         for kind, st, t in rep.outputs:
-            rec = self.records[st.idx]
+            rec = records[st.idx]
             if kind == COMPLETE:
                 rec.finish_s = t
                 rec.replica_id = rep.replica_id
@@ -275,7 +283,7 @@ class ClusterSim:
                     )
             else:
                 tracker.on_first_token(t - st.dispatch_s)
-                if math.isnan(rec.first_token_s):
+                if rec.first_token_s != rec.first_token_s:  # NaN: the request's first first token
                     rec.first_token_s = t
                     self._advance_integrals(t)
                     self._waiting_ft -= 1
