@@ -441,5 +441,24 @@ def _scenarios(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- live-serving tools (aiohttp; imported lazily)
+
+COMMANDS["emulate"] = Command(
+    "serve an emulated vLLM replica (OpenAI API + vLLM /metrics) in wall-clock time",
+    "simulator.emulator:add_arguments",
+    "simulator.emulator:main",
+)
+COMMANDS["loadgen"] = Command(
+    "replay a trace (or Poisson load) open loop against an OpenAI-compatible URL",
+    "simulator.loadgen:add_arguments",
+    "simulator.loadgen:main",
+)
+COMMANDS["demo"] = Command(
+    "CPU demo: emulated fleet + router (A/B: least-outstanding vs learned) + trace replay",
+    "simulator.demo:add_arguments",
+    "simulator.demo:main",
+)
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -662,7 +662,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"emulator: {settings.profile} (x{settings.slowdown} slower, speed {settings.speed}) serving "
           f"{settings.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)  # fmt: skip
     web.run_app(make_app(settings), host=args.host, port=args.port, print=None, handler_cancellation=True,
-                access_log=None, handle_signals=True)  # fmt: skip
+                access_log=None, handle_signals=True, backlog=1024)  # fmt: skip
     return 0
 
 

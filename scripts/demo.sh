@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# routewise CPU demo (no GPU, no torch): emulated heterogeneous vLLM fleet + router (A/B: least-outstanding
+# vs learned) + a real trace replayed through it; ends with TTFT/E2E percentiles per arm. About 2 minutes.
+#   ./scripts/demo.sh                               # defaults (see `--help`)
+#   ./scripts/demo.sh --duration 30                 # shorter
+#   ./scripts/demo.sh --replica http://h1:8000 --replica http://h2:8000   # real vLLM servers instead
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# Install routewise with the simulator extra only when its dependencies are missing (an existing .venv is reused).
+if ! .venv/bin/python -c "import aiohttp, prometheus_client, numpy, pydantic_settings, yaml, tqdm, onnxruntime, gymnasium" 2>/dev/null; then
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[sim]'
+fi
+exec .venv/bin/python -m simulator demo "$@"

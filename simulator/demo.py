@@ -1,0 +1,305 @@
+"""CPU demo of the main job: an emulated heterogeneous vLLM fleet, the router in A/B mode, a real trace.
+
+    simulator demo [--duration 75] [--trace azure-conv] [--replica URL ...]
+
+1. Starts emulated vLLM replicas (`simulator emulate`, each in its own process group on a free loopback
+   port) with a heterogeneous mix: 2 x Llama-3-8B on A100, 1 x on H100, 1 x on A100 slowed 3x (a degraded
+   node). `--replica URL` (repeatable) uses real vLLM servers instead and starts no emulator.
+2. Starts the router (`python -m router serve`) in front of them: control arm least-outstanding (the
+   fallback), treatment arm the learned policy, traffic split 50/50 by a stable hash of the request
+   (`--ab-treatment/--ab-share`). A router without those flags gets `--policy <treatment>` alone, and a
+   checkout without a shipped learned model gets a stated stand-in treatment.
+3. Waits until every replica is routable, then replays a train-window slice of the Azure conversation
+   trace sped up to load the fleet (`simulator loadgen` in process, with live progress).
+4. Prints TTFT and E2E percentiles per arm side by side, and which replicas each arm used.
+Stops everything it started, also on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulator.loadgen import (
+    TRACE_CHOICES,
+    ClientSpec,
+    PlanSpec,
+    build_plan,
+    format_side_by_side,
+    run_load,
+    summarize,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ARM_ORDER = ("control", "treatment", "main", "all")
+
+
+@dataclass(frozen=True)
+class EmulatedReplica:
+    profile: str
+    slowdown: float = 1.0
+
+    def label(self) -> str:
+        return self.profile + (f" x{self.slowdown:g} slower" if self.slowdown != 1 else "")
+
+
+# Heterogeneous on purpose: a least-outstanding router treats all four alike.
+DEFAULT_FLEET = (
+    EmulatedReplica("llama3-8b-a100"),
+    EmulatedReplica("llama3-8b-a100"),
+    EmulatedReplica("llama3-8b-h100"),
+    EmulatedReplica("llama3-8b-a100", slowdown=3.0),
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Child processes, each in its own process group; `stop()` ends every group it started."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=REPO_ROOT, env=env)  # fmt: skip
+        log.close()
+        self.procs.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+        for _, proc in self.procs:  # children of a child (none expected) share its group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        self.procs.clear()
+
+
+def _get_json(url: str, timeout: float = 1.0) -> tuple[int, object]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            body = r.read()
+            return r.status, json.loads(body) if body else None
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            return e.code, json.loads(body)
+        except ValueError:
+            return e.code, None
+
+
+def wait_ready(procs: Processes, urls: list[str], router: str, timeout_s: float) -> None:
+    """Every replica answers /health, then the router's /ready counts all of them routable."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while True:
+        procs.check_alive()
+        still = []
+        for url in pending:
+            try:
+                status, _ = _get_json(url + "/health")
+            except (OSError, ValueError):
+                status = 0
+            if status != 200:
+                still.append(url)
+        pending = still
+        if not pending:
+            try:
+                status, body = _get_json(router + "/ready")
+            except (OSError, ValueError):
+                status, body = 0, None
+            if status == 200 and isinstance(body, dict) and body.get("healthy_replicas") == len(urls):
+                return
+        if time.monotonic() > deadline:
+            what = f"replicas {pending}" if pending else f"router {router}/ready"
+            raise TimeoutError(f"not ready after {timeout_s:.0f} s: {what} (logs in {procs.log_dir})")
+        time.sleep(0.2)
+
+
+def router_flags(python: str) -> set[str]:
+    """The flags `router serve --help` lists (A/B support is detected, not assumed)."""
+    out = subprocess.run([python, "-m", "router", "serve", "--help"], capture_output=True, text=True, cwd=REPO_ROOT,
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"`router serve --help` failed:\n{out.stderr[-2000:]}")
+    return {tok.rstrip(",") for tok in out.stdout.split() if tok.startswith("--")}
+
+
+def learned_available() -> bool:
+    from router.policy.registry import DEFAULT_MODEL_PATH
+
+    return DEFAULT_MODEL_PATH.is_file()
+
+
+def router_argv(python: str, port: int, replicas: list[str], control: str, treatment: str, share: float,
+                flags: set[str]) -> tuple[list[str], bool]:  # fmt: skip
+    argv = [python, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    for url in replicas:
+        argv += ["--replica", url]
+    ab = "--ab-treatment" in flags and "--ab-share" in flags
+    if ab:
+        argv += ["--policy", control, "--ab-treatment", treatment, "--ab-share", str(share)]
+    else:
+        argv += ["--policy", treatment]
+    return argv, ab
+
+
+def _replica_mix(summary: dict, arms: list[str], names: dict[str, str]) -> list[str]:
+    lines = []
+    for arm in arms:
+        counts = summary[arm]["replicas"]
+        if not counts:
+            continue
+        total = sum(counts.values())
+        parts = [f"{names.get(r, r)} {100 * n / total:.0f}%" for r, n in sorted(counts.items())]
+        lines.append(f"  {arm:<10} " + ", ".join(parts))
+    return lines
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replica", action="append", default=[], metavar="URL",
+                   help="use this (real vLLM) server instead of emulated ones (repeatable)")  # fmt: skip
+    p.add_argument("--duration", type=float, default=75.0, help="seconds of trace replay (default 75)")
+    p.add_argument("--trace", default="azure-conv", choices=TRACE_CHOICES, help="trace to replay (train window)")
+    p.add_argument("--start", type=float, default=600.0, help="offset into the train window, trace seconds")
+    p.add_argument("--time-scale", type=float, default=3.0, help="trace speed-up (default 3x: ~15 req/s)")
+    p.add_argument("--token-scale", type=float, default=0.5, help="prompt/output length multiplier (default 0.5)")
+    p.add_argument("--max-tokens-cap", type=int, default=48, help="cap on max_tokens (default 48)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="emulated replicas: batch slots (default 8)")
+    p.add_argument("--speed", type=float, default=0.5,
+                   help="emulated replicas: emulated seconds per wall second (default 0.5: half-speed GPUs, so a "
+                        "2-core machine can stream the tokens of a loaded fleet)")
+    p.add_argument("--control", default="least-outstanding", help="control arm policy (default least-outstanding)")
+    p.add_argument("--treatment", default="learned", help="treatment arm policy (default learned)")
+    p.add_argument("--ab-share", type=float, default=0.5, help="share of traffic in the treatment arm")
+    p.add_argument("--model", default="tiny", help="served model name (for --replica servers)")
+    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="also write the per-arm summary here")
+    p.add_argument("--logs", type=Path, default=None, help="keep the child processes' logs in this folder")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt
+
+
+def main(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    python = sys.executable
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    log_root = args.logs or Path(tempfile.mkdtemp(prefix="routewise-demo-"))
+    log_root.mkdir(parents=True, exist_ok=True)
+    procs = Processes(log_root)
+    treatment = args.treatment
+    note = ""
+    if treatment == "learned" and not learned_available():
+        treatment, note = "speed-aware", "no shipped learned model (router/policy/models/default.onnx): treatment = speed-aware"
+    plan, info = build_plan(PlanSpec(
+        trace=args.trace, window="train", start_s=args.start, time_scale=args.time_scale, duration_s=args.duration,
+        token_scale=args.token_scale, max_tokens_cap=args.max_tokens_cap, seed=args.seed,
+    ))  # fmt: skip
+    try:
+        names: dict[str, str] = {}
+        if args.replica:
+            urls = [u.rstrip("/") for u in args.replica]
+            names = {u: u for u in urls}
+            model = args.model
+        else:
+            urls = []
+            for i, rep in enumerate(DEFAULT_FLEET):
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                procs.start(f"emulator-{i}", [
+                    python, "-m", "simulator", "emulate", "--port", str(port), "--profile", rep.profile,
+                    "--slowdown", str(rep.slowdown), "--max-num-seqs", str(args.max_num_seqs), "--speed", str(args.speed),
+                ])  # fmt: skip
+                urls.append(url)
+                names[url] = f"{i}:{rep.label()}"
+            model = "tiny"
+        router_port = free_port()
+        argv, ab = router_argv(python, router_port, urls, args.control, treatment, args.ab_share, router_flags(python))
+        if not ab:
+            note = (note + "; " if note else "") + f"router has no --ab-treatment: single policy {treatment}"
+        procs.start("router", argv)
+        router = f"http://127.0.0.1:{router_port}"
+        print("routewise demo", file=sys.stderr)
+        for url in urls:
+            print(f"  replica  {names[url]:<32} {url}", file=sys.stderr)
+        arms = f"control={args.control} / treatment={treatment} ({args.ab_share:.0%})" if ab else f"policy={treatment}"
+        print(f"  router   {arms:<32} {router}", file=sys.stderr)
+        if note:
+            print(f"  note     {note}", file=sys.stderr)
+        wait_ready(procs, urls, router, timeout_s=60.0)
+        # The router names replicas by URL or by index: map both to the fleet's labels.
+        names.update({str(i): names[u] for i, u in enumerate(urls)})
+        print(
+            f"  load     {info['requests']} requests of {info['trace']} (train window from {args.start:.0f} s) over "
+            f"{args.duration:.0f} s: time scale {info['time_scale']:g}x, token scale {args.token_scale:g}, "
+            f"max_tokens cap {args.max_tokens_cap}, ~{info['offered_rate_per_s']:.1f} req/s "
+            f"(mean prompt {info['mean_prompt_tokens']:.0f}, mean output {info['mean_max_tokens']:.0f} tokens)",
+            file=sys.stderr,
+        )
+        spec = ClientSpec(url=router, model=model, timeout_s=args.timeout)
+        results, wall = asyncio.run(run_load(plan, spec, progress=not args.no_progress))
+        procs.check_alive()
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the demo's processes", file=sys.stderr)
+        return 130
+    finally:
+        procs.stop()
+    summary = summarize(results)
+    arms_seen = [a for a in ARM_ORDER if a in summary] + [a for a in summary if a not in ARM_ORDER]
+    print()
+    title = f"TTFT and E2E per arm ({info['trace']} train window, {len(results)} requests, {wall:.0f} s)"
+    if ab:
+        title += f": control = {args.control}, treatment = {treatment}"
+    print(title)
+    print(format_side_by_side(summary, arms_seen))
+    mix = _replica_mix(summary, arms_seen, names)
+    if mix:
+        print("replica share per arm:")
+        print("\n".join(mix))
+    print(f"(demo took {time.monotonic() - started:.0f} s; logs in {log_root})")
+    if args.json:
+        args.json.write_text(json.dumps({"plan": info, "summary": summary, "ab": ab, "treatment": treatment}, indent=1))
+    errors = sum(s["errors"] for s in summary.values())
+    return 0 if errors == 0 else 1

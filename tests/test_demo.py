@@ -1,0 +1,88 @@
+"""The CPU demo end to end: emulated fleet + router + trace replay, a per-arm table, and nothing left running."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from simulator.traces import traces_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (traces_dir() / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv").is_file(), reason="traces not found"
+    ),
+]
+URL = re.compile(r"http://127\.0\.0\.1:(\d+)")
+
+
+def _demo(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "simulator", "demo", "--no-progress", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def _closed(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_short_demo_prints_percentiles_per_arm_and_stops_everything():
+    proc = _demo("--duration", "10")
+    try:
+        out, err = proc.communicate(timeout=100)
+    finally:
+        _kill(proc)
+    assert proc.returncode == 0, err[-3000:]
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("metric"))
+    arms = lines[head].split()[1:]
+    assert arms in (["control", "treatment"], ["all"]), lines[head]
+    rows = {line.split("  ")[0].strip(): line.split()[-len(arms):] for line in lines[head + 2 : head + 12]}
+    for metric in ("TTFT p50 (ms)", "TTFT p99 (ms)", "E2E p50 (ms)", "E2E p99 (ms)"):
+        values = [float(v) for v in rows[metric]]  # "-" (no sample) fails here
+        assert all(v > 0 for v in values), (metric, values)
+    ok_err = [tuple(map(int, v.split("/"))) for v in rows["requests ok/err"]]
+    assert sum(ok for ok, _ in ok_err) > 50 and all(err == 0 for _, err in ok_err)
+    ports = {int(p) for p in URL.findall(err)}
+    assert len(ports) >= 5  # 4 emulated replicas + the router
+    assert all(_closed(p) for p in ports), "a process of the demo is still listening"
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_the_fleet():
+    proc = _demo("--duration", "60")
+    ports: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        for line in proc.stderr:  # wait until the load starts
+            ports.update(int(p) for p in URL.findall(line))
+            if line.lstrip().startswith("load") or time.monotonic() > deadline:
+                break
+        assert len(ports) >= 5
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        _kill(proc)
+    assert proc.returncode == 130
+    assert all(_closed(p) for p in ports), "a process of the demo is still listening"
