@@ -40,7 +40,7 @@ def load_session(path: Path):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # a failing run is counted and described by FallbackPolicy, not logged per request
     try:
         session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types for bad files
@@ -69,9 +69,16 @@ class OnnxPolicy(Policy):
         self.load_error: ModelLoadError | None = None
         self.metadata: dict[str, str] = {}
         self._session = None
+        self._run_options = None
+        # (view, features) of the last scores() call, so a decision log can reuse the input it built
+        self.last_input: tuple[ClusterView, np.ndarray] | None = None
         try:
             self._session = load_session(self.path)
             self.metadata = dict(self._session.get_modelmeta().custom_metadata_map)
+            import onnxruntime as ort
+
+            self._run_options = ort.RunOptions()
+            self._run_options.log_severity_level = 4
         except ModelLoadError as exc:
             self.load_error = exc
 
@@ -88,9 +95,10 @@ class OnnxPolicy(Policy):
         if self._session is None:
             err = self.load_error or ModelLoadError("unavailable", f"{self.path}: no model loaded")
             raise PolicyUnavailable(err.reason, str(err))
-        feats = build_features(view, request)[None]
-        mask = action_mask(view).astype(np.float32)[None]
-        (logits,) = self._session.run(["logits"], {"features": feats, "mask": mask})
+        feats = build_features(view, request)
+        self.last_input = (view, feats)
+        mask = np.array([r.healthy for r in view.replicas], dtype=np.float32)  # = action_mask(view), as float32
+        (logits,) = self._session.run(["logits"], {"features": feats[None], "mask": mask[None]}, self._run_options)
         return logits[0]
 
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
