@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +55,11 @@ def export_onnx(net: RoutingNet, path: str | Path, policy_version: str, training
     feats = torch.zeros(2, 5, N_FEATURES)
     mask = torch.ones(2, 5)
     buf = io.BytesIO()
-    with torch.no_grad():
+    # The TorchScript exporter (dynamo=False) gives a plain, small opset-17 graph with symbolic
+    # batch/replica axes; it warns that it is deprecated, which is noise here.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
         torch.onnx.export(
             wrapper,
             (feats, mask),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.config import ClusterConfig
+from simulator.traces import WARMUP_TENANT
 from simulator.types import SimRequest
 from trainer.config import EnvConfig
 
@@ -83,7 +84,11 @@ def window(requests: list[SimRequest], max_requests: int | None, rng: np.random.
     first = int(rng.integers(len(requests) - max_requests + 1))
     part = requests[first : first + max_requests]
     t0 = part[0].arrival_s
-    return [dataclasses.replace(q, request_id=k, arrival_s=q.arrival_s - t0) for k, q in enumerate(part)]
+    # a cut window has no preceding scored segment: its cache warm-up requests are scored like the rest
+    return [
+        dataclasses.replace(q, request_id=k, arrival_s=q.arrival_s - t0, tenant="" if q.tenant == WARMUP_TENANT else q.tenant)
+        for k, q in enumerate(part)
+    ]
 
 
 class InstanceBuilder:

@@ -379,16 +379,21 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, progress: bool = T
     try:
         with WorkerPool(cfg, cfg.run.workers) as pool:
             if progress_state["phase"] == "select":
+                t_sel = time.time()
                 best, table, runs = select_best_heuristics(pool, cfg)
+                print(f"best heuristic per scenario (TRAIN windows, {time.time() - t_sel:.0f}s): {best}", flush=True)
                 progress_state |= {"best_heuristic": best, "heuristic_p99_train": table, "heuristic_runs": runs, "phase": "bc"}
                 checkpoint("last.pt", net)
             best = progress_state["best_heuristic"]
             if progress_state["phase"] == "bc":
+                t_bc = time.time()
                 if cfg.bc.episodes_per_scenario and cfg.bc.epochs:
                     for i, st in enumerate(_bc_phase(pool, cfg, net, best, rng, progress)):
                         logger.log("bc", i, time.time() - wall0, st)
                 ev = evaluate_on_train(pool, cfg, net, best, progress_state["heuristic_runs"])
                 logger.log("bc-eval", 0, time.time() - wall0, ev)
+                print(f"behaviour cloning done in {time.time() - t_bc:.0f}s; TRAIN p99 ratio geomean {ev['eval/score']:.3f}, "
+                      f"worst {ev['eval/worst_ratio']:.3f}", flush=True)
                 progress_state["phase"] = "ppo"
                 consider(ev, "bc")
                 checkpoint("bc.pt", net)

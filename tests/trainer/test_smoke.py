@@ -1,0 +1,134 @@
+"""End to end in seconds: train (selection, BC, 2 PPO updates), resume, export, ONNX parity, bad files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
+from router.policy.registry import make_policy
+from trainer.checkpoint import CheckpointError, load_network, read_checkpoint
+from trainer.cli import main
+from trainer.config import load_config
+from trainer.export import ExportError, check_onnx_file, export_onnx, parity_check
+from trainer.observations import simulator_observations
+from trainer.ppo import train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("run")
+    cfg = load_config(ROOT / "trainer/configs/smoke.yaml", [f"run.run_dir={run_dir}"])
+    summary = train(cfg, progress=False)
+    assert summary["updates"] == cfg.ppo.updates
+    return run_dir
+
+
+def test_train_writes_checkpoints_logs_and_summary(run: Path):
+    for name in ("bc.pt", "best.pt", "last.pt", "metrics.csv", "summary.json"):
+        assert (run / name).is_file(), name
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    header, *rows = (run / "metrics.csv").read_text().splitlines()
+    assert "losses/approx_kl" in header and "eval/fallback_free_share" in header
+    assert [r.split(",")[0] for r in rows].count("ppo") == 2
+    doc = read_checkpoint(run / "last.pt")
+    assert doc["config"]["env"]["scenarios"] == ["steady-chat", "heterogeneous"]
+    assert doc["progress"]["update"] == 2
+    assert float(doc["model"]["normaliser.count"]) > 100  # statistics from the BC data are saved
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["best_heuristic"]) == {"steady-chat", "heterogeneous"}
+
+
+def test_resume_continues_from_last_checkpoint(run: Path, tmp_path: Path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    cfg = load_config(ROOT / "trainer/configs/smoke.yaml", [f"run.run_dir={copy}", "ppo.updates=3"])
+    summary = train(cfg, resume=copy / "last.pt", progress=False)
+    assert summary["updates"] == 3
+    rows = (copy / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[:2] for r in rows if r.startswith("ppo")] == [["ppo", "1"], ["ppo", "2"], ["ppo", "3"]]
+
+
+def test_export_parity_and_router_loads_it(run: Path, tmp_path: Path):
+    net, cfg, _ = load_network(run / "best.pt")
+    out = export_onnx(net, tmp_path / "p.onnx", "test", cfg.model_dump(mode="json"))
+    model = onnx.load(str(out))
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta["feature_spec_hash"] == FEATURE_SPEC_HASH
+    assert json.loads(meta["training_config"])["env"]["max_replicas"] == 8
+    assert model.opset_import[0].version >= 17
+    assert out.stat().st_size < 1_000_000
+    feats, masks = simulator_observations(net, cfg, 1500)
+    assert feats.shape == (1500, cfg.env.max_replicas, N_FEATURES)
+    report = parity_check(net, out, feats, masks)
+    assert report.n_observations == 1500 and report.ok, report
+    assert len(report.replica_counts) >= 2  # the dynamic replica axis was exercised
+    policy = make_policy(str(out))
+    assert policy.load_error is None
+
+
+def test_cli_export_prints_parity(run: Path, tmp_path: Path, capsys):
+    rc = main(["export", "--checkpoint", str(run / "best.pt"), "--out", str(tmp_path / "m.onnx"),
+               "--parity-observations", "300", "--card", str(tmp_path / "card.json"), "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "identical argmax = 100.00%" in out
+    card = json.loads((tmp_path / "card.json").read_text())
+    assert card["parity"]["observations"] == 300 and card["training"]["ppo_updates"] == 2
+
+
+def test_bad_files_are_named(run: Path, tmp_path: Path, capsys):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt.pt: not a readable checkpoint"):
+        read_checkpoint(corrupt)
+    import torch
+
+    doc = torch.load(run / "best.pt", weights_only=False)
+    doc["feature_spec_hash"] = "0000000000000000"
+    torch.save(doc, tmp_path / "other_spec.pt")
+    with pytest.raises(CheckpointError, match=r"other_spec.pt: feature_spec_hash '0000000000000000' does not match"):
+        read_checkpoint(tmp_path / "other_spec.pt")
+    doc = torch.load(run / "best.pt", weights_only=False)
+    doc["config"]["network"]["hidden"] = 32
+    torch.save(doc, tmp_path / "other_shape.pt")
+    with pytest.raises(CheckpointError, match="other_shape.pt: weights do not fit the configured network"):
+        load_network(tmp_path / "other_shape.pt")
+    rc = main(["export", "--checkpoint", str(tmp_path / "other_shape.pt"), "--out", str(tmp_path / "x.onnx")])
+    assert rc == 2 and "other_shape.pt" in capsys.readouterr().err
+
+    bad_onnx = tmp_path / "bad.onnx"
+    bad_onnx.write_bytes(b"\x00garbage")
+    with pytest.raises(ExportError, match="bad.onnx: not a loadable ONNX model"):
+        check_onnx_file(bad_onnx)
+    net, cfg, _ = load_network(run / "best.pt")
+    good = export_onnx(net, tmp_path / "g.onnx", "t", {})
+    model = onnx.load(str(good))
+    for p in model.metadata_props:
+        if p.key == "feature_spec_hash":
+            p.value = "ffffffffffffffff"
+    onnx.save(model, str(tmp_path / "spec.onnx"))
+    with pytest.raises(ExportError, match=r"spec.onnx: feature_spec_hash 'ffffffffffffffff' does not match"):
+        check_onnx_file(tmp_path / "spec.onnx")
+    rc = main(["evaluate", "--policy", str(tmp_path / "spec.onnx"), "--scenarios", "steady-chat", "--seeds", "1", "--no-plots"])
+    assert rc == 2 and "spec.onnx" in capsys.readouterr().err
+
+
+def test_parity_check_detects_a_different_model(run: Path, tmp_path: Path):
+    net, cfg, _ = load_network(run / "best.pt")
+    out = export_onnx(net, tmp_path / "a.onnx", "t", {})
+    with __import__("torch").no_grad():
+        net.policy_head[-1].bias += 1.0  # shifts all logits: diff shows, argmax unchanged
+        net.policy_head[-1].weight.mul_(-1.0)  # flips the ranking
+    rng = np.random.default_rng(0)
+    feats = rng.random((200, 6, N_FEATURES)).astype(np.float32)
+    feats[..., 0] = 1
+    report = parity_check(net, out, feats, np.ones((200, 6), np.float32))
+    assert not report.ok and report.max_abs_diff > 0.5
