@@ -38,6 +38,7 @@ from simulator.types import SimRequest
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
 IDLE, ITER, JUMP, DOWN = 0, 1, 2, 3
 FIRST, COMPLETE = 0, 1  # output kinds
+_ADMISSIBLE, _BLOCKED, _NO_BLOCKS = 0, 1, 2  # the waiting head at the next iteration
 
 
 def chained_keys(block_ids: Sequence[int]) -> tuple[int, ...]:
@@ -222,10 +223,14 @@ class Replica:
             self.mode = IDLE
             self.event_s = None
             return
-        if self.closed_form and not self.prefilling and self.n_dec and not self._head_admissible():
+        if self.closed_form and not self.prefilling and self.n_dec:
+            head = self._head_state()
             need = self.hist[(-self.step) % self.bs]
-            if need <= self.num_free + self.evictable:
-                k = min(self._next_finish() - self.step, self._max_block_steps())
+            if head != _ADMISSIBLE and need <= self.num_free + self.evictable:
+                # A head blocked for want of blocks can become admissible when an eviction drops a
+                # cached entry it would have pinned (its chunk is budget-capped): no evictions then.
+                avail = self.num_free if head == _NO_BLOCKS else self.num_free + self.evictable
+                k = min(self._next_finish() - self.step, self._max_block_steps(avail))
                 if k >= 1:
                     self._start_jump(now, k)
                     return
@@ -240,18 +245,18 @@ class Replica:
             heapq.heappop(h)
         return 1 << 62
 
-    def _head_admissible(self) -> bool:
+    def _head_state(self) -> int:
+        """Whether the next iteration would admit the head of the waiting queue, and if not, why."""
         if not self.waiting or len(self.running) >= self.max_seqs or self.budget - self.n_dec <= 0:
-            return False
+            return _BLOCKED
         st = self.waiting[0]
         hit, _, lost_evictable = self._lookup(st)
         n = min(st.prompt + st.g - hit, self.budget - self.n_dec)
         nb = -(-(hit + n) // self.bs) - hit // self.bs
-        return nb <= self.num_free + self.evictable - lost_evictable
+        return _ADMISSIBLE if nb <= self.num_free + self.evictable - lost_evictable else _NO_BLOCKS
 
-    def _max_block_steps(self) -> int:
-        """Most decode-only steps from now whose block allocations all succeed."""
-        avail = self.num_free + self.evictable
+    def _max_block_steps(self, avail: int) -> int:
+        """Most decode-only steps from now whose block allocations fit in `avail` blocks."""
         n = self.n_dec
         cycles = avail // n
         left = avail - cycles * n

@@ -227,3 +227,48 @@ def test_fit_recovers_overhead_and_efficiencies():
     assert fitted.decode_bw_util == pytest.approx(0.66, rel=0.03)
     with pytest.raises(ValueError, match="at least 3"):
         fit(A100, rows[:2])
+
+
+@pytest.mark.parametrize("seed", [0, 9, 10])
+def test_closed_form_matches_reference_under_memory_pressure_faults_and_stale_scrapes(seed: int):
+    """Randomised: tight budgets and caches, shared prefixes, a crash and a slow-down."""
+    from simulator.config import FaultConfig, ScrapeConfig
+
+    rng = np.random.default_rng(seed)
+    n = 250
+    arr = np.cumsum(rng.exponential(1 / float(rng.uniform(5, 60)), n))
+    reqs = [
+        SimRequest(
+            i, float(arr[i]), int(rng.integers(1, 3000)), int(rng.integers(1, 500)),
+            block_ids=tuple(int(x) for x in rng.integers(0, 3, size=int(rng.integers(0, 6)))), block_tokens=256,
+        )
+        for i in range(n)
+    ]  # fmt: skip
+    faults = [
+        FaultConfig(kind="crash", replica=0, at_s=float(arr[50]), duration_s=float(rng.uniform(0.5, 5)) if seed % 2 else None),
+        FaultConfig(kind="slowdown", replica=1, at_s=float(arr[20]), duration_s=3.0, factor=4.0),
+    ]
+    tight = ReplicaGroup(
+        profile="llama3-8b-a100", count=2, gpu_memory_utilization=0.2235,
+        max_num_seqs=int(rng.integers(1, 64)), max_num_batched_tokens=int(rng.integers(64, 4096)),
+    )  # fmt: skip
+    cfg = ClusterConfig(
+        replicas=[tight, ReplicaGroup(profile="llama3-8b-l4")],
+        faults=faults,
+        scrape=ScrapeConfig(lag_s=float(rng.uniform(0, 2)), failure_prob=0.3),
+        health_check_delay_s=float(rng.uniform(0, 3)),
+    )
+    out = {}
+    for closed in (True, False):
+        sim = ClusterSim(cfg, reqs, seed=seed, closed_form=closed)
+        policy = make_policy("random", seed=seed)
+        while (d := sim.next_decision()) is not None:
+            sim.dispatch(policy.choose(*d))
+        out[closed] = sim.finish()
+        for rep in sim.replicas:
+            assert rep.num_free + rep.evictable == rep.num_blocks  # all blocks back once idle
+    assert sum(r.preemptions for r in out[True]) > 0
+    for a, b in zip(out[True], out[False]):
+        assert (a.replica_id, a.preemptions, a.prefix_hit_tokens) == (b.replica_id, b.preemptions, b.prefix_hit_tokens)
+        assert a.first_token_s == pytest.approx(b.first_token_s, abs=1e-9)
+        assert a.finish_s == pytest.approx(b.finish_s, abs=1e-9)
