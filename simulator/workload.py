@@ -354,7 +354,8 @@ class TraceWorkload(_Strict):
     At most `max_requests` consecutive requests are replayed, starting at a random request of the window
     (`segment: random`, different per seed) or at its first (`segment: first`). Traces whose requests
     continue earlier prefix chains (Mooncake) first replay the `WARMUP_S` seconds before the segment as
-    tenant `warmup` (metrics skip them), unless `warmup: false`.
+    tenant `warmup` (metrics skip them), unless `warmup: false`. With `target_rps`, the segment is sped up
+    to that mean rate (so every segment and both splits run at the same average load), times `time_scale`.
     """
 
     kind: Literal["trace"]
@@ -366,6 +367,9 @@ class TraceWorkload(_Strict):
         default_factory=dict, description="narrower [start_s, end_s) per split, inside the split's window"
     )
     max_prompt_tokens: int | None = Field(None, ge=1, description="clip longer prompts (and their block ids)")
+    target_rps: float | None = Field(
+        None, gt=0, description="speed the scored segment up to this mean rate (then x time_scale); None = native"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TraceWorkload:
@@ -400,7 +404,12 @@ class TraceWorkload(_Strict):
             n_warm = len(warm_idx)
             segment = np.concatenate([warm_idx, segment])
         rows = full.select(segment)
-        arrival = spread_in_buckets(rows.arrival_s, full.bucket_s, rng) / time_scale
+        scale = time_scale
+        if self.target_rps is not None:
+            span = float(full.arrival_s[segment[-1]] - full.arrival_s[segment[n_warm]])
+            native = (len(segment) - n_warm - 1) / span if span > 0 else math.inf
+            scale *= self.target_rps / native if math.isfinite(native) else 1.0
+        arrival = spread_in_buckets(rows.arrival_s, full.bucket_s, rng) / scale
         prompt, blocks = rows.prompt_tokens.copy(), list(rows.block_ids)
         if self.max_prompt_tokens is not None:
             prompt = np.minimum(prompt, self.max_prompt_tokens)
