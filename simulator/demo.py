@@ -203,6 +203,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=3.0, help="trace speed-up (default 3x: ~15 req/s)")
     p.add_argument("--token-scale", type=float, default=0.5, help="prompt/output length multiplier (default 0.5)")
     p.add_argument("--max-tokens-cap", type=int, default=48, help="cap on max_tokens (default 48)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="clip prompts (e.g. 900 for real tiny vLLM servers with --max-model-len 1024)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="emulated replicas: batch slots (default 8)")
     p.add_argument("--speed", type=float, default=0.5,
                    help="emulated replicas: emulated seconds per wall second (default 0.5: half-speed GPUs, so a "
@@ -235,7 +237,8 @@ def main(args: argparse.Namespace) -> int:
         treatment, note = "speed-aware", "no shipped learned model (router/policy/models/default.onnx): treatment = speed-aware"
     plan, info = build_plan(PlanSpec(
         trace=args.trace, window="train", start_s=args.start, time_scale=args.time_scale, duration_s=args.duration,
-        token_scale=args.token_scale, max_tokens_cap=args.max_tokens_cap, seed=args.seed,
+        token_scale=args.token_scale, max_tokens_cap=args.max_tokens_cap,
+        max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
     ))  # fmt: skip
     try:
         names: dict[str, str] = {}

@@ -71,6 +71,7 @@ class Stream:
     first_token_at: float | None = None
     finished_at: float | None = None
     cached_tokens: int = 0
+    error: str | None = None  # set when the engine loop died
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -195,6 +196,7 @@ class WallClockEngine:
         )
         self.metrics.bind_state(self)
         self._preemptions_seen = 0
+        self.error: str | None = None
 
     # ---- state read by the gauges
     @property
@@ -231,6 +233,8 @@ class WallClockEngine:
             )
 
     def submit(self, prompt_tokens: int, max_tokens: int, prefix_keys: tuple[int, ...]) -> tuple[ReqState, Stream]:
+        if self.error:
+            raise RuntimeError(self.error)
         self.validate(prompt_tokens, max_tokens)
         rid = next(self._ids)
         bs = self.settings.block_size
@@ -280,6 +284,20 @@ class WallClockEngine:
 
     # ---- the loop
     async def run(self) -> None:
+        """The engine loop; if the model raises, every stream fails and the server reports unhealthy."""
+        try:
+            await self._run()
+        except Exception as e:  # noqa: BLE001 - surfaced through /health and every request
+            import traceback
+
+            traceback.print_exc()
+            self.error = f"engine loop failed: {e!r}"
+            for stream in self.streams.values():
+                stream.error = self.error
+                stream.wake.set()
+            raise
+
+    async def _run(self) -> None:
         rep = self.replica
         while True:
             if rep.mode != ITER:
@@ -476,7 +494,7 @@ class Api:
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=503, text=self.engine.error) if self.engine.error else web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -498,15 +516,19 @@ class Api:
                 st, stream = self.engine.submit(p.prompt_tokens, p.max_tokens, self._keys(p.text, p.prompt_tokens))
             except ValueError as e:
                 raise BadRequest(str(e)) from None
+            except RuntimeError as e:
+                raise BadRequest(str(e), 503, "ServiceUnavailableError") from None
         except BadRequest as e:
             return _error(str(e), e.status, e.kind)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             if p.stream:
                 return await self._stream(request, stream, p, chat, rid)
-            while not stream.finished:
+            while not stream.finished and stream.error is None:
                 stream.wake.clear()
                 await stream.wake.wait()
+            if stream.error is not None:
+                return _error(stream.error, 500, "InternalServerError")
             return web.json_response(self._full_body(stream, chat, rid))
         finally:
             if not stream.finished:
@@ -550,6 +572,9 @@ class Api:
             first = b""
         sent = 0
         while True:
+            if stream.error is not None:  # mid-stream failure: vLLM sends an error event and stops
+                await resp.write(_sse({"error": {"message": stream.error, "type": "InternalServerError", "code": 500}}))
+                break
             if stream.generated == sent and not stream.finished:
                 stream.wake.clear()
                 await stream.wake.wait()
@@ -592,8 +617,7 @@ def make_app(settings: EmulatorSettings) -> web.Application:
         task = asyncio.create_task(engine.run(), name="emulator-engine")
         yield
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.gather(task, return_exceptions=True)  # a failed loop was already reported
 
     app.cleanup_ctx.append(engine_ctx)
 

@@ -135,6 +135,7 @@ class PlanSpec:
     max_requests: int | None = None
     token_scale: float = 1.0
     max_tokens_cap: int | None = None
+    max_prompt_tokens: int | None = None  # clip longer prompts (after token_scale)
     prompt_tokens: int = 256  # poisson only
     output_tokens: int = 32  # poisson only
     seed: int = 0
@@ -205,6 +206,8 @@ def build_plan(spec: PlanSpec, library: TraceLibrary | None = None) -> tuple[lis
     plan: list[PlannedRequest] = []
     for t, p, o, b in zip(send, prompt, output, blocks):
         p_tok = max(1, round(int(p) * spec.token_scale))
+        if spec.max_prompt_tokens is not None:
+            p_tok = min(p_tok, spec.max_prompt_tokens)
         o_tok = max(1, round(int(o) * spec.token_scale))
         if spec.max_tokens_cap is not None:
             o_tok = min(o_tok, spec.max_tokens_cap)
@@ -550,6 +553,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=None, help="stop after this many requests")
     p.add_argument("--token-scale", type=float, default=1.0, help="multiply prompt and output lengths (e.g. 0.05 for CPU)")
     p.add_argument("--max-tokens-cap", type=int, default=None, help="cap max_tokens (output length)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="clip prompts to this many tokens (after scaling)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="poisson: prompt length in tokens")
     p.add_argument("--output-tokens", type=int, default=32, help="poisson: output length in tokens")
     p.add_argument("--model", default="tiny", help="model name sent in requests")
@@ -576,6 +580,7 @@ def spec_from_args(args: argparse.Namespace) -> tuple[PlanSpec, ClientSpec]:
         max_requests=args.max_requests,
         token_scale=args.token_scale,
         max_tokens_cap=args.max_tokens_cap,
+        max_prompt_tokens=args.max_prompt_tokens,
         prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens,
         seed=args.seed,

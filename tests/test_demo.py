@@ -16,12 +16,20 @@ import pytest
 from simulator.traces import traces_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [
+E2E_MARKS = (
     pytest.mark.slow,
     pytest.mark.skipif(
         not (traces_dir() / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv").is_file(), reason="traces not found"
     ),
-]
+    pytest.mark.timeout(120),
+)
+
+
+def end_to_end(test):
+    for mark in E2E_MARKS:
+        test = mark(test)
+    return test
+
 URL = re.compile(r"http://127\.0\.0\.1:(\d+)")
 
 
@@ -45,7 +53,19 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@pytest.mark.timeout(120)
+def test_router_gets_ab_flags_only_when_it_lists_them():
+    from simulator.demo import router_argv
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    argv, ab = router_argv("py", 9, urls, "least-outstanding", "learned", 0.5, {"--policy", "--ab-treatment", "--ab-share"})
+    assert ab and argv[argv.index("--policy") + 1] == "least-outstanding"
+    assert argv[argv.index("--ab-treatment") + 1] == "learned" and argv[argv.index("--ab-share") + 1] == "0.5"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--replica"] == urls
+    argv, ab = router_argv("py", 9, urls, "least-outstanding", "learned", 0.5, {"--policy", "--replica"})
+    assert not ab and "--ab-treatment" not in argv and argv[argv.index("--policy") + 1] == "learned"
+
+
+@end_to_end
 def test_short_demo_prints_percentiles_per_arm_and_stops_everything():
     proc = _demo("--duration", "10")
     try:
@@ -68,7 +88,7 @@ def test_short_demo_prints_percentiles_per_arm_and_stops_everything():
     assert all(_closed(p) for p in ports), "a process of the demo is still listening"
 
 
-@pytest.mark.timeout(120)
+@end_to_end
 def test_ctrl_c_stops_the_fleet():
     proc = _demo("--duration", "60")
     ports: set[int] = set()

@@ -182,3 +182,20 @@ async def test_client_disconnect_aborts_the_request():
         # the engine is still healthy afterwards
         r2 = await client.completions.create(model="tiny", prompt="again", max_tokens=3)
         assert r2.usage.completion_tokens == 3
+
+
+async def test_a_failing_model_fails_requests_and_health_instead_of_hanging():
+    from simulator.emulator import ENGINE_KEY
+
+    async with emulator() as (server, client):
+        engine = server.app[ENGINE_KEY]
+
+        def broken(now):
+            raise RuntimeError("model bug")
+
+        engine.replica._finish_iteration = broken
+        with pytest.raises(Exception) as info:
+            await client.completions.create(model="tiny", prompt="x", max_tokens=3)
+        assert "model bug" in str(info.value)
+        async with aiohttp.ClientSession() as s, s.get(server.make_url("/health")) as r:
+            assert r.status == 503
