@@ -14,6 +14,7 @@ from aiohttp import web
 from router.errors import error_response
 from router.proxy import Proxy
 from router.replicas import Replica
+from router.serving.admin_api import serving_routes
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -101,7 +102,7 @@ def admin_routes(proxy: Proxy, token: str, started_at: float) -> list[web.RouteD
         replicas.restore(rep.id)
         return web.json_response(replica_info(rep, replicas.clock()))
 
-    return [
+    return serving_routes(proxy.router.serving, proxy.router.main.arm, guarded) + [
         web.get("/admin/status", guarded(status)),
         web.get("/admin/replicas", guarded(list_replicas)),
         web.get("/admin/policy", guarded(policy)),

@@ -104,7 +104,7 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     async def on_shutdown(app: web.Application) -> None:
         proxy.draining = True
 
-    app.cleanup_ctx.extend([session_ctx, replicas_ctx, scraper_ctx])
+    app.cleanup_ctx.extend([session_ctx, replicas_ctx, scraper_ctx, router.serving.cleanup_ctx])
     app.on_shutdown.append(on_shutdown)
 
     async def metrics_handler(request: web.Request) -> web.Response:

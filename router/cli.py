@@ -41,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="vLLM base URL, e.g. http://10.0.0.5:8000 (repeatable)")
     s.add_argument("--discover", metavar="HOST:PORT", help="resolve HOST's A records periodically (headless service)")
     s.add_argument("--policy", help=f"one of {', '.join(policy_names())}, or a path to an .onnx file (default learned)")
+    s.add_argument("--shadow-policy", help="a second policy (name or .onnx path) that decides on every request "
+                   "without acting; agreement is exported as llm_router_shadow_decisions_total")
+    s.add_argument("--ab-treatment", help="A/B: the treatment policy (name or .onnx path); control is --policy")
+    s.add_argument("--ab-share", type=float, help="A/B: share of request keys (x-routewise-key, x-user-id, "
+                   "x-session-id, the OpenAI 'user' field, else the request) routed by the treatment, 0..1")
+    s.add_argument("--decision-log", dest="decision_log_dir", metavar="DIR",
+                   help="write one JSON line per routing decision to rotating files in DIR (see router/serving/DECISION_LOG.md)")
     s.add_argument("--admin-token", help="bearer token of /admin/* (admin API disabled without one)")
     s.add_argument("--scrape-interval", type=float, dest="scrape_interval_s", help="seconds between /metrics scrapes")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])

@@ -32,6 +32,14 @@ _DATA = b"data:"
 _DONE = b"data: [DONE]"
 
 
+def route_headers(route: Route, upstream_headers) -> Any:
+    """The replica's response headers plus which arm and replica served it (clients group results by them)."""
+    h = response_headers(upstream_headers)
+    h["x-routewise-arm"] = route.runner.arm
+    h["x-routewise-replica"] = route.replica.id
+    return h
+
+
 class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
@@ -145,7 +153,7 @@ class Proxy:
             if known and body["model"] not in known:
                 raise BadRequest(f"The model `{body['model']}` does not exist.", param="model", status=404,
                                  code="model_not_found")
-            info = self.router.request_info(body, chat)
+            info = self.router.request_info(body, chat, request.headers)
         except BadRequest as exc:
             return exc.response()
         stream = body.get("stream") is True
@@ -202,6 +210,7 @@ class Proxy:
     ) -> web.StreamResponse:
         """One upstream attempt. Raises UpstreamError only while nothing has reached the client."""
         rep = route.replica
+        route.stream = stream
         ch = self.children(route)
         resp: aiohttp.ClientResponse | None = None
         clean = False  # the upstream body was read to its end: the connection may be reused
@@ -218,7 +227,7 @@ class Proxy:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 route.outcome = Outcome(False, None, None)
                 raise UpstreamError(classify(exc), f"{rep.id}: {type(exc).__name__}: {exc}") from None
-            status = resp.status
+            status = route.status = resp.status
             if status >= 500 and can_retry:
                 route.outcome = Outcome(False, None, None)
                 raise UpstreamError("http_5xx", f"{rep.id}: HTTP {status}")
@@ -233,7 +242,7 @@ class Proxy:
                 ch.e2e.observe(e2e)
                 ch.codes[_code_class(status)].inc()
                 route.outcome = Outcome(status < 300, None, e2e)
-                return web.Response(status=status, body=first, headers=response_headers(resp.headers))
+                return web.Response(status=status, body=first, headers=route_headers(route, resp.headers))
             return await self._stream(request, route, resp, first, t0, ch)
         except _ClientGone:
             ch.codes["error"].inc()
@@ -254,7 +263,7 @@ class Proxy:
         ch: _Children,
     ) -> web.StreamResponse:
         rep = route.replica
-        out = web.StreamResponse(status=resp.status, headers=response_headers(resp.headers))
+        out = web.StreamResponse(status=resp.status, headers=route_headers(route, resp.headers))
         ttft: float | None = None
         events = 0
         done = False

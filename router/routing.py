@@ -22,6 +22,9 @@ from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, LeastOutstanding, T
 from router.policy.fallback import FALLBACK_REASONS, Decision
 from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
 from router.replicas import Replica, ReplicaSet
+from router.serving.arms import routing_key
+from router.serving.layer import ServingLayer
+from router.serving.shadow import ShadowResult
 from router.settings import RouterSettings, is_learned
 from router.telemetry import RouterMetrics
 
@@ -33,6 +36,26 @@ def policy_label(name: str) -> str:
     return Path(name).stem if name.endswith(".onnx") else name
 
 
+def guarded_policy(policy_name: str, settings: RouterSettings) -> FallbackPolicy:
+    """`policy_name` behind FallbackPolicy(LOR) with the settings' budget and guards. The stale-stats
+    and overload guards default on for learned policies only (an explicit setting applies to all)."""
+    learned = is_learned(policy_name)
+    explicit = settings.model_fields_set
+
+    def guard(field: str) -> Any:
+        return getattr(settings, field) if field in explicit or learned else None
+
+    return FallbackPolicy(
+        make_policy(policy_name, seed=settings.seed),
+        LeastOutstanding(seed=None if settings.seed is None else settings.seed + 1),
+        budget_s=settings.decision_budget_s,
+        clock=time.perf_counter,
+        max_stats_age_s=guard("max_stats_age_s"),
+        min_confidence=settings.min_confidence if learned else None,
+        overload_margin=guard("overload_margin"),
+    )
+
+
 class PolicyRunner:
     """One policy for one arm: decisions, fallback accounting, decision latency, policy info."""
 
@@ -41,16 +64,8 @@ class PolicyRunner:
         self.name = policy_name
         self.label = policy_label(policy_name)
         learned = is_learned(policy_name)
-        primary = make_policy(policy_name, seed=settings.seed)
-        self.policy = FallbackPolicy(
-            primary,
-            LeastOutstanding(seed=None if settings.seed is None else settings.seed + 1),
-            budget_s=settings.decision_budget_s,
-            clock=time.perf_counter,
-            max_stats_age_s=settings.max_stats_age_s,
-            min_confidence=settings.min_confidence if learned else None,
-            overload_margin=settings.overload_margin,
-        )
+        self.policy = guarded_policy(policy_name, settings)
+        primary = self.policy.primary
         self.fallback_counts: Counter[str] = Counter()
         self.decisions = 0
         self.last_error: str | None = None
@@ -64,6 +79,16 @@ class PolicyRunner:
         self.version = str(info.get("version", "builtin"))
         self.feature_hash = str(info.get("feature_spec_hash") or (FEATURE_SPEC_HASH if learned else ""))
         metrics.policy_info.labels(arm, self.label, self.version, self.feature_hash).set(1)
+
+    def swap_primary(self, primary) -> None:
+        """Hot reload: later decisions use `primary`; decisions already made are untouched."""
+        self.policy.primary = primary
+        info = primary.describe()
+        self._metrics.policy_info.remove(self.arm, self.label, self.version, self.feature_hash)
+        self.version = str(info.get("version", "builtin"))
+        self.feature_hash = str(info.get("feature_spec_hash") or self.feature_hash)
+        self._metrics.policy_info.labels(self.arm, self.label, self.version, self.feature_hash).set(1)
+        self.last_error = None
 
     def decide(self, view: ClusterView, request: RequestInfo) -> Decision:
         d = self.policy.decide(view, request)
@@ -96,6 +121,13 @@ class Route:
     request: RequestInfo
     outcome: Outcome | None = None  # set by the proxy, passed to the policy at release
     tpot_s: float | None = None
+    view: ClusterView | None = None  # what the policy saw (shadow evaluation, decision log)
+    wall_s: float = 0.0  # unix time of the decision (decision log)
+    attempt: int = 0  # 0 for the first try, 1.. for retries on another replica
+    status: int | None = None  # upstream HTTP status, set by the proxy
+    stream: bool | None = None
+    shadow: ShadowResult | None = None
+    prefix_block_tokens: int | None = None
 
 
 def prompt_text(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
@@ -129,11 +161,20 @@ class Router:
         self.metrics = metrics
         self.clock = clock
         self.estimator = TokenEstimator(chars_per_token=settings.chars_per_token)
-        self.main = PolicyRunner("main", settings.policy, settings, metrics)
-        self.arms: dict[str, PolicyRunner] = {"main": self.main}
+        if settings.ab_treatment is not None:  # A/B: arms control (= policy) and treatment
+            self.main = PolicyRunner("control", settings.policy, settings, metrics)
+            self.arms: dict[str, PolicyRunner] = {
+                "control": self.main, "treatment": PolicyRunner("treatment", settings.ab_treatment, settings, metrics),
+            }
+        else:
+            self.main = PolicyRunner("main", settings.policy, settings, metrics)
+            self.arms = {"main": self.main}
+        self.serving = ServingLayer(
+            settings, metrics.registry, self.arms, lambda name: guarded_policy(name, settings), policy_label, clock,
+        )
         self._ids = itertools.count(1)
 
-    def request_info(self, body: dict[str, Any], chat: bool) -> RequestInfo:
+    def request_info(self, body: dict[str, Any], chat: bool, headers: Any = None) -> RequestInfo:
         text, exact = prompt_text(body, chat)
         max_tokens = body.get("max_completion_tokens") if chat else None
         if max_tokens is None:
@@ -142,17 +183,19 @@ class Router:
         if isinstance(max_tokens, int) and isinstance(n, int) and n > 1:
             max_tokens *= n
         user = body.get("user")
+        request_id = f"r{next(self._ids)}"
         return RequestInfo(
-            request_id=f"r{next(self._ids)}",
+            request_id=request_id,
             prompt_tokens_est=exact if exact is not None else self.estimator.from_text(text),
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             prefix_blocks=text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
-            key=user if isinstance(user, str) else None,
+            key=routing_key(headers or {}, user if isinstance(user, str) else None, request_id),
         )
 
     def select_runner(self, request: RequestInfo) -> PolicyRunner:
-        """The arm that routes this request (A/B splitting hooks in here)."""
-        return self.main
+        """The arm that routes this request: by the stable hash of its key under A/B."""
+        arm = self.serving.arm_for(request.key or request.request_id)
+        return self.main if arm is None else self.arms[arm]
 
     def route(self, request: RequestInfo, exclude: set[str] | None = None) -> Route:
         """Pick a replica and dispatch the request to it in the tracker. Raises NoHealthyReplica."""
@@ -169,7 +212,10 @@ class Router:
         replica = self.replicas.ordered[decision.index]
         self.replicas.cluster.dispatch(decision.index, request)
         runner._latency.observe(time.perf_counter() - t0)
-        return Route(replica, decision, runner, request)
+        route = Route(replica, decision, runner, request, view=view, wall_s=time.time(), attempt=len(exclude or ()),
+                      prefix_block_tokens=self.replicas.cluster.prefix_block_tokens)
+        self.serving.after_decision(route, view)
+        return route
 
     def on_first_token(self, route: Route, ttft_s: float) -> None:
         route.replica.tracker.on_first_token(ttft_s)
@@ -179,6 +225,7 @@ class Router:
         route.replica.tracker.on_complete(route.request.request_id, tpot_s)
         if outcome is not None:
             route.runner.policy.on_complete(route.replica.id, route.request, outcome)
+        self.serving.on_release(route, outcome)
 
     def describe(self) -> dict[str, Any]:
         return {name: runner.describe() for name, runner in self.arms.items()}

@@ -85,11 +85,20 @@ class RouterSettings(BaseSettings):
     chars_per_token: float = Field(4.0, gt=0)
     prefix_capacity_blocks: int = Field(4096, ge=1)
 
-    # serving extensions (shadow, A/B, decision log), validated here and passed down
-    shadow_policy: str | None = None
-    ab_treatment: str | None = None
-    ab_share: float = Field(0.0, ge=0.0, le=1.0)
+    # serving extensions (shadow, A/B, decision log, hot reload), validated here and passed down
+    shadow_policy: str | None = Field(None, description="a second policy that decides on every request without acting")
+    ab_treatment: str | None = Field(None, description="treatment policy of an A/B split (control = policy)")
+    ab_share: float = Field(0.0, ge=0.0, le=1.0, description="share of request keys routed by the treatment")
+    ab_window_requests: int = Field(1000, ge=1, description="rollback guard: outcomes kept per arm")
+    ab_window_s: float = Field(300.0, gt=0, description="rollback guard: oldest outcome kept, seconds")
+    ab_min_samples: int = Field(500, ge=1, description="rollback guard: outcomes per arm before a verdict")
+    ab_max_p99_ratio: float = Field(1.2, gt=0, description="roll back when treatment p99 TTFT / control p99 exceeds this")
+    ab_max_error_rate_delta: float = Field(0.01, ge=0, le=1, description="... or its error rate exceeds control's by this")
     decision_log_dir: Path | None = None
+    decision_log_max_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="start a new file past this size")
+    decision_log_keep: int = Field(10, ge=1, description="decision log files kept (oldest deleted)")
+    decision_log_queue: int = Field(10_000, ge=1, description="records waiting to be written; more are dropped and counted")
+    policy_watch_interval_s: float | None = Field(5.0, gt=0, description="poll learned policy files for changes; None = off")
 
     # admin and lifecycle
     admin_token: SecretStr | None = None
@@ -145,6 +154,10 @@ class RouterSettings(BaseSettings):
             raise ValueError("replicas: no replicas; give --replica URL (repeatable) or --discover host:port")
         if self.ab_share > 0 and self.ab_treatment is None:
             raise ValueError(f"ab_share={self.ab_share}: needs ab_treatment")
+        if self.ab_min_samples > self.ab_window_requests:
+            raise ValueError(f"ab_min_samples={self.ab_min_samples}: must not exceed ab_window_requests={self.ab_window_requests}")
+        if self.decision_log_dir is not None and self.decision_log_dir.exists() and not self.decision_log_dir.is_dir():
+            raise ValueError(f"decision_log_dir={str(self.decision_log_dir)!r}: exists and is not a directory")
         if self.scrape_timeout_s > self.scrape_interval_s:
             raise ValueError(f"scrape_timeout_s={self.scrape_timeout_s}: must not exceed scrape_interval_s={self.scrape_interval_s}")
         learned = is_learned(self.policy)

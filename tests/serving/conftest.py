@@ -6,3 +6,52 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for tests.* imports
+
+from collections.abc import AsyncIterator, Awaitable, Callable  # noqa: E402
+
+import pytest_asyncio  # noqa: E402
+from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
+
+from router.app import create_app  # noqa: E402
+from router.settings import RouterSettings  # noqa: E402
+from tests.fakes.fake_vllm import FakeVllm  # noqa: E402
+
+TOKEN = "serving-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+FAST = dict(
+    health_interval_s=0.05, health_timeout_s=0.5, health_failure_threshold=1, scrape_interval_s=0.05,
+    scrape_timeout_s=0.05, breaker_failure_threshold=2, breaker_cooldown_s=0.2, first_byte_timeout_s=2.0,
+    connect_timeout_s=0.5, models_refresh_interval_s=0.1, admin_token=TOKEN, max_stats_age_s=30.0,
+)
+
+
+@pytest_asyncio.fixture
+async def fakes() -> AsyncIterator[Callable[..., Awaitable[list[FakeVllm]]]]:
+    started: list[FakeVllm] = []
+
+    async def start(n: int = 2, **kw) -> list[FakeVllm]:
+        out = [FakeVllm(**kw) for _ in range(n)]
+        for f in out:
+            await f.start()
+        started.extend(out)
+        return out
+
+    yield start
+    for f in started:
+        await f.stop()
+
+
+@pytest_asyncio.fixture
+async def router_client() -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
+    clients: list[TestClient] = []
+
+    async def start(replicas: list[str], **overrides) -> TestClient:
+        settings = RouterSettings(replicas=replicas, **{**FAST, **overrides})
+        client = TestClient(TestServer(create_app(settings), host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield start
+    for c in clients:
+        await c.close()
