@@ -30,6 +30,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,8 +273,9 @@ def main(args: argparse.Namespace) -> int:
         if note:
             print(f"  note     {note}", file=sys.stderr)
         wait_ready(procs, urls, router, timeout_s=60.0)
-        # The router names replicas by URL or by index: map both to the fleet's labels.
+        # The router names replicas by URL, host:port or index: map each to the fleet's labels.
         names.update({str(i): names[u] for i, u in enumerate(urls)})
+        names.update({urlsplit(u).netloc: names[u] for u in urls})
         print(
             f"  load     {info['requests']} requests of {info['trace']} (train window from {args.start:.0f} s) over "
             f"{args.duration:.0f} s: time scale {info['time_scale']:g}x, token scale {args.token_scale:g}, "
