@@ -1,0 +1,40 @@
+"""`trainer evaluate --json` is `simulator compare --json` (same function, same document)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from simulator.cli import main as simulator_main
+from trainer.cli import main as trainer_main
+
+
+def _nan_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_nan_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_nan_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def test_evaluate_json_matches_simulator_compare(capsys, tmp_path):
+    args = ["--scenarios", "steady-chat", "--seeds", "2"]
+    rc = trainer_main(["evaluate", *args, "--baselines", "least-outstanding,round-robin", "--json", "--no-plots",
+                       "--workers", "1", "--no-progress", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    ours = json.loads(capsys.readouterr().out)
+    rc = simulator_main(["compare", "--scenario", "steady-chat", "--seeds", "2", "--policies", "least-outstanding,round-robin", "--json"])
+    assert rc == 0
+    theirs = json.loads(capsys.readouterr().out)
+    assert _nan_equal(ours, theirs)
+    assert {r["policy"] for r in ours["results"]} == {"least-outstanding", "round-robin"}
+    assert all("ttft_p99_s_ci95" in r for r in ours["results"])
+
+
+def test_evaluate_rejects_unknown_names(capsys):
+    assert trainer_main(["evaluate", "--baselines", "nope", "--no-plots"]) == 2
+    assert "unknown baseline(s) ['nope']" in capsys.readouterr().err
+    assert trainer_main(["evaluate", "--policy", "missing.onnx", "--scenarios", "steady-chat", "--no-plots"]) == 2
+    assert "missing.onnx" in capsys.readouterr().err
