@@ -458,6 +458,11 @@ COMMANDS["demo"] = Command(
     "simulator.demo:add_arguments",
     "simulator.demo:main",
 )
+COMMANDS["replay"] = Command(
+    "a live router's decision log as a workload: summary, replay scenario YAML, simulated policies",
+    "simulator.replay:add_arguments",
+    "simulator.replay:run",
+)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from simulator.traces import (
     split_window,
     spread_in_buckets,
 )
+from simulator.replay import DecisionLogWorkload
 from simulator.types import SimRequest
 
 
@@ -419,4 +420,6 @@ class TraceWorkload(_Strict):
         return _requests(arrival, prompt, rows.output_tokens, blocks, rows.block_tokens, tenants)
 
 
-WorkloadSpec = Annotated[Union[SyntheticWorkload, AdversarialWorkload, TraceWorkload], Field(discriminator="kind")]
+WorkloadSpec = Annotated[
+    Union[SyntheticWorkload, AdversarialWorkload, TraceWorkload, DecisionLogWorkload], Field(discriminator="kind")
+]
