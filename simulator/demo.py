@@ -190,7 +190,8 @@ def _replica_mix(summary: dict, arms: list[str], names: dict[str, str]) -> list[
         if not counts:
             continue
         total = sum(counts.values())
-        parts = [f"{names.get(r, r)} {100 * n / total:.0f}%" for r, n in sorted(counts.items())]
+        labelled = sorted((names.get(r, r), n) for r, n in counts.items())
+        parts = [f"{label} {100 * n / total:.0f}%" for label, n in labelled]
         lines.append(f"  {arm:<10} " + ", ".join(parts))
     return lines
 
