@@ -246,3 +246,18 @@ async def test_client_disconnect_before_first_byte_releases_slot(fakes, router_c
             await task
     await wait_for(lambda: a.cancelled == 1 and outstanding(client) == 0)
     assert client.app[REPLICAS].ordered[0].tracker.outstanding == 0
+
+
+async def test_hop_by_hop_headers_are_stripped_both_ways(fakes, router_client):
+    (a,) = await fakes(1)
+    client = await router_client([a.url])
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, headers={
+        "Connection": "keep-alive, X-Drop-Me", "X-Drop-Me": "1", "TE": "trailers", "Proxy-Authorization": "p",
+        "Keep-Alive": "timeout=5", "X-Keep-Me": "2",
+    })
+    assert resp.status == 200
+    sent = {k.lower(): v for k, v in a.headers[0].items()}
+    assert sent["x-keep-me"] == "2"
+    for h in ("x-drop-me", "te", "proxy-authorization", "keep-alive"):
+        assert h not in sent, h
+    assert "transfer-encoding" not in {k.lower() for k in resp.headers}

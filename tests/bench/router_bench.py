@@ -1,0 +1,308 @@
+"""Router overhead benchmark: backend direct vs nginx vs the routewise router (a script, not a test).
+
+    .venv/bin/python tests/bench/router_bench.py [--duration 20] [--wrk-duration 10] [--json]
+
+Starts a trivial fast backend (raw asyncio HTTP server answering OpenAI-shaped completions,
+streamed or not, plus /health, /metrics, /v1/models), the router in a subprocess
+(`router serve --policy least-outstanding`), and nginx (one worker, proxy_buffering off) in front
+of the same backend. Measures
+  (a) added latency p50/p99 vs direct at a fixed open-loop rate (default 50 req/s, 20 s), and
+  (b) max requests/s with wrk, non-streaming and streaming, for direct, nginx and router.
+Everything listens on 127.0.0.1 and runs in its own process group; all are stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BODY = {"model": "tiny", "prompt": "Hello, how are you today? " * 4, "max_tokens": 16}
+STREAM_EVENTS = 16
+
+# ----------------------------------------------------------------------------- the backend
+
+
+def _completion_json() -> bytes:
+    return json.dumps({
+        "id": "cmpl-b", "object": "text_completion", "created": 0, "model": "tiny",
+        "choices": [{"index": 0, "text": " hello" * 16, "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 26, "completion_tokens": 16, "total_tokens": 42},
+    }).encode()
+
+
+def _stream_body() -> bytes:
+    parts = []
+    for i in range(STREAM_EVENTS):
+        ev = json.dumps({"id": "cmpl-b", "object": "text_completion", "created": 0, "model": "tiny",
+                         "choices": [{"index": 0, "text": " hello", "logprobs": None,
+                                      "finish_reason": "length" if i == STREAM_EVENTS - 1 else None}]}).encode()
+        parts.append(b"data: " + ev + b"\n\n")
+    parts.append(b"data: [DONE]\n\n")
+    out = b""
+    for p in parts:  # one HTTP chunk per SSE event, like vLLM
+        out += f"{len(p):x}\r\n".encode() + p + b"\r\n"
+    return out + b"0\r\n\r\n"
+
+
+METRICS_PAGE = (
+    b'vllm:num_requests_running{engine="0",model_name="tiny"} 1.0\n'
+    b'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0\n'
+    b'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.1\n'
+    b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+)
+
+
+def _resp(status: str, ctype: bytes, body: bytes) -> bytes:
+    return (b"HTTP/1.1 " + status.encode() + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class Backend(asyncio.Protocol):
+    COMPLETION = _resp("200 OK", b"application/json", _completion_json())
+    STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n" + _stream_body())
+    HEALTH = _resp("200 OK", b"text/plain", b"")
+    METRICS = _resp("200 OK", b"text/plain; version=0.0.4", METRICS_PAGE)
+    MODELS = _resp("200 OK", b"application/json", b'{"object":"list","data":[{"id":"tiny","object":"model"}]}')
+    NOT_FOUND = _resp("404 Not Found", b"text/plain", b"")
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.buf = b""
+
+    def data_received(self, data):
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end]
+            m = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
+            n = int(m.group(1)) if m else 0
+            if len(self.buf) < end + 4 + n:
+                return
+            body = self.buf[end + 4:end + 4 + n]
+            self.buf = self.buf[end + 4 + n:]
+            path = head.split(b" ", 2)[1]
+            if path.startswith(b"/v1/completions") or path.startswith(b"/v1/chat"):
+                self.t.write(self.STREAM if b'"stream":true' in body.replace(b" ", b"") else self.COMPLETION)
+            elif path == b"/health":
+                self.t.write(self.HEALTH)
+            elif path == b"/metrics":
+                self.t.write(self.METRICS)
+            elif path == b"/v1/models":
+                self.t.write(self.MODELS)
+            else:
+                self.t.write(self.NOT_FOUND)
+
+
+def run_backend(port: int) -> None:
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def main():
+        server = await asyncio.get_running_loop().create_server(Backend, "127.0.0.1", port, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+# ----------------------------------------------------------------------------- process helpers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, path: str = "/health", timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing answered 200 on 127.0.0.1:{port}{path} within {timeout}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+NGINX_CONF = """
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; fastcgi_temp_path {tmp}/fcgi;
+  uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+  upstream backend {{ server 127.0.0.1:{backend}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://backend;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_cache off;
+    }}
+  }}
+}}
+"""
+
+# ----------------------------------------------------------------------------- measurements
+
+
+async def open_loop(url: str, rate: float, duration: float) -> list[float]:
+    """Latencies (s) of non-streaming completions sent at fixed intervals, regardless of answers."""
+    import aiohttp
+
+    payload = json.dumps(BODY).encode()
+    headers = {"Content-Type": "application/json"}
+    lat: list[float] = []
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for _ in range(20):  # warm up connections
+            async with s.post(url, data=payload, headers=headers) as r:
+                await r.read()
+
+        async def one():
+            t = time.perf_counter()
+            async with s.post(url, data=payload, headers=headers) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            lat.append(time.perf_counter() - t)
+
+        tasks = []
+        t0 = loop.time()
+        n = int(rate * duration)
+        for i in range(n):
+            delay = t0 + i / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return lat
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=1000)[int(q * 1000) - 1]
+
+
+def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path) -> float:
+    body = dict(BODY, stream=stream)
+    script = tmp / f"post_{int(stream)}.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = '{json.dumps(body, separators=(',', ':'))}'\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+    )
+    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "-s", str(script), url],
+                         capture_output=True, text=True, check=True).stdout
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    errs = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errs:
+        raise RuntimeError(f"wrk saw {errs.group(1)} error responses from {url}:\n{out}")
+    return float(m.group(1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=50.0, help="open-loop request rate (req/s)")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of open-loop load per target")
+    ap.add_argument("--wrk-duration", type=int, default=10, help="seconds per wrk run")
+    ap.add_argument("--connections", type=int, default=32, help="wrk connections")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--backend-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.backend_only:
+        run_backend(args.backend_only)
+        return 0
+    for tool in ("nginx", "wrk"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            sys.exit(f"{tool} not found")
+
+    tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
+    bport, rport, nport = free_port(), free_port(), free_port()
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(subprocess.Popen([sys.executable, __file__, "--backend-only", str(bport)], start_new_session=True))
+        wait_port(bport)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(rport),
+             "--replica", f"http://127.0.0.1:{bport}", "--policy", "least-outstanding", "--log-level", "warning"],
+            cwd=REPO, start_new_session=True))
+        (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, backend=bport, port=nport))
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        procs.append(subprocess.Popen([nginx, "-c", str(tmp / "nginx.conf"), "-p", str(tmp), "-g", "daemon off;"],
+                                      start_new_session=True))
+        wait_port(rport, "/ready")
+        wait_port(nport)
+        targets = {"direct": bport, "nginx": nport, "router": rport}
+        results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}
+        for name, port in targets.items():
+            lat = asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/completions", args.rate, args.duration))
+            results["latency_ms"][name] = {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "n": len(lat)}
+        for stream in (False, True):
+            key = "streaming" if stream else "non_streaming"
+            results["rps"][key] = {
+                name: wrk(f"http://127.0.0.1:{port}/v1/completions", stream, args.wrk_duration, args.connections, tmp)
+                for name, port in targets.items()
+            }
+    finally:
+        for p in reversed(procs):
+            stop(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    d = results["latency_ms"]["direct"]
+    for name in ("nginx", "router"):
+        r = results["latency_ms"][name]
+        r["added_p50"], r["added_p99"] = r["p50"] - d["p50"], r["p99"] - d["p99"]
+    for key, row in results["rps"].items():
+        row["router_vs_nginx"] = row["router"] / row["nginx"]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"(a) latency at {args.rate:g} req/s open loop, {args.duration:g} s each, non-streaming (ms)")
+    print(f"{'target':<8} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8}")
+    for name in ("direct", "nginx", "router"):
+        r = results["latency_ms"][name]
+        print(f"{name:<8} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f}")
+    print(f"\n(b) max requests/s with wrk -t1 -c{args.connections} -d{args.wrk_duration}s")
+    print(f"{'mode':<14} {'direct':>9} {'nginx':>9} {'router':>9} {'router/nginx':>13}")
+    for key, row in results["rps"].items():
+        print(f"{key:<14} {row['direct']:9.0f} {row['nginx']:9.0f} {row['router']:9.0f} {row['router_vs_nginx']:13.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
