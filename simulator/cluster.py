@@ -26,7 +26,7 @@ import numpy as np
 from router.policy.base import Policy
 from router.policy.estimate import TokenEstimator, chain_hash
 from router.policy.tracking import ClusterTracker
-from router.policy.types import ClusterView, Outcome, RequestInfo
+from router.policy.types import ClusterView, Outcome, RequestInfo, make_request_info
 from simulator.config import ClusterConfig
 from simulator.costmodel import load_profile
 from simulator.replica import COMPLETE, ReqState, Replica
@@ -296,11 +296,12 @@ class ClusterSim:
         self._advance_integrals(t)
         self._waiting_ft += 1
         self._waiting_arrivals[idx] = req.arrival_s
-        self._infos[idx] = RequestInfo(
-            request_id=str(req.request_id),
-            prompt_tokens_est=self.estimator.from_true_tokens(req.prompt_tokens, self.rng),
-            max_tokens=req.max_tokens,
-            prefix_blocks=self._prefix_blocks(req.block_ids),
+        self._infos[idx] = make_request_info(
+            str(req.request_id),
+            self.estimator.from_true_tokens(req.prompt_tokens, self.rng),
+            req.max_tokens,
+            self._prefix_blocks(req.block_ids) if req.block_ids else (),
+            None,
         )
 
     def _prefix_blocks(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.policy.base import Policy, argmin_random_ties, healthy_or_raise
-from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+from router.policy.types import ClusterView, NoHealthyReplica, ReplicaSnapshot, RequestInfo
 
 
 class RoundRobin(Policy):
@@ -42,8 +42,22 @@ class LeastOutstanding(Policy):
     name = "least-outstanding"
 
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
-        healthy = healthy_or_raise(view)
-        return argmin_random_ties([view.replicas[i].outstanding for i in healthy], healthy, self.rng)
+        # argmin_random_ties over the healthy replicas' counts, in one pass (the simulator's hot path)
+        best = -1
+        tied: list[int] = []
+        i = 0
+        for r in view.replicas:
+            if r.healthy:
+                v = r.outstanding
+                if not tied or v < best:
+                    best = v
+                    tied = [i]
+                elif v == best:
+                    tied.append(i)
+            i += 1
+        if not tied:
+            raise NoHealthyReplica("no healthy replica in the view")
+        return tied[0] if len(tied) == 1 else tied[int(self.rng.integers(len(tied)))]
 
 
 class PowerOfTwo(Policy):

@@ -7,20 +7,15 @@ Times are passed in by the caller (this package never reads a clock).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 from router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
-from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo, make_snapshot, make_view
 
 # Expected decode length when a request carries no max_tokens.
 DEFAULT_DECODE_TOKENS_EST = 256
 EMA_ALPHA = 0.2
-
-
-@dataclass(slots=True)
-class _InFlight:
-    prompt_tokens: int
-    decode_tokens: int
+_INF = math.inf
 
 
 class ReplicaTracker:
@@ -40,13 +35,16 @@ class ReplicaTracker:
         self.last_scrape_s: float | None = None
         self.ttft_ema_s: float | None = None
         self.tpot_ema_s: float | None = None
-        self._inflight: dict[str, _InFlight] = {}
+        self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, decode tokens)
 
     def on_dispatch(self, request: RequestInfo) -> None:
-        decode = request.max_tokens if request.max_tokens is not None else DEFAULT_DECODE_TOKENS_EST
-        self._inflight[request.request_id] = _InFlight(request.prompt_tokens_est, decode)
+        decode = request.max_tokens
+        if decode is None:
+            decode = DEFAULT_DECODE_TOKENS_EST
+        prompt = request.prompt_tokens_est
+        self._inflight[request.request_id] = (prompt, decode)
         self.outstanding += 1
-        self.outstanding_prompt_tokens += request.prompt_tokens_est
+        self.outstanding_prompt_tokens += prompt
         self.outstanding_decode_tokens += decode
         self.dispatched_since_scrape += 1
 
@@ -58,8 +56,8 @@ class ReplicaTracker:
         if entry is None:
             return  # already released (e.g. cancelled, then completed): never double-count
         self.outstanding -= 1
-        self.outstanding_prompt_tokens -= entry.prompt_tokens
-        self.outstanding_decode_tokens -= entry.decode_tokens
+        self.outstanding_prompt_tokens -= entry[0]
+        self.outstanding_decode_tokens -= entry[1]
         if tpot_s is not None:
             self.tpot_ema_s = tpot_s if self.tpot_ema_s is None else self.tpot_ema_s + EMA_ALPHA * (tpot_s - self.tpot_ema_s)
 
@@ -81,22 +79,22 @@ class ReplicaTracker:
         self.dispatched_since_scrape = 0
 
     def snapshot(self, now_s: float, prefix_match_blocks: int = 0) -> ReplicaSnapshot:
-        age = float("inf") if self.last_scrape_s is None else max(0.0, now_s - self.last_scrape_s)
-        return ReplicaSnapshot(
-            replica_id=self.replica_id,
-            healthy=self.healthy,
-            outstanding=self.outstanding,
-            outstanding_prompt_tokens=self.outstanding_prompt_tokens,
-            outstanding_decode_tokens=self.outstanding_decode_tokens,
-            waiting=self.waiting,
-            running=self.running,
-            kv_cache_usage=self.kv_cache_usage,
-            kv_capacity_tokens=self.kv_capacity_tokens,
-            stats_age_s=age,
-            dispatched_since_scrape=self.dispatched_since_scrape,
-            prefix_match_blocks=prefix_match_blocks,
-            ttft_ema_s=self.ttft_ema_s,
-            tpot_ema_s=self.tpot_ema_s,
+        last = self.last_scrape_s
+        return make_snapshot(
+            self.replica_id,
+            self.healthy,
+            self.outstanding,
+            self.outstanding_prompt_tokens,
+            self.outstanding_decode_tokens,
+            self.waiting,
+            self.running,
+            self.kv_cache_usage,
+            self.kv_capacity_tokens,
+            _INF if last is None else (now_s - last if now_s > last else 0.0),  # max(0, now - last)
+            self.dispatched_since_scrape,
+            prefix_match_blocks,
+            self.ttft_ema_s,
+            self.tpot_ema_s,
         )
 
 
@@ -130,8 +128,10 @@ class ClusterTracker:
 
     def view(self, now_s: float, request: RequestInfo) -> ClusterView:
         blocks = request.prefix_blocks
-        idx = self.prefix_index
-        return ClusterView(tuple(t.snapshot(now_s, idx.match(t.replica_id, blocks) if blocks else 0) for t in self.trackers))
+        if blocks:
+            match = self.prefix_index.match
+            return make_view(tuple([t.snapshot(now_s, match(t.replica_id, blocks)) for t in self.trackers]))
+        return make_view(tuple([t.snapshot(now_s) for t in self.trackers]))
 
     def dispatch(self, replica_index: int, request: RequestInfo) -> ReplicaTracker:
         t = self.trackers[replica_index]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,3 +70,73 @@ class Outcome:
 
 class NoHealthyReplica(RuntimeError):
     """Raised when a view has no healthy replica to route to."""
+
+
+# ---- fast constructors for the per-decision hot path ------------------------------------------
+# A frozen dataclass's __init__ sets each field through object.__setattr__, several times slower
+# than plain slot stores; the router and the simulator build 1 + n_replicas of these per
+# decision. Each twin below has the same slots, in the same order, as its frozen class, stores
+# them plainly, then becomes an instance of the frozen class (same layout, so Python allows the
+# __class__ assignment). The result equals what the dataclass constructor gives (tested).
+
+
+class _SnapshotTwin:
+    __slots__ = ReplicaSnapshot.__slots__
+
+    def __init__(
+        self, replica_id, healthy, outstanding, outstanding_prompt_tokens, outstanding_decode_tokens, waiting,
+        running, kv_cache_usage, kv_capacity_tokens, stats_age_s, dispatched_since_scrape, prefix_match_blocks,
+        ttft_ema_s, tpot_ema_s,
+    ) -> None:  # fmt: skip
+        self.replica_id = replica_id
+        self.healthy = healthy
+        self.outstanding = outstanding
+        self.outstanding_prompt_tokens = outstanding_prompt_tokens
+        self.outstanding_decode_tokens = outstanding_decode_tokens
+        self.waiting = waiting
+        self.running = running
+        self.kv_cache_usage = kv_cache_usage
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.stats_age_s = stats_age_s
+        self.dispatched_since_scrape = dispatched_since_scrape
+        self.prefix_match_blocks = prefix_match_blocks
+        self.ttft_ema_s = ttft_ema_s
+        self.tpot_ema_s = tpot_ema_s
+        self.__class__ = ReplicaSnapshot  # type: ignore[assignment]
+
+
+class _ViewTwin:
+    __slots__ = ClusterView.__slots__
+
+    def __init__(self, replicas) -> None:
+        self.replicas = replicas
+        self.__class__ = ClusterView  # type: ignore[assignment]
+
+
+class _RequestInfoTwin:
+    __slots__ = RequestInfo.__slots__
+
+    def __init__(self, request_id, prompt_tokens_est, max_tokens, prefix_blocks, key) -> None:
+        self.request_id = request_id
+        self.prompt_tokens_est = prompt_tokens_est
+        self.max_tokens = max_tokens
+        self.prefix_blocks = prefix_blocks
+        self.key = key
+        self.__class__ = RequestInfo  # type: ignore[assignment]
+
+
+def _check_twin(twin: type, frozen: type) -> None:
+    names = tuple(f.name for f in dataclasses.fields(frozen))
+    if twin.__slots__ != names or frozen.__slots__ != names:  # type: ignore[attr-defined]
+        raise TypeError(f"{twin.__name__} is out of sync with the fields of {frozen.__name__}")  # pragma: no cover
+
+
+for _twin, _frozen in ((_SnapshotTwin, ReplicaSnapshot), (_ViewTwin, ClusterView), (_RequestInfoTwin, RequestInfo)):
+    _check_twin(_twin, _frozen)
+
+#: ReplicaSnapshot(...) with all 14 fields positional, in field order.
+make_snapshot: Callable[..., ReplicaSnapshot] = _SnapshotTwin  # type: ignore[assignment]
+#: ClusterView(replicas).
+make_view: Callable[[tuple[ReplicaSnapshot, ...]], ClusterView] = _ViewTwin  # type: ignore[assignment]
+#: RequestInfo(request_id, prompt_tokens_est, max_tokens, prefix_blocks, key), all positional.
+make_request_info: Callable[[str, int, int | None, tuple[int, ...], str | None], RequestInfo] = _RequestInfoTwin  # type: ignore[assignment]

@@ -1,0 +1,76 @@
+"""The hot-path constructors and the one-pass least-outstanding give what the plain code gives."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+
+from router.policy.base import argmin_random_ties, healthy_or_raise
+from router.policy.baselines import LeastOutstanding
+from router.policy.tracking import ClusterTracker
+from router.policy.types import (
+    ClusterView,
+    NoHealthyReplica,
+    ReplicaSnapshot,
+    RequestInfo,
+    make_request_info,
+    make_snapshot,
+    make_view,
+)
+
+SNAP_ARGS = ("r1", True, 3, 300, 256, 2, 5, 0.25, 4096, 0.5, 1, 2, 0.12, 0.03)
+
+
+def test_fast_snapshot_is_a_real_frozen_snapshot():
+    fast, slow = make_snapshot(*SNAP_ARGS), ReplicaSnapshot(*SNAP_ARGS)
+    assert type(fast) is ReplicaSnapshot
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    assert fast.has_stats
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.outstanding = 0  # type: ignore[misc]
+    assert dataclasses.replace(fast, healthy=False).healthy is False
+    assert pickle.loads(pickle.dumps(fast)) == slow
+
+
+def test_fast_view_and_request_info():
+    snap = make_snapshot(*SNAP_ARGS)
+    assert make_view((snap,)) == ClusterView((ReplicaSnapshot(*SNAP_ARGS),))
+    assert type(make_view(())) is ClusterView
+    info = make_request_info("q", 12, None, (1, 2), "user")
+    assert info == RequestInfo("q", 12, None, (1, 2), "user") and type(info) is RequestInfo
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.request_id = "x"  # type: ignore[misc]
+
+
+def test_tracker_snapshot_age_is_clamped_and_infinite_before_any_scrape():
+    ct = ClusterTracker(["a", "b"])
+    ct.trackers[0].on_scrape(10.0, 1, 2, 0.5, 1000)
+    view = ct.view(9.0, RequestInfo("q", 5))  # a clock behind the scrape: age 0, never negative
+    assert view.replicas[0].stats_age_s == 0.0 and view.replicas[1].stats_age_s == float("inf")
+    assert ct.view(10.25, RequestInfo("q", 5)).replicas[0].stats_age_s == 0.25
+
+
+def _reference_lor(view: ClusterView, rng: np.random.Generator) -> int:
+    healthy = healthy_or_raise(view)
+    return argmin_random_ties([view.replicas[i].outstanding for i in healthy], healthy, rng)
+
+
+def test_one_pass_least_outstanding_matches_argmin_random_ties_and_rng_use():
+    draw = np.random.default_rng(0)
+    policy = LeastOutstanding(seed=3)
+    ref_rng = np.random.default_rng(3)
+    for _ in range(2000):
+        n = int(draw.integers(1, 7))
+        reps = tuple(
+            ReplicaSnapshot(f"r{i}", bool(draw.random() < 0.8), int(draw.integers(0, 4)), 0) for i in range(n)
+        )
+        view = ClusterView(reps)
+        if not any(r.healthy for r in reps):
+            with pytest.raises(NoHealthyReplica):
+                policy.choose(view, RequestInfo("q", 1))
+            continue
+        assert policy.choose(view, RequestInfo("q", 1)) == _reference_lor(view, ref_rng)
+    assert policy.rng.random() == ref_rng.random()  # same number of draws on ties
