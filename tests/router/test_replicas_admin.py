@@ -159,9 +159,11 @@ async def test_metrics_endpoint_exposes_every_metric(fakes, router_client):
     assert not any(k.startswith("python_") for k in families)  # a per-app registry, not the global one
 
 
-async def test_learned_policy_without_model_falls_back_and_counts(fakes, router_client, tmp_path):
+async def test_broken_model_falls_back_and_counts(fakes, router_client, tmp_path):
     (a,) = await fakes(1)
-    client = await router_client([a.url], policy="learned")
+    model = tmp_path / "broken.onnx"
+    model.write_bytes(b"not an onnx model")
+    client = await router_client([a.url], policy=str(model))
     for _ in range(3):
         assert (await completion(client)).status == 200
     resp = await client.get("/metrics")
@@ -169,4 +171,6 @@ async def test_learned_policy_without_model_falls_back_and_counts(fakes, router_
     families = {f.name: f for f in text_string_to_metric_families(text)}
     fallbacks = {s.labels["reason"]: s.value for s in families["llm_router_fallbacks"].samples
                  if s.name.endswith("_total")}
-    assert sum(fallbacks.values()) == 3  # a missing or mismatched model never fails a request
+    assert fallbacks["unavailable"] == 3 and sum(fallbacks.values()) == 3  # a bad model never fails a request
+    info = families["llm_router_policy_info"].samples[0].labels
+    assert info["name"] == "broken" and info["arm"] == "main"
