@@ -1,0 +1,484 @@
+"""The real router (`python -m router serve`) in front of real vLLM CPU servers, driven by the official openai client.
+
+- OpenAI endpoints pass through unchanged (completions, chat, streaming, /v1/models).
+- Under load the router's own state (its /metrics gauges and /admin/replicas) follows the replicas' real /metrics,
+  and `llm_router_requests_total` agrees request for request with each vLLM's own success counter.
+- Failover: SIGKILL one replica's whole process group mid-load; nothing that had not yet received a byte fails,
+  streams cut mid-way end promptly with an error, and traffic moves entirely to the survivor.
+- The learned policy serves real traffic without falling back for bad reasons (skipped until a model ships).
+
+Servers come from conftest.py (index 0 = SMALL: 4 sequences, 2 MiB KV; 1 = ROOMY). The failover test boots one
+extra server of its own (started while the earlier tests run) so the shared ones stay up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from openai import APIConnectionError, APIError, AsyncOpenAI, NotFoundError
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.policy.registry import DEFAULT_MODEL_PATH
+from router.settings import replica_id
+
+from .router_process import RouterProcess, start_router
+from .vllm_servers import (
+    FLEET_ARGS,
+    ROOMY,
+    SERVED_MODEL_NAME,
+    SMALL,
+    VllmServer,
+    _group_alive,
+    free_ports,
+    launch_server,
+)
+
+PROMPT = "Route the request to the replica with the shortest queue and the warmest prefix cache."
+SMALL_MAX_NUM_SEQS = int(FLEET_ARGS[SMALL][FLEET_ARGS[SMALL].index("--max-num-seqs") + 1])
+FAILOVER_TEST = "test_failover_when_a_replica_is_killed_mid_load"
+EXTRA_STARTUP_TIMEOUT_S = float(os.environ.get("ROUTEWISE_VLLM_STARTUP_TIMEOUT_S", "300"))
+
+pytestmark = pytest.mark.vllm
+
+
+def openai_client(router: RouterProcess, timeout_s: float = 60.0) -> AsyncOpenAI:
+    # no client retries: every retry seen here is the router's
+    return AsyncOpenAI(base_url=f"{router.base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+
+
+@dataclass(frozen=True)
+class VllmCounters:
+    """What a vLLM server itself says it did, read from its /metrics with prometheus_client's parser."""
+
+    succeeded: float
+    generation_tokens: float
+    running: float
+    waiting: float
+    kv_usage: float
+    kv_capacity_tokens: int
+
+
+def vllm_counters(base_url: str) -> VllmCounters:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10.0) as resp:
+        page = resp.read().decode()
+    values: dict[str, float] = {}
+    capacity = -1
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == "vllm:cache_config_info":
+                capacity = int(s.labels["num_gpu_blocks"]) * int(s.labels["block_size"])
+            else:
+                values[s.name] = values.get(s.name, 0.0) + s.value
+    return VllmCounters(values["vllm:request_success_total"], values["vllm:generation_tokens_total"],
+                        values["vllm:num_requests_running"], values["vllm:num_requests_waiting"],
+                        values["vllm:kv_cache_usage_perc"], capacity)
+
+
+@pytest.fixture(scope="module")
+def log_dir(vllm_work_dir: Path) -> Path:
+    return vllm_work_dir / "router-e2e"
+
+
+@dataclass
+class ExtraServer:
+    server: VllmServer
+    launched_at: float
+
+
+@pytest.fixture(scope="session", autouse=True)
+def extra_server(request, vllm_python_path, tiny_model_dir, vllm_work_dir) -> Iterator[ExtraServer | None]:
+    """One more vLLM server for the failover test to kill, launched (not awaited) only if that test was collected.
+
+    Session-scoped and autouse so it is set up before the shared fleet (conftest.py) and boots together with it;
+    the failover test waits for it and kills it; stopped here in any case.
+    """
+    if not any(getattr(item, "originalname", item.name) == FAILOVER_TEST for item in request.session.items):
+        yield None
+        return
+    work = vllm_work_dir / "extra"
+    work.mkdir(parents=True, exist_ok=True)
+    (port,) = free_ports(1)
+    launched_at = time.monotonic()
+    server = launch_server(vllm_python_path, tiny_model_dir, port, work, core=0)
+    try:
+        yield ExtraServer(server, launched_at)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet_router(vllm_servers, log_dir) -> Iterator[RouterProcess]:
+    """The router over the two shared servers, least-outstanding, scraping every 0.2 s."""
+    router = start_router(list(vllm_servers), "least-outstanding", log_dir)
+    try:
+        yield router
+    finally:
+        rc = router.stop()
+    assert rc == 0, f"router did not drain and exit cleanly (rc={rc}); log:\n{router.log_tail()}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 1. The OpenAI API through the router
+# ------------------------------------------------------------------------------------------------------------------
+
+
+async def test_openai_endpoints_pass_through_the_router(fleet_router, vllm_servers):
+    c = openai_client(fleet_router)
+    async with c:
+        assert [m.id for m in (await c.models.list()).data] == [SERVED_MODEL_NAME]
+
+        resp = await c.completions.create(model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=16,
+                                          extra_body={"ignore_eos": True})
+        assert resp.usage.completion_tokens == 16 and resp.usage.prompt_tokens > 5
+        assert resp.usage.total_tokens == resp.usage.prompt_tokens + 16
+        assert resp.choices[0].finish_reason == "length" and resp.choices[0].text
+        assert resp.model == SERVED_MODEL_NAME and resp.id.startswith("cmpl-")
+
+        stream = await c.completions.create(model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text_chunks, finish, usage = 0, None, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text_chunks += bool(choice.text)
+                finish = choice.finish_reason or finish
+        assert usage is not None and usage.completion_tokens == 24
+        assert finish == "length" and text_chunks > 1  # relayed chunk by chunk, not one blob
+
+        chat = await c.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": PROMPT}],
+                                               max_tokens=12, extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 12
+        assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
+
+        stream = await c.chat.completions.create(
+            model=SERVED_MODEL_NAME, max_tokens=20, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}],
+            extra_body={"ignore_eos": True},
+        )
+        content_chunks, roles, usage = 0, set(), None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                content_chunks += bool(choice.delta.content)
+                roles.add(choice.delta.role)
+        assert usage is not None and usage.completion_tokens == 20
+        assert content_chunks > 1 and "assistant" in roles
+
+        with pytest.raises(NotFoundError) as err:  # the router knows the served models from the replicas
+            await c.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+        assert err.value.body["code"] == "model_not_found"
+
+    page = fleet_router.metrics()
+    ids = {replica_id(u) for u in vllm_servers}
+    assert set(page.requests) <= ids
+    assert sum(page.requests_of(r) for r in ids) == 4  # the 404 was answered by the router itself
+    assert sum(page.requests.get(r, {}).get("2xx", 0) for r in ids) == 4
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 2. The router's state follows the replicas' real /metrics
+# ------------------------------------------------------------------------------------------------------------------
+
+GAUGES = ("llm_router_replica_waiting_requests", "llm_router_replica_running_requests",
+          "llm_router_replica_kv_cache_usage_ratio", "llm_router_outstanding_requests")
+
+
+async def test_router_state_follows_real_replica_metrics_under_load(fleet_router, vllm_servers):
+    n_requests, max_tokens = 24, 200
+    ids = [replica_id(u) for u in vllm_servers]
+    small, roomy = ids[SMALL], ids[ROOMY]
+    vllm_before = [vllm_counters(u) for u in vllm_servers]
+    router_before = fleet_router.metrics()
+
+    peaks = {name: {r: 0.0 for r in ids} for name in GAUGES}
+    admin_peaks = {r: {"waiting": 0.0, "running": 0.0, "kv_cache_usage": 0.0} for r in ids}
+    ages: list[float] = []
+    n_samples = 0
+    loop = asyncio.get_running_loop()
+
+    async def sample_while(task: asyncio.Future) -> None:
+        nonlocal n_samples
+        while not task.done():
+            page = await loop.run_in_executor(None, fleet_router.metrics)
+            admin = await loop.run_in_executor(None, fleet_router.admin_replicas)
+            n_samples += 1
+            for name in GAUGES:
+                for r in ids:
+                    peaks[name][r] = max(peaks[name][r], page.gauge(name, r) or 0.0)
+            for r in ids:
+                ages.append(page.gauge("llm_router_scrape_age_seconds", r))
+                for k in admin_peaks[r]:
+                    admin_peaks[r][k] = max(admin_peaks[r][k], admin[r]["scrape"][k] or 0.0)
+            await asyncio.sleep(0.1)
+
+    async with openai_client(fleet_router) as c:
+        async def one(i: int) -> int:
+            if i % 2:  # half streamed, half not
+                stream = await c.completions.create(
+                    model=SERVED_MODEL_NAME, prompt=f"{PROMPT} Request {i}.", max_tokens=max_tokens, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                usage = None
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                return usage.completion_tokens
+            resp = await c.completions.create(model=SERVED_MODEL_NAME, prompt=f"{PROMPT} Request {i}.",
+                                              max_tokens=max_tokens, extra_body={"ignore_eos": True})
+            return resp.usage.completion_tokens
+
+        load = asyncio.ensure_future(asyncio.gather(*(one(i) for i in range(n_requests))))
+        t0 = time.monotonic()
+        await sample_while(load)
+        completed = await load
+        load_s = time.monotonic() - t0
+
+    assert completed == [max_tokens] * n_requests
+    assert n_samples >= 5, f"only {n_samples} router /metrics samples during {load_s:.1f}s of load"
+    # queueing on the small replica (4 sequences for ~12 requests) and work on both is visible in the router
+    assert peaks["llm_router_replica_waiting_requests"][small] > 0, peaks
+    assert 0 < peaks["llm_router_replica_running_requests"][small] <= SMALL_MAX_NUM_SEQS, peaks
+    assert peaks["llm_router_replica_running_requests"][roomy] > 0, peaks
+    for r in ids:
+        assert 0 < peaks["llm_router_replica_kv_cache_usage_ratio"][r] <= 1.0, peaks
+        assert peaks["llm_router_outstanding_requests"][r] > 0, peaks
+        assert admin_peaks[r]["running"] > 0 and admin_peaks[r]["kv_cache_usage"] > 0, admin_peaks
+    assert admin_peaks[small]["waiting"] > 0, admin_peaks
+    assert all(a is not None for a in ages), "a replica lost its scrape-age sample"
+    assert max(ages) < 2.0, f"scrapes every 0.2 s, yet the stats got {max(ages):.2f}s old"
+
+    # after the load: every gauge back to 0, in the router and in vLLM
+    deadline = time.monotonic() + 10.0
+    while True:
+        page = fleet_router.metrics()
+        idle = all(page.gauge(name, r) == 0 for name in GAUGES for r in ids)
+        if idle or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert idle, {name: page.gauges.get(name) for name in GAUGES}
+    admin = fleet_router.admin_replicas()
+    vllm_after = [vllm_counters(u) for u in vllm_servers]
+    for r, v in zip(ids, vllm_after):
+        s = admin[r]["scrape"]
+        assert (s["waiting"], s["running"], s["kv_cache_usage"]) == (v.waiting, v.running, v.kv_usage) == (0, 0, 0)
+        assert s["kv_capacity_tokens"] == v.kv_capacity_tokens > 0  # from vllm:cache_config_info
+        assert s["age_s"] < 2.0 and s["error"] is None
+        assert admin[r]["outstanding"] == 0
+
+    # llm_router_requests_total agrees with what each vLLM says it completed, replica by replica
+    for r, before, after in zip(ids, vllm_before, vllm_after):
+        routed = page.requests_of(r) - router_before.requests_of(r)
+        served = after.succeeded - before.succeeded
+        assert routed == served > 0, f"{r}: router counted {routed}, vLLM completed {served}"
+        assert page.requests[r].get("2xx", 0) - router_before.requests.get(r, {}).get("2xx", 0) == routed
+    assert sum(page.requests_of(r) - router_before.requests_of(r) for r in ids) == n_requests
+    assert sum(a.generation_tokens - b.generation_tokens for a, b in zip(vllm_after, vllm_before)) \
+        == n_requests * max_tokens
+    print(f"\nload of {n_requests}x{max_tokens} tokens took {load_s:.1f}s; router peaks {peaks}; "
+          f"max scrape age {max(ages):.2f}s over {n_samples} samples")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 3. Failover when a replica dies mid-load
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    kind: str  # "short" or "long"
+    stream: bool
+    started: float
+    ended: float = 0.0
+    chunks: int = 0  # streamed chunks received before the end
+    ok: bool = False
+    error: str | None = None
+
+
+@dataclass
+class FailoverLoad:
+    outcomes: list[Outcome] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _short_worker(c: AsyncOpenAI, load: FailoverLoad, worker: int) -> None:
+    i = 0
+    while not load.stop.is_set():
+        stream = (worker + i) % 2 == 0
+        o = Outcome("short", stream, time.monotonic())
+        load.outcomes.append(o)
+        i += 1
+        max_tokens = 32
+        try:
+            if stream:
+                s = await c.completions.create(model=SERVED_MODEL_NAME, prompt=f"{PROMPT} w{worker} #{i}",
+                                               max_tokens=max_tokens, stream=True,
+                                               stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True})
+                usage = None
+                async for chunk in s:
+                    o.chunks += 1
+                    usage = chunk.usage or usage
+                o.ok = usage is not None and usage.completion_tokens == max_tokens
+            else:
+                r = await c.completions.create(model=SERVED_MODEL_NAME, prompt=f"{PROMPT} w{worker} #{i}",
+                                               max_tokens=max_tokens, extra_body={"ignore_eos": True})
+                o.ok = r.usage.completion_tokens == max_tokens
+            if not o.ok:
+                o.error = "incomplete answer"
+        except (APIError, APIConnectionError) as exc:
+            o.error = f"{type(exc).__name__}: {exc}"
+        o.ended = time.monotonic()
+
+
+async def _long_stream(c: AsyncOpenAI, load: FailoverLoad, i: int, max_tokens: int, first: asyncio.Event) -> None:
+    o = Outcome("long", True, time.monotonic())
+    load.outcomes.append(o)
+    try:
+        s = await c.completions.create(model=SERVED_MODEL_NAME, prompt=f"{PROMPT} long {i}", max_tokens=max_tokens,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in s:
+            o.chunks += 1
+            first.set()
+            usage = chunk.usage or usage
+        o.ok = usage is not None and usage.completion_tokens == max_tokens
+        if not o.ok:
+            o.error = "stream ended without all tokens"
+    except (APIError, APIConnectionError) as exc:
+        o.error = f"{type(exc).__name__}: {exc}"
+    o.ended = time.monotonic()
+
+
+async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_servers, log_dir):
+    assert extra_server is not None
+    server = extra_server.server
+    loop = asyncio.get_running_loop()
+    t_wait = time.monotonic()
+    await loop.run_in_executor(None, server.wait_healthy, extra_server.launched_at + EXTRA_STARTUP_TIMEOUT_S)
+    print(f"\nextra vLLM server healthy {time.monotonic() - extra_server.launched_at:.1f}s after launch "
+          f"(waited {time.monotonic() - t_wait:.1f}s here)")
+    survivor_url = vllm_servers[ROOMY]
+    extra, survivor = replica_id(server.base_url), replica_id(survivor_url)
+    # round-robin sends every other request to the doomed replica; probes every 0.25 s
+    router = start_router([server.base_url, survivor_url], "round-robin", log_dir,
+                          env={"ROUTEWISE_HEALTH_INTERVAL_S": "0.25", "ROUTEWISE_HEALTH_TIMEOUT_S": "0.5"})
+    n_long, long_tokens, n_workers = 4, 900, 6
+    load = FailoverLoad()
+    try:
+        async with openai_client(router, timeout_s=30.0) as c:
+            firsts = [asyncio.Event() for _ in range(n_long)]
+            longs = [asyncio.create_task(_long_stream(c, load, i, long_tokens, firsts[i])) for i in range(n_long)]
+            # long streams first, so round-robin puts half of them on the doomed replica
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 30.0)
+            workers = [asyncio.create_task(_short_worker(c, load, w)) for w in range(n_workers)]
+            steady_deadline = time.monotonic() + 10.0
+            while sum(o.ok for o in load.outcomes) < 2 * n_workers and time.monotonic() < steady_deadline:
+                await asyncio.sleep(0.05)
+            before_kill = await loop.run_in_executor(None, router.metrics)
+            assert before_kill.requests_of(extra) > 0, "no request reached the replica about to be killed"
+            long_running_at_kill = sum(not t.done() for t in longs)
+
+            t_kill = time.monotonic()
+            os.killpg(server.process.pid, signal.SIGKILL)
+            gone_deadline = time.monotonic() + 10.0
+            while _group_alive(server.process.pid) and time.monotonic() < gone_deadline:
+                server.process.poll()
+                await asyncio.sleep(0.05)
+            assert not _group_alive(server.process.pid), "the killed server's process group is still alive"
+
+            await asyncio.sleep(2.0)  # health probes and the breaker take the dead replica out
+            shifted = await loop.run_in_executor(None, router.metrics)
+            await asyncio.sleep(2.0)  # then all traffic must go to the survivor
+            load.stop.set()
+            await asyncio.wait_for(asyncio.gather(*workers), 30.0)
+            end = await loop.run_in_executor(None, router.metrics)
+            # streams cut by the kill end promptly; the ones on the survivor finish
+            await asyncio.wait_for(asyncio.gather(*longs), 60.0)
+        admin = router.admin_replicas()
+    finally:
+        rc = router.stop()
+        server.stop()
+
+    shorts = [o for o in load.outcomes if o.kind == "short"]
+    long_outcomes = [o for o in load.outcomes if o.kind == "long"]
+    failed = [o for o in load.outcomes if not o.ok]
+    failed_before_byte = [o for o in failed if o.chunks == 0]
+    failed_after_byte = [o for o in failed if o.chunks > 0]
+    print(f"\nfailover: sent {len(load.outcomes)} ({len(shorts)} short, {n_long} long), "
+          f"ok {len(load.outcomes) - len(failed)}, failed after first byte {len(failed_after_byte)} "
+          f"({sum(o.kind == 'long' for o in failed_after_byte)} long), failed before first byte "
+          f"{len(failed_before_byte)}; retries {end.retries - before_kill.retries:.0f}; "
+          f"long streams running at kill {long_running_at_kill}")
+
+    assert rc == 0, f"router did not exit cleanly (rc={rc}); log:\n{router.log_tail()}"
+    assert not failed_before_byte, [o.error for o in failed_before_byte]
+    for o in failed_after_byte:  # only streams already under way on the killed replica may break ...
+        assert o.started < t_kill, o
+        assert o.ended - t_kill < 5.0, f"a broken stream took {o.ended - t_kill:.1f}s to end: {o}"
+        assert "failed mid-stream" in (o.error or ""), o.error  # ... with the router's SSE error event
+    # the long streams that were on the killed replica broke; those on the survivor completed
+    assert long_running_at_kill == n_long, "a long stream finished before the kill; make them longer"
+    long_failed = [o for o in long_outcomes if not o.ok]
+    assert 1 <= len(long_failed) < n_long, [o.error for o in long_outcomes]
+    assert len(shorts) >= 20 and sum(o.ok for o in shorts if o.started > t_kill) >= 10
+
+    # the retries happened in the router, and the dead replica got nothing once it was taken out
+    assert end.retries > before_kill.retries
+    assert end.upstream_errors.get(extra, 0) > before_kill.upstream_errors.get(extra, 0)
+    assert end.requests_of(extra) == shifted.requests_of(extra)
+    assert end.upstream_errors.get(extra, 0) == shifted.upstream_errors.get(extra, 0)
+    assert end.requests_of(survivor) > shifted.requests_of(survivor)
+    assert end.gauge("llm_router_replica_healthy", extra) == 0
+    assert end.gauge("llm_router_replica_healthy", survivor) == 1
+    assert admin[extra]["routable"] is False and admin[extra]["outstanding"] == 0
+    assert admin[survivor]["outstanding"] == 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 4. Policies on real traffic
+# ------------------------------------------------------------------------------------------------------------------
+
+BAD_FALLBACK_REASONS = ("exception", "nan", "masked_pick", "unavailable", "spec_mismatch", "stale_stats")
+
+
+@pytest.mark.parametrize("policy", [
+    "kv-aware",
+    pytest.param("learned", marks=pytest.mark.skipif(
+        not DEFAULT_MODEL_PATH.is_file(), reason=f"no shipped learned policy at {DEFAULT_MODEL_PATH}")),
+])
+async def test_policy_routes_real_traffic_without_bad_fallbacks(policy, vllm_servers, log_dir):
+    n_requests = 16
+    router = start_router(list(vllm_servers), policy, log_dir)
+    try:
+        async with openai_client(router) as c:
+            async def one(i: int) -> int:
+                resp = await c.completions.create(model=SERVED_MODEL_NAME, prompt=f"{PROMPT} {i}", max_tokens=48,
+                                                  extra_body={"ignore_eos": True})
+                return resp.usage.completion_tokens
+
+            completed = await asyncio.gather(*(one(i) for i in range(n_requests)))
+        page = router.metrics()
+        arms = router.admin_policy()["arms"]
+    finally:
+        rc = router.stop()
+    assert rc == 0, router.log_tail()
+    assert completed == [48] * n_requests
+    ids = [replica_id(u) for u in vllm_servers]
+    assert sum(page.requests.get(r, {}).get("2xx", 0) for r in ids) == n_requests
+    assert arms["main"]["decisions"] == n_requests and arms["main"]["last_error"] is None
+    bad = {k: v for k, v in page.fallbacks.items() if k in BAD_FALLBACK_REASONS and v}
+    assert not bad, f"{policy}: fallbacks for bad reasons {bad}; all {page.fallbacks}"
+    if policy == "learned":
+        (info,) = page.policy_info
+        assert info["version"] != "builtin" and info["feature_hash"]
+        # over_budget / low_confidence / overload_guard may happen; they must not be the rule
+        assert sum(page.fallbacks.values()) < n_requests, page.fallbacks
+    else:
+        assert sum(page.fallbacks.values()) == 0, page.fallbacks
