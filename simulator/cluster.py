@@ -121,21 +121,27 @@ class ClusterSim:
         """Process events up to the next routing decision; None when no decision remains."""
         if self._pending is not None:
             raise RuntimeError("the pending decision has not been dispatched yet")
-        heap, versions, replicas, heappop = self._heap, self._rep_version, self.replicas, heapq.heappop
+        heap, versions, replicas = self._heap, self._rep_version, self.replicas
+        heappop, heappush = heapq.heappop, heapq.heappush
+        n_requests = len(self.requests)
         while True:
-            if self._decisions_queued == 0 and self._detections_due == 0 and (
-                self._future_crashes == 0 or self.n_completed == len(self.requests)
+            if not self._decisions_queued and not self._detections_due and (
+                not self._future_crashes or self.n_completed == n_requests
             ):
                 return None
             t, _, _, kind, x, y = heappop(heap)
             self.now_s = t
-            if kind == E_REPLICA:  # the common case, inlined
+            if kind == E_REPLICA:  # the common case, inlined (_handle + _push_replica)
                 if y == versions[x]:
                     rep = replicas[x]
                     rep.on_event(t)
                     if rep.outputs:
                         self._outputs(x, rep)
-                    self._push_replica(x)
+                    versions[x] = v = y + 1
+                    te = rep.event_s
+                    if te is not None:
+                        self._seq = seq = self._seq + 1
+                        heappush(heap, (te, P_REPLICA, seq, E_REPLICA, x, v))
             elif kind == E_ARRIVAL or kind == E_RETRY:
                 self._decisions_queued -= 1
                 if kind == E_ARRIVAL:
@@ -262,38 +268,46 @@ class ClusterSim:
     def _outputs(self, i: int, rep: Replica) -> None:
         tracker = self.tracker.trackers[i]
         records = self.records
+        hook = self.on_complete_hook
         for kind, st, t in rep.outputs:
-            rec = records[st.idx]
+            idx = st.idx
+            rec = records[idx]
             if kind == COMPLETE:
                 rec.finish_s = t
                 rec.replica_id = rep.replica_id
                 rec.preemptions += st.preemptions
                 rec.prefix_hit_tokens = st.prefix_hit_tokens
-                if math.isnan(rec.queue_delay_s):
+                q = rec.queue_delay_s
+                if q != q:  # NaN: not set by an earlier attempt
                     rec.queue_delay_s = st.first_scheduled_s - rec.arrival_s
-                tpot = (t - st.first_token_s) / (st.output - 1) if st.output > 1 else None
-                info = self._infos[st.idx]
-                tracker.on_complete(info.request_id, tpot)  # type: ignore[union-attr]
+                out = st.output
+                info = self._infos[idx]
+                tracker.on_complete(info.request_id, (t - st.first_token_s) / (out - 1) if out > 1 else None)  # type: ignore[union-attr]
                 self.n_completed += 1
-                if self.on_complete_hook is not None:
-                    self.on_complete_hook(
+                if hook is not None:
+                    hook(
                         rep.replica_id,
                         info,  # type: ignore[arg-type]
                         Outcome(ok=True, ttft_s=rec.ttft_s, e2e_s=rec.e2e_s, output_tokens=rec.output_tokens),
                     )
             else:
                 tracker.on_first_token(t - st.dispatch_s)
-                if rec.first_token_s != rec.first_token_s:  # NaN: the request's first first token
+                ft = rec.first_token_s
+                if ft != ft:  # NaN: the request's first first token
                     rec.first_token_s = t
-                    self._advance_integrals(t)
+                    if t > self._int_t:  # _advance_integrals(t)
+                        self._wait_integral += self._waiting_ft * (t - self._int_t)
+                        self._int_t = t
                     self._waiting_ft -= 1
-                    del self._waiting_arrivals[st.idx]
+                    del self._waiting_arrivals[idx]
                     self._ft_pairs.append((rec.arrival_s, t))
         rep.outputs.clear()
 
     def _on_arrival(self, idx: int, t: float) -> None:
         req = self.requests[idx]
-        self._advance_integrals(t)
+        if t > self._int_t:  # _advance_integrals(t)
+            self._wait_integral += self._waiting_ft * (t - self._int_t)
+            self._int_t = t
         self._waiting_ft += 1
         self._waiting_arrivals[idx] = req.arrival_s
         self._infos[idx] = make_request_info(
@@ -322,7 +336,10 @@ class ClusterSim:
 
     def _decide(self, idx: int, t: float) -> tuple[ClusterView, RequestInfo] | None:
         info = self._infos[idx]
-        if not any(tr.healthy for tr in self.tracker.trackers):
+        for tr in self.tracker.trackers:
+            if tr.healthy:
+                break
+        else:
             # nobody to route to: hold the request until a replica is back
             later = [e[0] for e in self._heap if e[3] == E_HEALTH and e[5]]
             if not later:

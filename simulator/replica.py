@@ -112,6 +112,7 @@ class Replica:
         self.budget = group.max_num_batched_tokens
         self.prefix_caching = group.enable_prefix_caching
         self.num_blocks = profile.num_kv_blocks(group.block_size, group.gpu_memory_utilization)
+        self._kv_capacity = self.num_blocks * self.bs
         self.base_factor = group.speed_factor
         self.closed_form = closed_form
         self.factor = group.speed_factor
@@ -144,7 +145,7 @@ class Replica:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.num_blocks * self.bs
+        return self._kv_capacity
 
     def kv_usage(self) -> float:
         return (self.num_blocks - self.num_free - self.evictable) / self.num_blocks
@@ -164,19 +165,21 @@ class Replica:
 
     def add(self, st: ReqState, now: float) -> None:
         """A request dispatched to this replica at `now`."""
-        if self.mode == DOWN:
+        mode = self.mode
+        if mode == DOWN:
             raise RuntimeError(f"replica {self.replica_id} is down")
-        if st.prompt + st.output - 1 > self.kv_capacity_tokens:
+        if st.prompt + st.output - 1 > self._kv_capacity:
             raise ValueError(
                 f"request {st.req.request_id}: {st.prompt} prompt + {st.output} output tokens exceed the KV cache of "
                 f"replica {self.replica_id} ({self.kv_capacity_tokens} tokens); pick a larger profile or shorter requests"
             )
-        self._prepare_keys(st)
+        if st.keys:
+            self._prepare_keys(st)
         st.dispatch_s = now
         self.waiting.append(st)
-        if self.mode == IDLE:
+        if mode == IDLE:
             self._plan_next(now)
-        elif self.mode == JUMP:
+        elif mode == JUMP:
             self._cut(now)
 
     def on_event(self, now: float) -> None:
@@ -223,14 +226,18 @@ class Replica:
             self.mode = IDLE
             self.event_s = None
             return
-        if self.closed_form and not self.prefilling and self.n_dec:
-            head = self._head_state()
-            need = self.hist[(-self.step) % self.bs]
-            if head != _ADMISSIBLE and need <= self.num_free + self.evictable:
+        n_dec = self.n_dec
+        if n_dec and self.closed_form and not self.prefilling:
+            head = self._head_state() if self.waiting else _BLOCKED
+            free = self.num_free + self.evictable
+            if head != _ADMISSIBLE and self.hist[(-self.step) % self.bs] <= free:
                 # A head blocked for want of blocks can become admissible when an eviction drops a
                 # cached entry it would have pinned (its chunk is budget-capped): no evictions then.
-                avail = self.num_free if head == _NO_BLOCKS else self.num_free + self.evictable
-                k = min(self._next_finish() - self.step, self._max_block_steps(avail))
+                avail = self.num_free if head == _NO_BLOCKS else free
+                k = self._next_finish() - self.step
+                # _max_block_steps(avail) >= (avail // n_dec) * bs: skip its loop when the completion comes first
+                if k > (avail // n_dec) * self.bs:
+                    k = min(k, self._max_block_steps(avail))
                 if k >= 1:
                     self._start_jump(now, k)
                     return
@@ -295,7 +302,11 @@ class Replica:
         self._jump = (now, k, a, b, c, jstar)
         self.n_jumps += 1
         self.mode = JUMP
-        self.event_s = now + self._span(k)
+        span = c * (k if k < jstar else jstar)  # _span(k), inlined
+        if k > jstar:
+            x = k - jstar
+            span += x * (a + b * jstar) + b * x * (x - 1) * 0.5
+        self.event_s = now + span
 
     def _span(self, m: int) -> float:
         """Seconds taken by the first `m` steps of the current jump."""
@@ -344,8 +355,12 @@ class Replica:
         self.event_s = t0 + self._span(m)
 
     def _commit_jump(self, now: float) -> None:
-        _, k, *_ = self._jump  # type: ignore[misc]
-        self._allocate(self._blocks_needed(k))
+        k = self._jump[1]  # type: ignore[index]
+        need = self._blocks_needed(k)
+        if self.num_free >= need:  # _allocate without evictions
+            self.num_free -= need
+        else:
+            self._allocate(need)
         self.step += k
         self.n_iterations += k
         self._jump = None
