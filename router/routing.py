@@ -70,9 +70,9 @@ class PolicyRunner:
         self.decisions = 0
         self.last_error: str | None = None
         self._metrics = metrics
-        self._latency = metrics.decision_latency.labels(self.label)
+        self._latency = metrics.decision_latency.labels(self.label, arm)
         for reason in FALLBACK_REASONS:  # exported at 0 from the start, so rates and alerts work
-            metrics.fallbacks.labels(self.label, reason)
+            metrics.fallbacks.labels(self.label, arm, reason)
         info = primary.describe()
         if info.get("load_error"):
             log.warning("policy %s unavailable, every decision falls back to LOR: %s", policy_name, info["load_error"])
@@ -95,7 +95,7 @@ class PolicyRunner:
         self.decisions += 1
         if d.fallback_reason is not None:
             self.fallback_counts[d.fallback_reason] += 1
-            self._metrics.fallbacks.labels(self.label, d.fallback_reason).inc()
+            self._metrics.fallbacks.labels(self.label, self.arm, d.fallback_reason).inc()
             if d.error:
                 self.last_error = d.error
         return d

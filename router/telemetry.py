@@ -78,11 +78,11 @@ class RouterMetrics:
         )
         self.decision_latency = Histogram(
             "llm_router_decision_latency_seconds", "Time to pick a replica (view + policy + fallback).",
-            ["policy"], buckets=DECISION_BUCKETS, registry=r,
+            ["policy", "arm"], buckets=DECISION_BUCKETS, registry=r,
         )
         self.fallbacks = Counter(
             "llm_router_fallbacks", "Decisions the fallback policy made instead of the primary, by reason.",
-            ["policy", "reason"], registry=r,
+            ["policy", "arm", "reason"], registry=r,
         )
         self.upstream_errors = Counter(
             "llm_router_upstream_errors", "Failed upstream attempts by replica and kind.", ["replica", "kind"], registry=r,
