@@ -232,3 +232,17 @@ def test_bad_serving_settings_name_the_field(kwargs, field):
     with pytest.raises(ValidationError) as exc:
         RouterSettings(replicas=["http://127.0.0.1:9"], **kwargs)
     assert field in str(exc.value)
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--ab-share", "0.5"], "ab_share"),
+    (["--ab-treatment", "round-robin", "--ab-share", "1.5"], "ab_share"),
+    (["--ab-treatment", "/no/such/model.onnx", "--ab-share", "0.2"], "ab_treatment"),
+    (["--shadow-policy", "nonsense"], "shadow_policy"),
+])
+def test_router_serve_refuses_bad_serving_flags(argv, field, capsys):
+    from router.cli import main
+
+    assert main(["serve", "--replica", "http://127.0.0.1:9", *argv]) == 2
+    err = capsys.readouterr().err
+    assert field in err and "invalid router settings" in err, err

@@ -111,3 +111,16 @@ async def test_baseline_policy_is_not_reloadable(tmp_path):
     reloader = PolicyReloader("least-outstanding", lambda p: None)
     res = await reloader.reload()
     assert not res.ok and res.result == "not_reloadable"
+
+
+async def test_watch_picks_up_a_model_that_appears_later(tmp_path):
+    # `--policy learned` before the trainer shipped default.onnx: LOR serves, then the file arrives
+    live = tmp_path / "default.onnx"
+    fb = guarded(OnnxPolicy(live), budget_s=0.05)
+    assert fb.decide(VIEW, make_request()).fallback_reason == "unavailable"
+    reloader = PolicyReloader(str(live), lambda p: setattr(fb, "primary", p))
+    watcher = PolicyFileWatcher(reloader, interval_s=0.01)
+    assert await watcher.check_once() is None
+    replace_atomically(prefer_replica_model(tmp_path / "a.onnx", 3), live)
+    res = await watcher.check_once()
+    assert res.ok and fb.decide(VIEW, make_request()).index == 3
