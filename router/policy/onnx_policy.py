@@ -70,7 +70,8 @@ class OnnxPolicy(Policy):
         self.metadata: dict[str, str] = {}
         self._session = None
         self._run_options = None
-        # (view, features) of the last scores() call, so a decision log can reuse the input it built
+        # (view, features) of the last scores() call, so a decision log can reuse the input it built.
+        # The features array is a fresh one per call (another thread may still be encoding an older one).
         self.last_input: tuple[ClusterView, np.ndarray] | None = None
         try:
             self._session = load_session(self.path)

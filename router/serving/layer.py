@@ -116,9 +116,12 @@ class ServingLayer:
 
     def _record(self, route, outcome: Outcome | None) -> PendingRecord:
         d = route.decision
-        primary = route.runner.policy.primary
-        last = getattr(primary, "last_input", None)
-        feats = last[1] if last is not None and last[0] is route.view and d.fallback_reason is None else None
+        feats = None  # reuse the model input a learned policy already built for this very view
+        for policy in (route.runner.policy.primary, None if self.shadow is None else self.shadow.policy.primary):
+            last = getattr(policy, "last_input", None)
+            if last is not None and last[0] is route.view:
+                feats = last[1]
+                break
         sh = route.shadow
         return PendingRecord(
             time_s=route.wall_s, request=route.request, view=route.view, arm=route.runner.arm, policy=route.runner.label,

@@ -246,3 +246,27 @@ def test_router_serve_refuses_bad_serving_flags(argv, field, capsys):
     assert main(["serve", "--replica", "http://127.0.0.1:9", *argv]) == 2
     err = capsys.readouterr().err
     assert field in err and "invalid router settings" in err, err
+
+
+async def test_decision_log_holds_the_model_input_of_each_decision(tmp_path, fakes, router_client):
+    import numpy as np
+
+    from router.serving.decision_log import decode_features
+
+    from .onnx_models import feature_weights
+
+    a, b = await fakes(2)
+    w = feature_weights(outstanding=-1.0, req_prompt_tokens_est=0.01)
+    model = linear_model(tmp_path / "lin.onnx", weights=w)
+    log_dir = tmp_path / "decisions"
+    client = await router_client([a.url, b.url], policy=str(model), decision_log_dir=str(log_dir), **EXACT)
+    responses = await load(client, 40, concurrency=6)
+    assert [r.status for r in responses] == [200] * 40
+    await client.close()
+    records = [json.loads(line) for p in log_files(log_dir) for line in p.read_text().splitlines()]
+    assert len(records) == 40
+    for r in records:
+        feats = decode_features(r)
+        assert feats.shape == (2, w.size) and r["fallback"] is None and r["policy"] == "lin"
+        scores = np.where(np.array(r["mask"]) > 0, feats.astype(np.float64) @ w, -np.inf)
+        assert r["index"] == int(np.argmax(scores))  # the logged input reproduces the model's decision
