@@ -6,7 +6,7 @@ of each request, and turns arrivals, prompt and output tokens and prefix blocks 
 
     workload: {kind: decision_log, path: /var/log/routewise}     # in any scenario YAML
     simulator replay /var/log/routewise --cluster steady-chat --out mine.yaml
-    simulator run --scenario mine.yaml --policy learned           # or trainer evaluate --scenario mine.yaml
+    simulator run --scenario mine.yaml --policy learned   # or trainer evaluate --scenarios mine.yaml
 
 Splits: the log's first `train_fraction` of its time span is `train`, the rest `eval`.
 Output tokens: the streamed token count the router observed; for non-streamed requests (not counted
