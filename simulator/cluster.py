@@ -124,6 +124,8 @@ class ClusterSim:
         heap, versions, replicas = self._heap, self._rep_version, self.replicas
         heappop, heappush = heapq.heappop, heapq.heappush
         n_requests = len(self.requests)
+        tracker = self.tracker
+        trackers = tracker.trackers
         while True:
             if not self._decisions_queued and not self._detections_due and (
                 not self._future_crashes or self.n_completed == n_requests
@@ -142,11 +144,25 @@ class ClusterSim:
                     if te is not None:
                         self._seq = seq = self._seq + 1
                         heappush(heap, (te, P_REPLICA, seq, E_REPLICA, x, v))
-            elif kind == E_ARRIVAL or kind == E_RETRY:
+            elif kind == E_ARRIVAL:
                 self._decisions_queued -= 1
-                if kind == E_ARRIVAL:
-                    self._on_arrival(x, t)
-                    self._push_arrival()
+                self._on_arrival(x, t)
+                i = self._next_arrival  # _push_arrival, inlined
+                if i < n_requests:
+                    self._next_arrival = i + 1
+                    self._decisions_queued += 1
+                    self._seq = seq = self._seq + 1
+                    heappush(heap, (self.requests[i].arrival_s, P_DECISION, seq, E_ARRIVAL, i, None))
+                for tr in trackers:
+                    if tr.healthy:  # the common case of _decide, inlined
+                        info = self._infos[x]
+                        self._pending = (x, info, t)  # type: ignore[assignment]
+                        return tracker.view(t, info), info  # type: ignore[arg-type,return-value]
+                d = self._decide(x, t)
+                if d is not None:
+                    return d
+            elif kind == E_RETRY:
+                self._decisions_queued -= 1
                 d = self._decide(x, t)
                 if d is not None:
                     return d

@@ -378,24 +378,36 @@ class Replica:
             for st in self.prefilling:
                 if budget <= 0:
                     break
-                n = min(st.prompt + st.g - st.c, budget)
+                c = st.c
+                n = st.prompt + st.g - c
+                if n > budget:
+                    n = budget
                 budget -= n
-                need += -(-(st.c + n) // bs) - (-(-st.c // bs))
+                need += -(-(c + n) // bs) - (-(-c // bs))
                 plan.append((st, n))
             if need <= self.num_free + self.evictable:
                 break
             self._preempt(self.running[-1])
             preempted = True
-        self._allocate(need)
+        if self.num_free >= need:  # _allocate without evictions
+            self.num_free -= need
+        else:
+            self._allocate(need)
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-                st = self.waiting[0]
-                hit, entries, lost_evictable = self._lookup(st)
-                n = min(st.prompt + st.g - hit, budget)
+            waiting, running, max_seqs = self.waiting, self.running, self.max_seqs
+            while waiting and budget > 0 and len(running) < max_seqs:
+                st = waiting[0]
+                if st.keys:
+                    hit, entries, lost_evictable = self._lookup(st)
+                else:
+                    hit, entries, lost_evictable = 0, [], 0
+                n = st.prompt + st.g - hit
+                if n > budget:
+                    n = budget
                 nb = -(-(hit + n) // bs) - hit // bs
                 if nb > self.num_free + self.evictable - lost_evictable:
                     break
-                self.waiting.popleft()
+                waiting.popleft()
                 for e in entries:
                     if e.refs == 0:
                         del self.lru[e.key]
@@ -410,58 +422,62 @@ class Replica:
                     st.admitted = True
                     st.first_scheduled_s = now
                     st.prefix_hit_tokens = hit
-                self._allocate(nb)
-                self.running.append(st)
+                if self.num_free >= nb:
+                    self.num_free -= nb
+                else:
+                    self._allocate(nb)
+                running.append(st)
                 self.prefilling.append(st)
                 plan.append((st, n))
                 budget -= n
-        if not plan and not self.n_dec:
+        D = self.n_dec
+        if not plan and not D:
             if self.running or self.waiting:
                 raise RuntimeError(f"replica {self.replica_id}: scheduler made no progress")  # pragma: no cover
             self.mode = IDLE
             self.event_s = None
             return
-        D = self.n_dec
         prefill = 0
         ctx = self.sum_base + D * (self.step + 1)
         attn = 0.0
         for st, n in plan:
+            c = st.c
             prefill += n
-            ctx += st.c + n
-            attn += n * (st.c + 0.5 * n)
-        dt = self.factor * self.co.iteration_time(prefill, D, ctx, attn)
+            ctx += c + n
+            attn += n * (c + 0.5 * n)
         self._plan = plan
         self.mode = ITER
-        self.event_s = now + dt
+        self.event_s = now + self.factor * self.co.iteration_time(prefill, D, ctx, attn)
 
     def _finish_iteration(self, now: float) -> None:
-        self.step += 1
+        self.step = step = self.step + 1
         self.n_iterations += 1
-        step = self.step
         for st, n in self._plan:
             if st.phase != PREFILL:
                 continue  # pragma: no cover - a planned request cannot leave mid-iteration
-            st.c += n
-            if self.prefix_caching and st.n_keyed < len(st.keys):
+            st.c = c = st.c + n
+            if st.keys and self.prefix_caching and st.n_keyed < len(st.keys):
                 self._register(st)
-            if st.c == st.prompt + st.g:
-                st.g += 1
-                if st.g == 1:
+            if c == st.prompt + st.g:
+                st.g = g = st.g + 1
+                if g == 1:
                     st.first_token_s = now
                     self.outputs.append((FIRST, st, now))
                 self.prefilling.remove(st)
-                if st.g >= st.output:
+                if g >= st.output:
                     self._complete(st, now)
                 else:
                     st.phase = DECODE
-                    st.base = st.c - step
-                    self.hist[st.base % self.bs] += 1
+                    st.base = base = c - step
+                    self.hist[base % self.bs] += 1
                     self.n_dec += 1
-                    self.sum_base += st.base
-                    self._seq += 1
-                    heapq.heappush(self.finish_heap, (st.prompt + st.output - 1 - st.base, self._seq, st))
+                    self.sum_base += base
+                    self._seq = seq = self._seq + 1
+                    heapq.heappush(self.finish_heap, (st.prompt + st.output - 1 - base, seq, st))
         self._plan = []
-        self._complete_decodes(now)
+        h = self.finish_heap
+        if h and h[0][0] <= step:
+            self._complete_decodes(now)
 
     def _complete_decodes(self, now: float) -> None:
         h = self.finish_heap

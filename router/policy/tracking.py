@@ -131,7 +131,30 @@ class ClusterTracker:
         if blocks:
             match = self.prefix_index.match
             return make_view(tuple([t.snapshot(now_s, match(t.replica_id, blocks)) for t in self.trackers]))
-        return make_view(tuple([t.snapshot(now_s) for t in self.trackers]))
+        # ReplicaTracker.snapshot(now_s) inlined: this runs for every replica at every decision
+        return make_view(
+            tuple(
+                [
+                    make_snapshot(
+                        t.replica_id,
+                        t.healthy,
+                        t.outstanding,
+                        t.outstanding_prompt_tokens,
+                        t.outstanding_decode_tokens,
+                        t.waiting,
+                        t.running,
+                        t.kv_cache_usage,
+                        t.kv_capacity_tokens,
+                        _INF if (last := t.last_scrape_s) is None else (now_s - last if now_s > last else 0.0),
+                        t.dispatched_since_scrape,
+                        0,
+                        t.ttft_ema_s,
+                        t.tpot_ema_s,
+                    )
+                    for t in self.trackers
+                ]
+            )
+        )
 
     def dispatch(self, replica_index: int, request: RequestInfo) -> ReplicaTracker:
         t = self.trackers[replica_index]
