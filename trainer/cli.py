@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -192,7 +193,7 @@ def _write_card(path: Path, ckpt: Path, cfg, doc: dict, version: str, size: int,
             "ppo_updates": run.get("updates", prog.get("update")),
             "decisions_per_update": cfg.ppo.envs_per_worker * max(1, cfg.run.workers) * cfg.env.max_requests,
             "wall_s": run.get("wall_s", prog.get("wall_s")),
-            "cores": 2,
+            "cores": os.cpu_count(),
             "rollout_workers": cfg.run.workers,
             "history": run.get("history"),
         },

@@ -110,4 +110,23 @@ class InstanceBuilder:
         cluster, requests = sc.build(np.random.default_rng(spec.seed))
         rng = np.random.default_rng([spec.seed, 0x5EED])
         requests = window(requests, spec.max_requests, rng)
-        return perturb(cluster, requests, self.env_cfg, rng, spec.load, spec.randomise)
+        cluster, requests = perturb(cluster, requests, self.env_cfg, rng, spec.load, spec.randomise)
+        if spec.max_requests is not None:
+            cluster = retime_faults(cluster, requests, rng)
+        return cluster, requests
+
+
+def retime_faults(cluster: ClusterConfig, requests: list[SimRequest], rng: np.random.Generator) -> ClusterConfig:
+    """Move each fault that would start after the window's last arrival to 20-50 % into the window
+    (a short training window would otherwise never see the scenario's crash or slow-down)."""
+    if not cluster.faults or not requests:
+        return cluster
+    span = requests[-1].arrival_s
+    faults = []
+    for f in cluster.faults:
+        if f.at_s >= span:
+            at = float(rng.uniform(0.2, 0.5)) * span
+            dur = None if f.duration_s is None else min(f.duration_s, max(1.0, 0.4 * span))
+            f = f.model_copy(update={"at_s": at, "duration_s": dur})
+        faults.append(f)
+    return cluster.model_copy(update={"faults": faults})
