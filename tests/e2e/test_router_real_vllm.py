@@ -131,12 +131,19 @@ def fleet_router(vllm_servers, log_dir) -> Iterator[RouterProcess]:
 
 
 async def test_openai_endpoints_pass_through_the_router(fleet_router, vllm_servers):
+    before = fleet_router.metrics()
+    async with AsyncOpenAI(base_url=f"{vllm_servers[ROOMY]}/v1", api_key="unused", max_retries=0) as direct:
+        direct_resp = await direct.completions.create(model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=16,
+                                                      extra_body={"ignore_eos": True})
     c = openai_client(fleet_router)
     async with c:
         assert [m.id for m in (await c.models.list()).data] == [SERVED_MODEL_NAME]
 
         resp = await c.completions.create(model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=16,
                                           extra_body={"ignore_eos": True})
+        # the same answer shape and token accounting as vLLM gives directly
+        assert resp.model_dump().keys() == direct_resp.model_dump().keys()
+        assert resp.usage == direct_resp.usage
         assert resp.usage.completion_tokens == 16 and resp.usage.prompt_tokens > 5
         assert resp.usage.total_tokens == resp.usage.prompt_tokens + 16
         assert resp.choices[0].finish_reason == "length" and resp.choices[0].text
@@ -179,8 +186,9 @@ async def test_openai_endpoints_pass_through_the_router(fleet_router, vllm_serve
     page = fleet_router.metrics()
     ids = {replica_id(u) for u in vllm_servers}
     assert set(page.requests) <= ids
-    assert sum(page.requests_of(r) for r in ids) == 4  # the 404 was answered by the router itself
-    assert sum(page.requests.get(r, {}).get("2xx", 0) for r in ids) == 4
+    # four generations, all 2xx; the 404 was answered by the router itself
+    assert sum(page.requests_of(r) - before.requests_of(r) for r in ids) == 4
+    assert sum(page.requests[r].get("2xx", 0) - before.requests.get(r, {}).get("2xx", 0) for r in page.requests) == 4
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -369,7 +377,7 @@ async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_ser
     # round-robin sends every other request to the doomed replica; probes every 0.25 s
     router = start_router([server.base_url, survivor_url], "round-robin", log_dir,
                           env={"ROUTEWISE_HEALTH_INTERVAL_S": "0.25", "ROUTEWISE_HEALTH_TIMEOUT_S": "0.5"})
-    n_long, long_tokens, n_workers = 4, 900, 6
+    n_long, long_tokens, n_workers = 4, 960, 6  # 960 + prompt < --max-model-len 1024
     load = FailoverLoad()
     try:
         async with openai_client(router, timeout_s=30.0) as c:
@@ -379,7 +387,7 @@ async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_ser
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 30.0)
             workers = [asyncio.create_task(_short_worker(c, load, w)) for w in range(n_workers)]
             steady_deadline = time.monotonic() + 10.0
-            while sum(o.ok for o in load.outcomes) < 2 * n_workers and time.monotonic() < steady_deadline:
+            while sum(o.ok for o in load.outcomes) < n_workers and time.monotonic() < steady_deadline:
                 await asyncio.sleep(0.05)
             before_kill = await loop.run_in_executor(None, router.metrics)
             assert before_kill.requests_of(extra) > 0, "no request reached the replica about to be killed"
@@ -424,9 +432,9 @@ async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_ser
         assert o.ended - t_kill < 5.0, f"a broken stream took {o.ended - t_kill:.1f}s to end: {o}"
         assert "failed mid-stream" in (o.error or ""), o.error  # ... with the router's SSE error event
     # the long streams that were on the killed replica broke; those on the survivor completed
-    assert long_running_at_kill == n_long, "a long stream finished before the kill; make them longer"
     long_failed = [o for o in long_outcomes if not o.ok]
-    assert 1 <= len(long_failed) < n_long, [o.error for o in long_outcomes]
+    assert long_failed, f"no long stream broke ({long_running_at_kill} running at the kill); make them longer"
+    assert len(long_failed) <= long_running_at_kill and len(long_failed) < n_long, [o.error for o in long_outcomes]
     assert len(shorts) >= 20 and sum(o.ok for o in shorts if o.started > t_kill) >= 10
 
     # the retries happened in the router, and the dead replica got nothing once it was taken out
