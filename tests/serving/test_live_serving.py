@@ -270,3 +270,19 @@ async def test_decision_log_holds_the_model_input_of_each_decision(tmp_path, fak
         assert feats.shape == (2, w.size) and r["fallback"] is None and r["policy"] == "lin"
         scores = np.where(np.array(r["mask"]) > 0, feats.astype(np.float64) @ w, -np.inf)
         assert r["index"] == int(np.argmax(scores))  # the logged input reproduces the model's decision
+
+
+async def test_stale_stats_hand_learned_decisions_to_lor(tmp_path, fakes, router_client):
+    a, b = await fakes(2)
+    model = prefer_replica_model(tmp_path / "prefer1.onnx", 1)
+    client = await router_client([a.url, b.url], policy=str(model), max_stats_age_s=0.5, **EXACT)
+    fresh = await load(client, 10)
+    assert {r.headers["x-routewise-replica"] for r in fresh} == {b.url[7:]}
+    for f in (a, b):
+        f.metrics_mode = "http_500"  # scrapes fail from now on: the last stats age
+    await asyncio.sleep(0.8)
+    stale = await load(client, 10)
+    assert [r.status for r in stale] == [200] * 10
+    m = await metrics(client)
+    assert total(m, "llm_router_fallbacks_total", reason="stale_stats") == 10
+    assert total(m, "llm_router_fallbacks_total") == 10
