@@ -1,0 +1,148 @@
+"""Decision latency with the learned policy on: FallbackPolicy(OnnxPolicy) + build_features, as the live
+router runs it (routing.PolicyRunner), at 16 and 128 replicas. Prints p50/p99 per replica count and a
+breakdown (view, features, onnxruntime). Targets: p99 <= 100 us at 16 replicas, <= 300 us at 128.
+
+    .venv/bin/python tests/bench/decision_latency_learned.py                    # shipped default.onnx if present,
+                                                                                # else a same-architecture model
+    .venv/bin/python tests/bench/decision_latency_learned.py --model my.onnx
+    .venv/bin/python tests/bench/decision_latency_learned.py --from-trainer     # trainer.network.RoutingNet (torch)
+    .venv/bin/python tests/bench/decision_latency_learned.py --hidden 32 --layers 1
+
+The stand-in model (tests/serving/onnx_models.attention_model) has the trainer's architecture: per-replica
+MLP encoder, `layers` pre-norm cross-replica self-attention blocks, per-replica logit head; random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from router.policy import FallbackPolicy, LeastOutstanding, build_features  # noqa: E402
+from router.policy.onnx_policy import OnnxPolicy  # noqa: E402
+from router.policy.registry import DEFAULT_MODEL_PATH  # noqa: E402
+from router.policy.tracking import ClusterTracker  # noqa: E402
+from router.policy.types import RequestInfo  # noqa: E402
+
+
+def make_model(args, tmp: Path) -> tuple[Path, str]:
+    if args.model:
+        return Path(args.model), f"--model {args.model}"
+    if args.from_trainer:
+        import torch
+
+        from router.policy.features import N_FEATURES
+        from trainer.config import NetworkConfig
+        from trainer.export import export_onnx
+        from trainer.network import RoutingNet
+
+        torch.manual_seed(0)
+        cfg = NetworkConfig(hidden=args.hidden, heads=args.heads, layers=args.layers)
+        path = export_onnx(RoutingNet(N_FEATURES, cfg), tmp / "trainer.onnx", "bench", {"network": cfg.model_dump()})
+        return path, f"trainer.network.RoutingNet hidden={args.hidden} heads={args.heads} layers={args.layers} (random init)"
+    if DEFAULT_MODEL_PATH.is_file() and not args.stand_in:
+        return DEFAULT_MODEL_PATH, f"shipped {DEFAULT_MODEL_PATH.relative_to(ROOT)}"
+    from tests.serving.onnx_models import attention_model
+
+    path = attention_model(tmp / "stand_in.onnx", hidden=args.hidden, heads=args.heads, layers=args.layers)
+    return path, f"stand-in onnx.helper model hidden={args.hidden} heads={args.heads} layers={args.layers}"
+
+
+def busy_cluster(n: int, rng: np.random.Generator) -> ClusterTracker:
+    """n replicas in a plausible busy state: scraped stats, EMAs, in-flight requests, a warm prefix index."""
+    cluster = ClusterTracker([f"10.0.{i // 250}.{i % 250}:8000" for i in range(n)])
+    for i, t in enumerate(cluster.trackers):
+        t.on_scrape(0.0, int(rng.integers(0, 8)), int(rng.integers(1, 32)), float(rng.uniform(0.1, 0.9)), 262_144)
+        t.on_first_token(float(rng.uniform(0.05, 0.5)))
+        for k in range(int(rng.integers(0, 12))):
+            cluster.dispatch(i, RequestInfo(f"warm-{i}-{k}", int(rng.integers(50, 3000)), 256,
+                                            tuple(int(x) for x in rng.integers(0, 50, 4))))
+        t.on_complete(f"warm-{i}-0", float(rng.uniform(0.01, 0.05)))
+    return cluster
+
+
+def percentiles(samples_ns: list[int]) -> tuple[float, float, float]:
+    a = np.asarray(samples_ns, dtype=np.float64) / 1e3
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99)), float(a.mean())
+
+
+def bench(model: Path, n: int, iters: int, budget_s: float, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    cluster = busy_cluster(n, rng)
+    policy = FallbackPolicy(OnnxPolicy(model), LeastOutstanding(seed=1), budget_s=budget_s, clock=time.perf_counter,
+                            max_stats_age_s=10.0, overload_margin=32)
+    if policy.primary.load_error is not None:
+        raise SystemExit(f"model did not load: {policy.primary.load_error}")
+    session = policy.primary._session
+    requests = [RequestInfo(f"q{i}", int(rng.integers(50, 4000)), int(rng.integers(16, 512)),
+                            tuple(int(x) for x in rng.integers(0, 50, int(rng.integers(0, 12))))) for i in range(256)]
+    views = [cluster.view(1.0, r) for r in requests]
+    decide, view_t, feat_t, ort_t = [], [], [], []
+    fallbacks: dict[str, int] = {}
+    clock = time.perf_counter_ns
+    for i in range(iters + 200):  # 200 warm-up decisions
+        req = requests[i % 256]
+        t0 = clock()
+        view = cluster.view(1.0, req)
+        t1 = clock()
+        d = policy.decide(view, req)
+        t2 = clock()
+        feats = build_features(view, req)
+        t3 = clock()
+        mask = np.ones((1, n), np.float32)
+        session.run(["logits"], {"features": feats[None], "mask": mask})
+        t4 = clock()
+        if i >= 200:
+            view_t.append(t1 - t0)
+            decide.append(t2 - t1)
+            feat_t.append(t3 - t2)
+            ort_t.append(t4 - t3)
+            if d.fallback_reason:
+                fallbacks[d.fallback_reason] = fallbacks.get(d.fallback_reason, 0) + 1
+    del views
+    return {"n": n, "decide": percentiles(decide), "view": percentiles(view_t), "features": percentiles(feat_t),
+            "onnxruntime": percentiles(ort_t), "fallbacks": fallbacks, "iters": iters}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="an .onnx file in the router's contract")
+    p.add_argument("--from-trainer", action="store_true", help="export trainer.network.RoutingNet (needs torch)")
+    p.add_argument("--stand-in", action="store_true", help="use the onnx.helper stand-in even if default.onnx exists")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--replicas", default="16,128", help="comma-separated replica counts")
+    p.add_argument("--iters", type=int, default=5000)
+    p.add_argument("--budget-us", type=float, default=500.0, help="FallbackPolicy budget (router default 500 us)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model, what = make_model(args, Path(tmp))
+        print(f"model: {what}")
+        print(f"{args.iters} decisions per replica count after 200 warm-up; times in microseconds; "
+              f"budget {args.budget_us:.0f} us; 1 onnxruntime thread")
+        print(f"{'replicas':>8} | {'decide p50':>10} {'p99':>8} | {'view p50':>8} | {'features p50':>12} {'p99':>7} | "
+              f"{'ort p50':>8} {'p99':>8} | fallbacks")
+        gc.collect()
+        for n in (int(x) for x in args.replicas.split(",")):
+            r = bench(model, n, args.iters, args.budget_us / 1e6, args.seed)
+            d, v, f, o = r["decide"], r["view"], r["features"], r["onnxruntime"]
+            fb = ", ".join(f"{k} {c / r['iters']:.1%}" for k, c in r["fallbacks"].items()) or "none"
+            print(f"{n:>8} | {d[0]:>10.1f} {d[1]:>8.1f} | {v[0]:>8.1f} | {f[0]:>12.1f} {f[1]:>7.1f} | "
+                  f"{o[0]:>8.1f} {o[1]:>8.1f} | {fb}")
+    print("decide = FallbackPolicy.decide (build_features + onnxruntime + fallback checks), the router's decision "
+          "latency minus the view; view = ClusterTracker.view (snapshots + prefix match), paid once per request.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
