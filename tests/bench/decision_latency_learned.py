@@ -7,6 +7,7 @@ breakdown (view, features, onnxruntime). Targets: p99 <= 100 us at 16 replicas, 
     .venv/bin/python tests/bench/decision_latency_learned.py --model my.onnx
     .venv/bin/python tests/bench/decision_latency_learned.py --from-trainer     # trainer.network.RoutingNet (torch)
     .venv/bin/python tests/bench/decision_latency_learned.py --hidden 32 --layers 1
+    .venv/bin/python tests/bench/decision_latency_learned.py --stand-in --arch pooled   # O(replicas) alternative
 
 The stand-in model (tests/serving/onnx_models.attention_model) has the trainer's architecture: per-replica
 MLP encoder, `layers` pre-norm cross-replica self-attention blocks, per-replica logit head; random weights.
@@ -50,8 +51,11 @@ def make_model(args, tmp: Path) -> tuple[Path, str]:
         return path, f"trainer.network.RoutingNet hidden={args.hidden} heads={args.heads} layers={args.layers} (random init)"
     if DEFAULT_MODEL_PATH.is_file() and not args.stand_in:
         return DEFAULT_MODEL_PATH, f"shipped {DEFAULT_MODEL_PATH.relative_to(ROOT)}"
-    from tests.serving.onnx_models import attention_model
+    from tests.serving.onnx_models import attention_model, pooled_model
 
+    if args.arch == "pooled":
+        path = pooled_model(tmp / "stand_in.onnx", hidden=args.hidden, layers=args.layers)
+        return path, f"stand-in pooled-context (DeepSets, O(replicas)) model hidden={args.hidden} layers={args.layers}"
     path = attention_model(tmp / "stand_in.onnx", hidden=args.hidden, heads=args.heads, layers=args.layers)
     return path, f"stand-in onnx.helper model hidden={args.hidden} heads={args.heads} layers={args.layers}"
 
@@ -117,6 +121,8 @@ def main() -> int:
     p.add_argument("--model", help="an .onnx file in the router's contract")
     p.add_argument("--from-trainer", action="store_true", help="export trainer.network.RoutingNet (needs torch)")
     p.add_argument("--stand-in", action="store_true", help="use the onnx.helper stand-in even if default.onnx exists")
+    p.add_argument("--arch", choices=["attention", "pooled"], default="attention",
+                   help="stand-in architecture: the trainer's self-attention, or an O(replicas) pooled-context block")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)

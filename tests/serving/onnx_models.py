@@ -243,3 +243,27 @@ def attention_model(path, hidden: int = 64, heads: int = 4, layers: int = 2, see
     raw = g.op("Squeeze", [g.linear(g.gelu(g.linear(h, hidden, hidden)), hidden, 1), g.const(np.array([-1], np.int64))])
     mn, mi = _mask_nodes(raw)
     return _save(g.nodes + mn, g.inits + mi, path, FEATURE_SPEC_HASH, version)
+
+
+def pooled_model(path, hidden: int = 64, layers: int = 2, seed: int = 0, version: str = "pooled-bench-1") -> Path:
+    """An O(replicas) alternative to self-attention, for latency comparisons: each block mixes every
+    replica's embedding with the masked mean and max of all of them (DeepSets-style), still
+    permutation-equivariant and width-agnostic."""
+    g = _G(np.random.default_rng(seed))
+    x = g.op("Clip", [g.op("Div", [g.op("Sub", ["features", g.const(np.zeros(N_FEATURES, np.float32))]),
+                                   g.const(np.ones(N_FEATURES, np.float32))]), g.const(np.float32(-10)), g.const(np.float32(10))])
+    h = g.linear(g.gelu(g.linear(x, N_FEATURES, hidden)), hidden, hidden)
+    m3 = g.op("Unsqueeze", ["mask", g.const(np.array([-1], np.int64))])  # [B, R, 1]
+    count = g.op("Max", [g.op("ReduceSum", [m3, g.const(np.array([1], np.int64))], keepdims=1), g.const(np.float32(1.0))])
+    neg = g.op("Mul", [g.op("Sub", [g.const(np.float32(1.0)), m3]), g.const(np.float32(-1e4))])
+    for _ in range(layers):
+        n1 = g.layer_norm(h, hidden)
+        mean = g.op("Div", [g.op("ReduceSum", [g.op("Mul", [n1, m3]), g.const(np.array([1], np.int64))], keepdims=1), count])
+        mx = g.op("ReduceMax", [g.op("Add", [n1, neg])], axes=[1], keepdims=1)
+        ctx = g.op("Add", [g.linear(mean, hidden, hidden), g.linear(mx, hidden, hidden)])  # [B, 1, H], broadcast
+        h = g.op("Add", [h, g.linear(g.gelu(g.op("Add", [g.linear(n1, hidden, 2 * hidden), g.linear(ctx, hidden, 2 * hidden)])),
+                                     2 * hidden, hidden)])
+    h = g.layer_norm(h, hidden)
+    raw = g.op("Squeeze", [g.linear(g.gelu(g.linear(h, hidden, hidden)), hidden, 1), g.const(np.array([-1], np.int64))])
+    mn, mi = _mask_nodes(raw)
+    return _save(g.nodes + mn, g.inits + mi, path, FEATURE_SPEC_HASH, version)

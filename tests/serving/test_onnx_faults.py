@@ -112,3 +112,17 @@ def test_masked_pick_falls_back():
 def test_weights_helper_names_features():
     w = feature_weights(outstanding=-1.0, kv_cache_usage=2.0)
     assert w.sum() == 1.0 and np.count_nonzero(w) == 2
+
+
+def test_pooled_model_serves_and_ignores_masked_rows(tmp_path):
+    from router.policy.onnx_policy import OnnxPolicy as P
+
+    from .onnx_models import pooled_model
+
+    policy = P(pooled_model(tmp_path / "pooled.onnx"))
+    view = make_view([1, 2, 3, 4])
+    s = policy.scores(view, make_request())
+    assert s.shape == (4,) and np.all(np.isfinite(s))
+    # permutation-equivariant: reversing the replicas reverses the scores
+    rev = make_view([4, 3, 2, 1])
+    assert np.allclose(policy.scores(rev, make_request()), s[::-1], atol=1e-5)
