@@ -67,6 +67,9 @@ class NetworkConfig(_Strict):
     hidden: int = Field(64, ge=8, le=512, description="width of the per-replica embedding")
     heads: int = Field(4, ge=1, le=16, description="attention heads (must divide hidden)")
     layers: int = Field(2, ge=0, le=6, description="cross-replica self-attention blocks")
+    relative_inputs: bool = Field(
+        True, description="add cross-replica relative inputs (difference to min/mean/max, token load) to the encoder"
+    )
     gru: bool = Field(False, description="recurrent state over time (ablation only; not supported by export)")
 
     @model_validator(mode="after")

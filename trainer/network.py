@@ -51,6 +51,58 @@ class ObsNormaliser(nn.Module):
         return torch.clamp((x - self.mean.to(x.dtype)) / std, -_OBS_CLIP, _OBS_CLIP)
 
 
+class CrossReplicaInputs(nn.Module):
+    """Derived per-replica inputs that make "the least loaded replica" easy to see.
+
+    From the raw `build_features` rows (spec scales, log1p units) it adds, for every replica
+    feature, its difference to the minimum, mean and maximum over valid replicas, plus the total
+    token load (prompt + expected decode tokens, un-logged, summed, re-logged) and the token load
+    times the replica's TPOT EMA (a speed-aware load), each with its difference to the minimum.
+    Permutation-equivariant; padded and masked replicas never enter the statistics.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from router.policy.features import FEATURE_NAMES, REPLICA_FEATURES
+
+        self.n_rep = len(REPLICA_FEATURES)
+        scales = {n: s for n, _, s in REPLICA_FEATURES}
+        self.i_prompt = FEATURE_NAMES.index("outstanding_prompt_tokens")
+        self.i_decode = FEATURE_NAMES.index("outstanding_decode_tokens")
+        self.i_tpot = FEATURE_NAMES.index("tpot_ema_ms")
+        self.s_prompt = scales["outstanding_prompt_tokens"]
+        self.s_decode = scales["outstanding_decode_tokens"]
+        self.s_tpot = scales["tpot_ema_ms"]
+
+    @property
+    def n_extra(self) -> int:
+        return 3 * self.n_rep + 4
+
+    @staticmethod
+    def _stats(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = valid.sum(1, keepdim=True).clamp(min=1.0)
+        any_valid = valid.sum(1, keepdim=True) > 0.5
+        lo = torch.where(valid > 0.5, x, torch.full_like(x, 1e4)).min(1, keepdim=True).values
+        hi = torch.where(valid > 0.5, x, torch.full_like(x, -1e4)).max(1, keepdim=True).values
+        mean = (x * valid).sum(1, keepdim=True) / n
+        zero = torch.zeros_like(lo)
+        return torch.where(any_valid, lo, zero), torch.where(any_valid, mean, zero), torch.where(any_valid, hi, zero)
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        valid = mask.unsqueeze(-1)
+        rep = features[..., : self.n_rep]
+        lo, mean, hi = self._stats(rep, valid)
+        prompt = torch.exp(features[..., self.i_prompt : self.i_prompt + 1] * self.s_prompt) - 1.0
+        decode = torch.exp(features[..., self.i_decode : self.i_decode + 1] * self.s_decode) - 1.0
+        load = torch.log(1.0 + prompt + decode) / 10.0  # exp/log, not expm1/log1p: ONNX opset 17 has no expm1
+        tpot_ms = torch.exp(features[..., self.i_tpot : self.i_tpot + 1] * self.s_tpot) - 1.0
+        speed_load = torch.log(1.0 + (prompt + decode) * tpot_ms / 10.0) / 10.0
+        derived = torch.cat([load, speed_load], -1)
+        d_lo = self._stats(derived, valid)[0]
+        out = torch.cat([rep - lo, rep - mean, hi - rep, derived, derived - d_lo], -1)
+        return out * valid
+
+
 class _AttentionBlock(nn.Module):
     """Pre-norm multi-head self-attention across replicas + a feed-forward layer, with key masking."""
 
@@ -84,7 +136,9 @@ class RoutingNet(nn.Module):
         self.n_features = n_features
         self.normaliser = ObsNormaliser(n_features)
         h = cfg.hidden
-        self.encoder = nn.Sequential(nn.Linear(n_features, h), nn.GELU(), nn.Linear(h, h))
+        self.cross_inputs = CrossReplicaInputs() if cfg.relative_inputs else None
+        n_in = n_features + (self.cross_inputs.n_extra if self.cross_inputs is not None else 0)
+        self.encoder = nn.Sequential(nn.Linear(n_in, h), nn.GELU(), nn.Linear(h, h))
         self.blocks = nn.ModuleList(_AttentionBlock(h, cfg.heads) for _ in range(cfg.layers))
         self.final_norm = nn.LayerNorm(h)
         self.policy_head = nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Linear(h, 1))
@@ -94,6 +148,8 @@ class RoutingNet(nn.Module):
 
     def _embed(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.normaliser(features)
+        if self.cross_inputs is not None:
+            x = torch.cat([x, self.cross_inputs(features, mask)], -1)
         h = self.encoder(x)
         key_bias = ((1.0 - mask) * MASKED_LOGIT)[:, None, None, :]
         for block in self.blocks:
