@@ -42,8 +42,8 @@ class RouterProcess:
         except OSError as exc:
             return f"<no log at {self.log_path}: {exc}>"
 
-    def get(self, path: str, admin: bool = False, timeout_s: float = 5.0) -> tuple[int, bytes]:
-        req = urllib.request.Request(f"{self.base_url}{path}")
+    def get(self, path: str, admin: bool = False, timeout_s: float = 5.0, method: str = "GET") -> tuple[int, bytes]:
+        req = urllib.request.Request(f"{self.base_url}{path}", method=method)
         if admin:
             req.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
         try:
@@ -61,6 +61,11 @@ class RouterProcess:
         status, body = self.get("/admin/replicas", admin=True)
         assert status == 200, f"/admin/replicas answered {status}: {body[:300]!r}"
         return {r["id"]: r for r in json.loads(body)["replicas"]}
+
+    def admin_post(self, path: str) -> dict:
+        status, body = self.get(path, admin=True, method="POST")
+        assert status == 200, f"POST {path} answered {status}: {body[:300]!r}"
+        return json.loads(body)
 
     def admin_policy(self) -> dict:
         status, body = self.get("/admin/policy", admin=True)
@@ -139,6 +144,7 @@ class RouterMetricsPage:
     gauges: dict[str, dict[str, float]]  # gauge name -> replica -> value
     requests: dict[str, dict[str, float]]  # replica -> code_class -> llm_router_requests_total
     upstream_errors: dict[str, float]  # replica -> all kinds
+    scrape_errors: dict[str, dict[str, float]]  # replica -> kind -> count
     retries: float
     fallbacks: dict[str, float]  # reason -> count (all policies)
     policy_info: list[dict[str, str]]
@@ -148,6 +154,7 @@ class RouterMetricsPage:
         gauges: dict[str, dict[str, float]] = defaultdict(dict)
         requests: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         upstream: dict[str, float] = defaultdict(float)
+        scrape_errors: dict[str, dict[str, float]] = defaultdict(dict)
         fallbacks: dict[str, float] = defaultdict(float)
         retries = 0.0
         info: list[dict[str, str]] = []
@@ -157,6 +164,8 @@ class RouterMetricsPage:
                     requests[s.labels["replica"]][s.labels["code_class"]] += s.value
                 elif s.name == "llm_router_upstream_errors_total":
                     upstream[s.labels["replica"]] += s.value
+                elif s.name == "llm_router_scrape_errors_total":
+                    scrape_errors[s.labels["replica"]][s.labels["kind"]] = s.value
                 elif s.name == "llm_router_retries_total":
                     retries += s.value
                 elif s.name == "llm_router_fallbacks_total":
@@ -165,7 +174,7 @@ class RouterMetricsPage:
                     info.append(dict(s.labels))
                 elif family.type == "gauge" and "replica" in s.labels:
                     gauges[s.name][s.labels["replica"]] = s.value
-        return cls(dict(gauges), {k: dict(v) for k, v in requests.items()}, dict(upstream), retries,
+        return cls(dict(gauges), {k: dict(v) for k, v in requests.items()}, dict(upstream), dict(scrape_errors), retries,
                    dict(fallbacks), info)
 
     def gauge(self, name: str, replica: str) -> float | None:
