@@ -278,11 +278,15 @@ class Replica:
 
     def _blocks_needed(self, m: int) -> int:
         """Blocks the decode requests need over the next `m` steps."""
-        q, r = divmod(m, self.bs)
+        bs = self.bs
+        q, r = divmod(m, bs)
         need = q * self.n_dec
-        hist, bs, s = self.hist, self.bs, self.step
-        for i in range(r):
-            need += hist[(-(s + i)) % bs]
+        if r:
+            # steps s, s+1, ..., s+r-1 need hist[-s % bs], hist[(-s-1) % bs], ...: a cyclic slice read backwards
+            hist = self.hist
+            hi = (-self.step) % bs + 1
+            lo = hi - r
+            need += sum(hist[lo:hi]) if lo >= 0 else sum(hist[:hi]) + sum(hist[bs + lo :])
         return need
 
     # ---- closed-form decode jumps --------------------------------------------------------------
