@@ -73,7 +73,7 @@ class RouterSettings(BaseSettings):
 
     # metrics scraping
     scrape_interval_s: float = Field(1.0, gt=0)
-    scrape_timeout_s: float = Field(0.8, gt=0)
+    scrape_timeout_s: float = Field(0.8, gt=0, description="default: min(0.8, scrape_interval_s)")
 
     # routing
     policy: str = LEARNED
@@ -158,6 +158,8 @@ class RouterSettings(BaseSettings):
             raise ValueError(f"ab_min_samples={self.ab_min_samples}: must not exceed ab_window_requests={self.ab_window_requests}")
         if self.decision_log_dir is not None and self.decision_log_dir.exists() and not self.decision_log_dir.is_dir():
             raise ValueError(f"decision_log_dir={str(self.decision_log_dir)!r}: exists and is not a directory")
+        if "scrape_timeout_s" not in self.model_fields_set:
+            self.scrape_timeout_s = min(self.scrape_timeout_s, self.scrape_interval_s)
         if self.scrape_timeout_s > self.scrape_interval_s:
             raise ValueError(f"scrape_timeout_s={self.scrape_timeout_s}: must not exceed scrape_interval_s={self.scrape_interval_s}")
         learned = is_learned(self.policy)

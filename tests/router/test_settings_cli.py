@@ -110,3 +110,10 @@ async def test_sigterm_drains_inflight_stream_then_exits(fakes):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_scrape_timeout_defaults_to_at_most_the_interval():
+    from router.settings import RouterSettings
+
+    assert RouterSettings(replicas=["http://127.0.0.1:1"], scrape_interval_s=0.2).scrape_timeout_s == 0.2
+    assert RouterSettings(replicas=["http://127.0.0.1:1"]).scrape_timeout_s == 0.8
