@@ -38,7 +38,7 @@ def saturated_rps(group: ReplicaGroup, rng: np.random.Generator, n: int = 1500) 
     prompt, output = azure_conv_like_lengths(n, rng)
     reqs = [SimRequest(i, 0.0, int(p), int(o)) for i, (p, o) in enumerate(zip(prompt, output))]
     records = simulate(ClusterConfig(replicas=[group.model_copy(update={"count": 1})]), reqs, make_policy("round-robin"))
-    return n / max(r.finish_s for r in records)
+    return n / max(r.finish_s for r in records if not r.error)
 
 
 def standard_workload(
@@ -58,7 +58,8 @@ def run_bench(n_requests: int = 20000, seed: int = 0) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     records = simulate(config, reqs, make_policy("least-outstanding"), seed=seed)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    ttft = np.array([r.ttft_s for r in records])
+    served = [r for r in records if not r.error]
+    ttft = np.array([r.ttft_s for r in served])
     return {
         "sim_requests_per_s": n_requests / wall,
         "n_requests": n_requests,
@@ -66,7 +67,8 @@ def run_bench(n_requests: int = 20000, seed: int = 0) -> dict:
         "sim_requests_per_cpu_s": n_requests / cpu,  # steadier than wall time on a shared machine
         "cpu_s": cpu,
         "arrival_rate_per_s": rate,
-        "simulated_s": max(r.finish_s for r in records),
+        "simulated_s": max(r.finish_s for r in served),
+        "rejected": len(records) - len(served),
         "ttft_p50_s": float(np.percentile(ttft, 50)),
         "ttft_p99_s": float(np.percentile(ttft, 99)),
     }

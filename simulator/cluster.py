@@ -13,6 +13,15 @@ one `np.random.Generator` per instance.
 Crashes: a crashed replica drops everything in flight. The router notices after
 `health_check_delay_s`: the replica is marked unhealthy, its in-flight requests (including any
 routed to it meanwhile) are released and routed again as fresh decisions, so no request is lost.
+
+Admission, as vLLM's OpenAI server does it: a replica's context limit is its profile's
+`max_model_len`, lowered to its KV capacity when that is smaller (vLLM will not start with a
+limit one sequence cannot fill). A prompt of that many tokens or more is refused at once (HTTP
+400): its record gets `error = "prompt_too_long"`, no first token and no finish time, so metrics
+leave it out of latency percentiles and count it as a miss in goodput; the router releases it
+with a failed `Outcome`. A shorter prompt whose output would cross the limit is served and its
+generation stops at the limit (`finish_reason: length`); its record's `output_tokens` is what
+was generated.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from simulator.config import ClusterConfig
 from simulator.costmodel import load_profile
 from simulator.replica import COMPLETE, ReqState, Replica
 from simulator.types import RequestRecord, SimRequest
+
+REJECTED_PROMPT_TOO_LONG = "prompt_too_long"  # RequestRecord.error of a request vLLM refuses
 
 # event priorities at equal times
 P_REPLICA, P_FAULT, P_SAMPLE, P_SCRAPE, P_HEALTH, P_DECISION = range(6)
@@ -187,10 +198,31 @@ class ClusterSim:
             self._lost[index].append(idx)
             return
         rep = self.replicas[index]
+        st = ReqState(self.requests[idx], idx, t, info.prefix_blocks)
+        limit = rep.max_model_len
+        if st.prompt + st.output > limit:
+            if st.prompt >= limit:
+                self._reject(index, idx, info, t)
+                return
+            st.output = limit - st.prompt  # generation stops at max_model_len (finish_reason "length")
         before = rep.event_s
-        rep.add(ReqState(self.requests[idx], idx, t, info.prefix_blocks), t)
+        rep.add(st, t)
         if rep.event_s != before:
             self._push_replica(index)
+
+    def _reject(self, i: int, idx: int, info: RequestInfo, t: float) -> None:
+        """vLLM's admission check: a prompt of max_model_len tokens or more gets HTTP 400 at once."""
+        rec = self.records[idx]
+        rec.error = REJECTED_PROMPT_TOO_LONG
+        self.tracker.trackers[i].on_complete(info.request_id, None)  # the router releases it on the 400
+        self.n_completed += 1
+        self._advance_integrals(t)
+        self._waiting_ft -= 1  # it waits for no first token any more
+        del self._waiting_arrivals[idx]
+        if self.on_complete_hook is not None:
+            self.on_complete_hook(
+                self.replica_ids[i], info, Outcome(ok=False, ttft_s=None, e2e_s=t - rec.arrival_s, output_tokens=0)
+            )
 
     def finish(self) -> list[RequestRecord]:
         """Run until every request completes; records in request_id order."""
@@ -297,6 +329,8 @@ class ClusterSim:
                 if q != q:  # NaN: not set by an earlier attempt
                     rec.queue_delay_s = st.first_scheduled_s - rec.arrival_s
                 out = st.output
+                if out < rec.output_tokens:
+                    rec.output_tokens = out  # what was generated: max_model_len cut it short
                 info = self._infos[idx]
                 tracker.on_complete(info.request_id, (t - st.first_token_s) / (out - 1) if out > 1 else None)  # type: ignore[union-attr]
                 self.n_completed += 1

@@ -112,7 +112,6 @@ class Replica:
         self.budget = group.max_num_batched_tokens
         self.prefix_caching = group.enable_prefix_caching
         self.num_blocks = profile.num_kv_blocks(group.block_size, group.gpu_memory_utilization)
-        self._kv_capacity = self.num_blocks * self.bs
         self.base_factor = group.speed_factor
         self.closed_form = closed_form
         self.factor = group.speed_factor
@@ -125,6 +124,10 @@ class Replica:
     # ---- state -----------------------------------------------------------------------------
 
     def _reset_state(self) -> None:
+        self._kv_capacity = self.num_blocks * self.bs  # here: the emulator resizes num_blocks, then resets
+        # vLLM refuses to start when one max_model_len sequence does not fit the KV cache (or, with
+        # automatic sizing, lowers max_model_len to what fits): the context limit it enforces
+        self.max_model_len = min(self.profile.max_model_len, self._kv_capacity)
         self.waiting: deque[ReqState] = deque()
         self.running: list[ReqState] = []  # admission order; preemption takes the tail
         self.prefilling: list[ReqState] = []  # running requests still in prefill, running order

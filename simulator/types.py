@@ -38,6 +38,7 @@ class RequestRecord:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     tenant: str = ""
+    error: str = ""  # "" when served; else why the replica refused it (e.g. "prompt_too_long")
 
     @property
     def ttft_s(self) -> float:
