@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 from router.policy.base import Policy, argmin_random_ties, healthy_or_raise
 from router.policy.types import ClusterView, NoHealthyReplica, ReplicaSnapshot, RequestInfo
-
-_INF = math.inf
 
 
 class RoundRobin(Policy):
@@ -46,16 +42,22 @@ class LeastOutstanding(Policy):
     name = "least-outstanding"
 
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
-        # argmin_random_ties over the healthy replicas' counts, with the scan done by C builtins
-        # (the simulator's hot path); unhealthy replicas get +inf, above any count
-        counts = [r.outstanding if r.healthy else _INF for r in view.replicas]
-        best = min(counts, default=_INF)
-        if best == _INF:
+        # argmin_random_ties over the healthy replicas' counts, in one pass (the simulator's hot path)
+        best = -1
+        tied: list[int] = []
+        i = 0
+        for r in view.replicas:
+            if r.healthy:
+                v = r.outstanding
+                if not tied or v < best:
+                    best = v
+                    tied = [i]
+                elif v == best:
+                    tied.append(i)
+            i += 1
+        if not tied:
             raise NoHealthyReplica("no healthy replica in the view")
-        if counts.count(best) == 1:
-            return counts.index(best)
-        tied = [i for i, v in enumerate(counts) if v == best]
-        return tied[int(self.rng.integers(len(tied)))]
+        return tied[0] if len(tied) == 1 else tied[int(self.rng.integers(len(tied)))]
 
 
 class PowerOfTwo(Policy):
