@@ -74,3 +74,21 @@ def test_one_pass_least_outstanding_matches_argmin_random_ties_and_rng_use():
             continue
         assert policy.choose(view, RequestInfo("q", 1)) == _reference_lor(view, ref_rng)
     assert policy.rng.random() == ref_rng.random()  # same number of draws on ties
+
+
+def test_cluster_view_equals_each_trackers_snapshot_with_and_without_prefix():
+    ct = ClusterTracker(["a", "b", "c"], prefix_block_tokens=64)
+    ct.trackers[0].on_scrape(1.0, 2, 3, 0.4, 64 * 100)
+    ct.trackers[1].on_first_token(0.2)
+    ct.trackers[1].on_complete("none", 0.01)
+    ct.trackers[2].healthy = False
+    ct.dispatch(0, RequestInfo("p", 100, 50, prefix_blocks=(11, 12, 13)))
+    ct.dispatch(1, RequestInfo("q", 80))
+    for req in (RequestInfo("x", 10), RequestInfo("y", 10, prefix_blocks=(11, 12, 99))):
+        view = ct.view(2.5, req)
+        expect = tuple(
+            t.snapshot(2.5, ct.prefix_index.match(t.replica_id, req.prefix_blocks) if req.prefix_blocks else 0)
+            for t in ct.trackers
+        )
+        assert view == ClusterView(expect)
+    assert ct.view(2.5, RequestInfo("y", 10, prefix_blocks=(11, 12, 99))).replicas[0].prefix_match_blocks == 2
