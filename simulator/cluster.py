@@ -27,7 +27,7 @@ was generated.
 from __future__ import annotations
 
 import heapq
-import math
+from operator import attrgetter
 from typing import Callable, Sequence
 
 import numpy as np
@@ -75,7 +75,7 @@ class ClusterSim:
             if f.replica >= n_rep:
                 raise ValueError(f"fault {f.kind} at {f.at_s}s: replica index {f.replica} out of range (0..{n_rep - 1})")
 
-        self.requests: list[SimRequest] = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+        self.requests: list[SimRequest] = sorted(requests, key=attrgetter("arrival_s", "request_id"))
         ids = [r.request_id for r in self.requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
@@ -242,7 +242,7 @@ class ClusterSim:
                 )
             self._handle(kind, x, y, t)
         self._advance_integrals(self.now_s)
-        return sorted(self.records, key=lambda r: r.request_id)
+        return sorted(self.records, key=attrgetter("request_id"))
 
     def waiting_for_first_token(self) -> int:
         return self._waiting_ft
