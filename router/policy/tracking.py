@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
-from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo, make_snapshot, make_view
+from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo, make_view
 
 # Expected decode length when a request carries no max_tokens.
 DEFAULT_DECODE_TOKENS_EST = 256
@@ -80,22 +80,31 @@ class ReplicaTracker:
 
     def snapshot(self, now_s: float, prefix_match_blocks: int = 0) -> ReplicaSnapshot:
         last = self.last_scrape_s
-        return make_snapshot(
-            self.replica_id,
-            self.healthy,
-            self.outstanding,
-            self.outstanding_prompt_tokens,
-            self.outstanding_decode_tokens,
-            self.waiting,
-            self.running,
-            self.kv_cache_usage,
-            self.kv_capacity_tokens,
-            _INF if last is None else (now_s - last if now_s > last else 0.0),  # max(0, now - last)
-            self.dispatched_since_scrape,
-            prefix_match_blocks,
-            self.ttft_ema_s,
-            self.tpot_ema_s,
-        )
+        return _Snapshot(self, _INF if last is None else (now_s - last if now_s > last else 0.0), prefix_match_blocks)
+
+
+class _Snapshot:
+    """Builds ReplicaSnapshot(...) of a tracker with plain slot stores (see types.make_snapshot):
+    it runs for every replica at every decision. `stats_age_s` is max(0, now - last scrape)."""
+
+    __slots__ = ReplicaSnapshot.__slots__
+
+    def __init__(self, t: ReplicaTracker, stats_age_s: float, prefix_match_blocks: int) -> None:
+        self.replica_id = t.replica_id
+        self.healthy = t.healthy
+        self.outstanding = t.outstanding
+        self.outstanding_prompt_tokens = t.outstanding_prompt_tokens
+        self.outstanding_decode_tokens = t.outstanding_decode_tokens
+        self.waiting = t.waiting
+        self.running = t.running
+        self.kv_cache_usage = t.kv_cache_usage
+        self.kv_capacity_tokens = t.kv_capacity_tokens
+        self.stats_age_s = stats_age_s
+        self.dispatched_since_scrape = t.dispatched_since_scrape
+        self.prefix_match_blocks = prefix_match_blocks
+        self.ttft_ema_s = t.ttft_ema_s
+        self.tpot_ema_s = t.tpot_ema_s
+        self.__class__ = ReplicaSnapshot  # type: ignore[assignment]
 
 
 class ClusterTracker:
@@ -131,26 +140,11 @@ class ClusterTracker:
         if blocks:
             match = self.prefix_index.match
             return make_view(tuple([t.snapshot(now_s, match(t.replica_id, blocks)) for t in self.trackers]))
-        # ReplicaTracker.snapshot(now_s) inlined: this runs for every replica at every decision
+        # ReplicaTracker.snapshot(now_s), inlined: this runs for every replica at every decision
         return make_view(
             tuple(
                 [
-                    make_snapshot(
-                        t.replica_id,
-                        t.healthy,
-                        t.outstanding,
-                        t.outstanding_prompt_tokens,
-                        t.outstanding_decode_tokens,
-                        t.waiting,
-                        t.running,
-                        t.kv_cache_usage,
-                        t.kv_capacity_tokens,
-                        _INF if (last := t.last_scrape_s) is None else (now_s - last if now_s > last else 0.0),
-                        t.dispatched_since_scrape,
-                        0,
-                        t.ttft_ema_s,
-                        t.tpot_ema_s,
-                    )
+                    _Snapshot(t, _INF if (last := t.last_scrape_s) is None else (now_s - last if now_s > last else 0.0), 0)
                     for t in self.trackers
                 ]
             )
