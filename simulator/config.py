@@ -22,6 +22,9 @@ class ReplicaGroup(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_prefix_caching: bool = True
     speed_factor: float = Field(1.0, gt=0, description="multiplies iteration time (>1 = slower)")
+    max_model_len: int | None = Field(
+        None, ge=16, description="vLLM --max-model-len; None = the profile's (long-context variants, e.g. Llama-3.1 at 128k)"
+    )
 
 
 class ScrapeConfig(_Strict):

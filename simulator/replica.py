@@ -112,6 +112,7 @@ class Replica:
         self.budget = group.max_num_batched_tokens
         self.prefix_caching = group.enable_prefix_caching
         self.num_blocks = profile.num_kv_blocks(group.block_size, group.gpu_memory_utilization)
+        self.model_len_limit = group.max_model_len or profile.max_model_len
         self.base_factor = group.speed_factor
         self.closed_form = closed_form
         self.factor = group.speed_factor
@@ -127,7 +128,7 @@ class Replica:
         self._kv_capacity = self.num_blocks * self.bs  # here: the emulator resizes num_blocks, then resets
         # vLLM refuses to start when one max_model_len sequence does not fit the KV cache (or, with
         # automatic sizing, lowers max_model_len to what fits): the context limit it enforces
-        self.max_model_len = min(self.profile.max_model_len, self._kv_capacity)
+        self.max_model_len = min(self.model_len_limit, self._kv_capacity)
         self.waiting: deque[ReqState] = deque()
         self.running: list[ReqState] = []  # admission order; preemption takes the tail
         self.prefilling: list[ReqState] = []  # running requests still in prefill, running order
