@@ -76,7 +76,7 @@ class CrossReplicaInputs(nn.Module):
 
     @property
     def n_extra(self) -> int:
-        return 3 * self.n_rep + 4
+        return 3 * self.n_rep + 4 + 2 * (self.n_rep + 2) + 1
 
     @staticmethod
     def _stats(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,8 +98,15 @@ class CrossReplicaInputs(nn.Module):
         tpot_ms = torch.exp(features[..., self.i_tpot : self.i_tpot + 1] * self.s_tpot) - 1.0
         speed_load = torch.log(1.0 + (prompt + decode) * tpot_ms / 10.0) / 10.0
         derived = torch.cat([load, speed_load], -1)
-        d_lo = self._stats(derived, valid)[0]
-        out = torch.cat([rep - lo, rep - mean, hi - rep, derived, derived - d_lo], -1)
+        d_lo, _, d_hi = self._stats(derived, valid)
+        raw_load = prompt + decode
+        raw_lo, raw_mean, _ = self._stats(raw_load, valid)
+        both = torch.cat([rep, derived], -1)
+        # exact "is the minimum / maximum" indicators: argmin-style heuristics become trivially representable
+        is_min = (both <= torch.cat([lo, d_lo], -1) + 1e-6).to(both.dtype)
+        is_max = (both >= torch.cat([hi, d_hi], -1) - 1e-6).to(both.dtype)
+        rel_load = (raw_load - raw_lo) / (raw_mean + 256.0)  # load excess in units of the mean load
+        out = torch.cat([rep - lo, rep - mean, hi - rep, derived, derived - d_lo, is_min, is_max, rel_load], -1)
         return out * valid
 
 
