@@ -23,7 +23,8 @@ from router.routing import Router
 from router.scraper import Scraper
 from router.settings import RouterSettings
 from router.telemetry import RouterMetrics
-from router.upstream import make_session
+from router.h1client import H1Client
+from router.upstream import make_h1_client, make_session
 
 log = logging.getLogger("router.app")
 
@@ -34,6 +35,7 @@ ROUTER = web.AppKey("router", Router)
 PROXY = web.AppKey("proxy", Proxy)
 SCRAPER = web.AppKey("scraper", Scraper)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+H1 = web.AppKey("h1", H1Client)
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -67,7 +69,7 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     session_getter = lambda: app[SESSION]  # noqa: E731 - the session exists once the app starts
     replicas = ReplicaSet(settings, session_getter, clock)
     router = Router(settings, replicas, metrics, clock)
-    proxy = Proxy(settings, replicas, router, metrics, session_getter)
+    proxy = Proxy(settings, replicas, router, metrics, session_getter, lambda: app[H1])
     scraper = Scraper(replicas, session_getter, metrics, settings.scrape_interval_s, settings.scrape_timeout_s)
     metrics.add_replica_state(replica_rows(replicas))
     app[SETTINGS] = settings
@@ -79,7 +81,9 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
         app[SESSION] = make_session(settings)
+        app[H1] = make_h1_client(settings)
         yield
+        app[H1].close()
         await app[SESSION].close()
 
     async def replicas_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from router.h1client import H1Client, H1Response
 from router.errors import BadRequest, error_response, sse_error_event
 from router.policy.types import NoHealthyReplica, Outcome
 from router.replicas import Replica, ReplicaSet
@@ -110,13 +111,14 @@ class _Children:
 class Proxy:
     def __init__(
         self, settings: RouterSettings, replicas: ReplicaSet, router: Router, metrics: RouterMetrics,
-        session_getter: Callable[[], aiohttp.ClientSession],
+        session_getter: Callable[[], aiohttp.ClientSession], h1_getter: Callable[[], H1Client],
     ) -> None:
         self.settings = settings
         self.replicas = replicas
         self.router = router
         self.metrics = metrics
         self._session = session_getter
+        self._h1 = h1_getter
         self.draining = False
         self.inflight = 0
         self._children: dict[tuple[str, str, str], _Children] = {}
@@ -212,17 +214,21 @@ class Proxy:
         rep = route.replica
         route.stream = stream
         ch = self.children(route)
-        resp: aiohttp.ClientResponse | None = None
+        resp: aiohttp.ClientResponse | H1Response | None = None
         clean = False  # the upstream body was read to its end: the connection may be reused
         try:
             try:
-                url = rep.url.with_path(request.path)
+                url = rep.url
+                if url.scheme == "http":  # the lean keep-alive client; https goes through aiohttp's session
+                    post = self._h1().pool(url).post(request.rel_url.raw_path, raw, headers)
+                else:
+                    post = self._session().post(url.with_path(request.path), data=raw, headers=headers)
                 if stream:
                     async with asyncio.timeout(self._first_byte_timeout):
-                        resp = await self._session().post(url, data=raw, headers=headers)
+                        resp = await post
                         first = await resp.content.readany() if resp.status < 300 else await resp.read()
                 else:  # a non-streamed answer's first byte comes at its end: only the idle timeout applies
-                    resp = await self._session().post(url, data=raw, headers=headers)
+                    resp = await post
                     first = await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 route.outcome = Outcome(False, None, None)
@@ -259,7 +265,7 @@ class Proxy:
             self.router.release(route, route.outcome, route.tpot_s)
 
     async def _stream(
-        self, request: web.Request, route: Route, resp: aiohttp.ClientResponse, first: bytes, t0: float,
+        self, request: web.Request, route: Route, resp: aiohttp.ClientResponse | H1Response, first: bytes, t0: float,
         ch: _Children,
     ) -> web.StreamResponse:
         rep = route.replica

@@ -7,6 +7,7 @@ import asyncio
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from router.h1client import H1Client, UpstreamConnectError
 from router.settings import RouterSettings
 
 HOP_BY_HOP = frozenset({
@@ -51,7 +52,7 @@ class UpstreamError(Exception):
 
 def classify(exc: BaseException) -> str:
     """The `kind` label of an upstream failure."""
-    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, UpstreamConnectError)):
         return "connect"
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return "timeout"
@@ -73,4 +74,13 @@ def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
         connector=connector, timeout=client_timeout(settings), auto_decompress=False,
         skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         raise_for_status=False,
+        # Clients' cookies pass through in their headers; a jar would replay one replica's Set-Cookie to
+        # every later client (and costs a cookie filter per request).
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
+
+
+def make_h1_client(settings: RouterSettings) -> H1Client:
+    """The proxy's lean client for plain-http replicas: same pool limit and per-phase timeouts as the session."""
+    return H1Client(limit=settings.max_connections, connect_timeout_s=settings.connect_timeout_s,
+                    read_timeout_s=settings.idle_timeout_s)
