@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, lt
 
 import numpy as np
 
 from router.policy.base import Policy, PolicyUnavailable
-from router.policy.features import action_mask
 from router.policy.types import ClusterView, Outcome, RequestInfo
+
+_HEALTHY = attrgetter("healthy")
+_AGE = attrgetter("stats_age_s")
+_OUTSTANDING = attrgetter("outstanding")
 
 # The bounded set of labels `Decision.fallback_reason` can take (used as a metric label).
 FALLBACK_REASONS = (
@@ -82,11 +86,12 @@ class FallbackPolicy(Policy):
             return None, exc.reason, str(exc)
         except Exception as exc:  # noqa: BLE001 - any primary failure must fall back, never fail a request
             return None, "exception", f"{type(exc).__name__}: {exc}"
-        mask = action_mask(view).astype(bool)
-        if scores.shape != (len(view.replicas),) or not np.all(np.isfinite(scores[mask])):
+        reps = view.replicas
+        mask = np.fromiter(map(_HEALTHY, reps), bool, len(reps))  # = action_mask(view) as bool
+        if scores.shape != mask.shape or not np.isfinite(scores[mask]).all():
             return None, "nan", f"scores not finite or of shape {scores.shape}"
         masked = np.where(mask, scores, -np.inf)
-        pick = int(np.argmax(masked))
+        pick = int(masked.argmax())
         if self.min_confidence is not None:
             z = masked - masked[pick]
             probs = np.exp(z) / np.exp(z).sum()
@@ -95,9 +100,12 @@ class FallbackPolicy(Policy):
         return pick, None, None
 
     def decide(self, view: ClusterView, request: RequestInfo) -> Decision:
+        reps = view.replicas
         reason: str | None = None
+        # The guards iterate with C-level map/filter: they run at every decision.
         if self.max_stats_age_s is not None:
-            if any(r.healthy and r.stats_age_s > self.max_stats_age_s for r in view.replicas):
+            # any healthy replica with stats_age_s > max_stats_age_s
+            if any(map(lt, repeat(self.max_stats_age_s), map(_AGE, filter(_HEALTHY, reps)))):
                 reason = "stale_stats"
         pick: int | None = None
         error: str | None = None
@@ -110,11 +118,11 @@ class FallbackPolicy(Policy):
                 if reason is None and self.budget_s is not None and elapsed > self.budget_s:
                     reason = "over_budget"
         if reason is None and pick is not None:
-            if not (0 <= pick < len(view.replicas)) or not view.replicas[pick].healthy:
+            if not (0 <= pick < len(reps)) or not reps[pick].healthy:
                 reason = "masked_pick"
             elif self.overload_margin is not None:
-                least = min(r.outstanding for r in view.replicas if r.healthy)
-                if view.replicas[pick].outstanding - least > self.overload_margin:
+                least = min(map(_OUTSTANDING, filter(_HEALTHY, reps)))
+                if reps[pick].outstanding - least > self.overload_margin:
                     reason = "overload_guard"
         if reason is None and pick is not None:
             decision = Decision(pick, pick, None, elapsed)

@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from router.policy.base import Policy, PolicyUnavailable
-from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES, action_mask, build_features
+from router.policy.features import FEATURE_NAMES, FEATURE_SPEC_HASH, N_FEATURES, action_mask, build_features
 from router.policy.types import ClusterView, RequestInfo
+
+
+_HEALTHY_COL = FEATURE_NAMES.index("healthy")
 
 
 class ModelLoadError(ValueError):
@@ -98,7 +101,8 @@ class OnnxPolicy(Policy):
             raise PolicyUnavailable(err.reason, str(err))
         feats = build_features(view, request)
         self.last_input = (view, feats)
-        mask = np.array([r.healthy for r in view.replicas], dtype=np.float32)  # = action_mask(view), as float32
+        # the `healthy` feature is exactly action_mask(view) as float32 (1.0 / 0.0): no second pass over the view
+        mask = np.ascontiguousarray(feats[:, _HEALTHY_COL])
         (logits,) = self._session.run(["logits"], {"features": feats[None], "mask": mask[None]}, self._run_options)
         return logits[0]
 

@@ -1,0 +1,61 @@
+"""FallbackPolicy's guards look at healthy replicas only, with Python's comparison semantics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from router.policy import ClusterView, FallbackPolicy, LeastOutstanding, Policy, ReplicaSnapshot, RequestInfo
+
+REQ = RequestInfo("q", 100, 16)
+
+
+def snap(i: int, outstanding: int = 0, healthy: bool = True, age: float = 1.0) -> ReplicaSnapshot:
+    return ReplicaSnapshot(f"r{i}", healthy, outstanding, 0, stats_age_s=age)
+
+
+class Scores(Policy):
+    name = "scores"
+
+    def __init__(self, scores):
+        super().__init__()
+        self._scores = scores
+
+    def scores(self, view, request):
+        return np.asarray(self._scores, dtype=np.float32)
+
+    def choose(self, view, request):  # pragma: no cover - FallbackPolicy uses scores()
+        raise AssertionError
+
+
+def decide(view, scores, **kw):
+    return FallbackPolicy(Scores(scores), LeastOutstanding(seed=0), **kw).decide(view, REQ)
+
+
+def test_stale_stats_counts_healthy_replicas_only():
+    view = ClusterView((snap(0, age=math.inf, healthy=False), snap(1, age=2.0), snap(2, age=3.0)))
+    assert decide(view, [0.0, 1.0, 0.0], max_stats_age_s=10).fallback_reason is None  # an int limit works too
+    assert decide(view, [0.0, 1.0, 0.0], max_stats_age_s=2.5).fallback_reason == "stale_stats"
+    assert decide(view, [0.0, 1.0, 0.0], max_stats_age_s=3.0).fallback_reason is None  # strictly older
+    never = ClusterView((snap(0, age=math.inf), snap(1)))
+    assert decide(never, [0.0, 1.0], max_stats_age_s=10.0).fallback_reason == "stale_stats"
+    nan_first = ClusterView((snap(0, age=math.nan), snap(1, age=30.0)))
+    assert decide(nan_first, [0.0, 1.0], max_stats_age_s=10.0).fallback_reason == "stale_stats"
+    assert decide(ClusterView((snap(0, age=math.nan),)), [1.0], max_stats_age_s=10.0).fallback_reason is None
+
+
+def test_overload_guard_measures_from_the_least_loaded_healthy_replica():
+    view = ClusterView((snap(0, 0, healthy=False), snap(1, 5), snap(2, 9)))
+    d = decide(view, [0.0, 0.0, 1.0], overload_margin=4)
+    assert (d.fallback_reason, d.primary_index) == (None, 2)  # 9 - 5 = 4, not above the margin
+    d = decide(view, [0.0, 0.0, 1.0], overload_margin=3)
+    assert (d.fallback_reason, d.primary_index, d.index) == ("overload_guard", 2, 1)
+
+
+def test_scores_of_unhealthy_replicas_are_ignored_but_not_of_healthy_ones():
+    view = ClusterView((snap(0, healthy=False), snap(1), snap(2)))
+    d = decide(view, [math.nan, 0.0, 2.0])
+    assert (d.fallback_reason, d.index) == (None, 2)
+    assert decide(view, [9.0, math.inf, 2.0]).fallback_reason == "nan"
+    assert decide(view, [0.0, 1.0]).fallback_reason == "nan"  # wrong shape
