@@ -5,15 +5,17 @@ request block (repeated on every row), so one permutation-equivariant network se
 replica count. Padding rows are all zero, with `present` = 0, and are masked out.
 
 Change anything here and bump FEATURE_VERSION: the spec hash changes and the router refuses
-models trained against the old contract.
+models trained against the old contract. `raw_features` has a row-wise and a column-wise path
+(small vs large views): change both, and the reference in tests/policy/test_features_fast.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from itertools import chain
-from operator import attrgetter
+import math
+from itertools import chain, repeat
+from operator import attrgetter, is_
 
 import numpy as np
 
@@ -75,87 +77,124 @@ def spec_info() -> dict:
     return {"feature_version": FEATURE_VERSION, "feature_spec_hash": FEATURE_SPEC_HASH, "feature_names": list(FEATURE_NAMES)}
 
 
-# The snapshot fields the replica block is made of, read by one C-level call per replica.
-_FIELDS = (
-    "healthy",
-    "outstanding",
-    "outstanding_prompt_tokens",
-    "outstanding_decode_tokens",
-    "waiting",
-    "running",
-    "kv_cache_usage",
-    "stats_age_s",
-    "dispatched_since_scrape",
-    "kv_capacity_tokens",
-    "prefix_match_blocks",
-    "ttft_ema_s",
-    "tpot_ema_s",
-)
-_ROW = attrgetter(*_FIELDS)
-_N_FIELDS = len(_FIELDS)
+# Views up to this many replicas are built row by row in Python; larger ones column-wise in numpy.
+# Both give the same bits (tests/policy/test_features_fast.py); only their speed differs.
+_ROWWISE_MAX_REPLICAS = 40
+
+# Snapshot fields read by one C-level call per replica: those that are never None ...
+_ROW_A = attrgetter(
+    "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "stats_age_s",
+    "dispatched_since_scrape", "prefix_match_blocks",
+)  # fmt: skip
+# ... and those that are None until scraped / measured (flagged, then read as 0).
+_NULLABLE = ("waiting", "running", "kv_cache_usage", "kv_capacity_tokens", "ttft_ema_s", "tpot_ema_s")
+_ROW_B = attrgetter(*_NULLABLE)
 _N_REPLICA = len(REPLICA_FEATURES)
-_FLAG_COLS = np.array([9, 17])  # stats_missing, latency_missing
-# Feature columns whose snapshot field may be None (read as NaN), with the field names.
-_NULLABLE_COLS = np.array([6, 7, 8, 12, 15, 16])
-_NULLABLE_FIELDS = ("waiting", "running", "kv_cache_usage", "kv_capacity_tokens", "ttft_ema_s", "tpot_ema_s")
 
 
-def _gather(reps: tuple) -> np.ndarray:
-    """(n, len(_FIELDS)) float64 of the snapshots' fields, None read as NaN."""
-    n = len(reps)
-    try:
-        return np.fromiter(chain.from_iterable(map(_ROW, reps)), np.float64, n * _N_FIELDS).reshape(n, _N_FIELDS)
-    except TypeError:  # a None field: np.array reads it as NaN
-        return np.array(list(map(_ROW, reps)), dtype=np.float64).reshape(n, _N_FIELDS)
+def _columns(reps: tuple, getter: attrgetter, width: int) -> np.ndarray:
+    return np.fromiter(chain.from_iterable(map(getter, reps)), np.float64, len(reps) * width).reshape(-1, width)
+
+
+def _nullable_columns(reps: tuple) -> tuple[np.ndarray, np.ndarray | None]:
+    """(values with None read as 0, None mask or None when nothing is None); a NaN value stays NaN."""
+    n, width = len(reps), len(_NULLABLE)
+    flat = list(chain.from_iterable(map(_ROW_B, reps)))
+    values = np.fromiter(flat, np.float64, n * width).reshape(n, width)  # None -> NaN
+    if not np.isnan(values).any():
+        return values, None
+    none = np.fromiter(map(is_, flat, repeat(None)), bool, n * width).reshape(n, width)
+    values[none] = 0.0
+    return values, none
+
+
+def _raw_features_rows(view: ClusterView, request: RequestInfo) -> np.ndarray:
+    """raw_features, one Python row per replica: cheaper than numpy's per-call overhead for small views."""
+    reps = view.replicas
+    healthy_out = [r.outstanding for r in reps if r.healthy]
+    min_out = min(healthy_out) if healthy_out else 0
+    n_healthy = len(healthy_out)
+    n_blocks = len(request.prefix_blocks)
+    max_tok = request.max_tokens
+    req = (
+        request.prompt_tokens_est,
+        max_tok if max_tok is not None else 0,
+        1.0 if max_tok is None else 0.0,
+        n_blocks,
+        n_healthy,
+    )
+    rows = []
+    for r in reps:
+        missing = not r.has_stats
+        frac = r.prefix_match_blocks / n_blocks if n_blocks else 0.0
+        lat_missing = r.ttft_ema_s is None or r.tpot_ema_s is None
+        rows.append(
+            (
+                1.0,
+                1.0 if r.healthy else 0.0,
+                r.outstanding,
+                r.outstanding - min_out if r.healthy else 0,
+                r.outstanding_prompt_tokens,
+                r.outstanding_decode_tokens,
+                0 if r.waiting is None else r.waiting,
+                0 if r.running is None else r.running,
+                0.0 if r.kv_cache_usage is None else r.kv_cache_usage,
+                1.0 if missing else 0.0,
+                min(r.stats_age_s, STATS_AGE_CAP_S) if math.isfinite(r.stats_age_s) else STATS_AGE_CAP_S,
+                r.dispatched_since_scrape,
+                0 if r.kv_capacity_tokens is None else r.kv_capacity_tokens,
+                frac,
+                frac * request.prompt_tokens_est,
+                0.0 if r.ttft_ema_s is None else r.ttft_ema_s * 1000.0,
+                0.0 if r.tpot_ema_s is None else r.tpot_ema_s * 1000.0,
+                1.0 if lat_missing else 0.0,
+            )
+            + req
+        )
+    return np.array(rows, dtype=np.float64).reshape(len(reps), N_FEATURES)
 
 
 def raw_features(view: ClusterView, request: RequestInfo) -> np.ndarray:
     """Untransformed values, float64, shape (n_replicas, N_FEATURES).
 
-    Vectorised (this runs at every decision): one C-level attrgetter call per replica and one
-    conversion; the column arithmetic gives the same bits as the per-replica Python it replaced
-    (integer fields are exact in float64 below 2**53), which tests/policy/test_features_fast.py
-    checks on random views. A view with a None, NaN or infinite value takes a slower exact path.
+    Large views are built column-wise (this runs at every decision): two C-level attrgetter
+    calls per replica, two conversions and column arithmetic that gives the same bits as the
+    row-wise code (integer fields are exact in float64 below 2**53), which
+    tests/policy/test_features_fast.py checks on random views.
     """
     reps = view.replicas
     n = len(reps)
+    if n <= _ROWWISE_MAX_REPLICAS:
+        return _raw_features_rows(view, request)
+    a = _columns(reps, _ROW_A, 7)
+    b, none = _nullable_columns(reps)
     raw = np.empty((n, N_FEATURES), dtype=np.float64)
-    if not n:
-        return raw
-    g = _gather(reps)
     raw[:, 0] = 1.0
-    raw[:, 1:3] = g[:, 0:2]  # healthy, outstanding
-    raw[:, 4:9] = g[:, 2:7]  # prompt / decode tokens, waiting, running, kv usage
-    raw[:, 10:14] = g[:, 7:11]  # age, dispatched, kv capacity, prefix match blocks
-    raw[:, 15:17] = g[:, 11:13]  # ttft, tpot
-    healthy = g[:, 0] != 0.0
-    out = g[:, 1]
+    raw[:, 1:3] = a[:, 0:2]  # healthy, outstanding
+    raw[:, 4:6] = a[:, 2:4]  # outstanding prompt / decode tokens
+    raw[:, 6:9] = b[:, 0:3]  # waiting, running, kv usage
+    raw[:, 11] = a[:, 5]  # dispatched since scrape
+    raw[:, 12] = b[:, 3]  # kv capacity
+    np.multiply(b[:, 4:6], 1000.0, out=raw[:, 15:17])  # ttft, tpot in ms
+    if none is None:
+        raw[:, 9] = 0.0
+        raw[:, 17] = 0.0
+    else:
+        raw[:, 9] = none[:, 0:3].any(axis=1)
+        raw[:, 17] = none[:, 4:6].any(axis=1)
+    healthy = a[:, 0] != 0.0
+    out = a[:, 1]
     healthy_out = out[healthy]
     n_healthy = len(healthy_out)
     raw[:, 3] = np.where(healthy, out - healthy_out.min(), 0.0) if n_healthy else 0.0
-    age = raw[:, 10]
-    if np.isfinite(g).all():
-        raw[:, _FLAG_COLS] = 0.0
-        np.minimum(age, STATS_AGE_CAP_S, out=age)
-    else:
-        # None -> 0 plus a flag; a value that really is NaN stays NaN; a non-finite age is the cap.
-        nullable = raw[:, _NULLABLE_COLS]
-        nan = np.isnan(nullable)
-        none = np.zeros_like(nan)
-        for k in np.flatnonzero(nan.any(axis=0)):
-            field = _NULLABLE_FIELDS[k]
-            none[:, k] = [getattr(r, field) is None for r in reps]
-        raw[:, 9] = none[:, 0] | none[:, 1] | none[:, 2]
-        raw[:, 17] = none[:, 4] | none[:, 5]
-        raw[:, _NULLABLE_COLS] = np.where(none, 0.0, nullable)
-        raw[:, 10] = np.where(np.isfinite(age), np.minimum(age, STATS_AGE_CAP_S), STATS_AGE_CAP_S)
+    age = a[:, 4]
+    raw[:, 10] = np.where(np.isfinite(age), np.minimum(age, STATS_AGE_CAP_S), STATS_AGE_CAP_S)
     n_blocks = len(request.prefix_blocks)
     if n_blocks:
-        raw[:, 13] /= n_blocks
+        np.divide(a[:, 6], n_blocks, out=raw[:, 13])
     else:
         raw[:, 13] = 0.0
     np.multiply(raw[:, 13], request.prompt_tokens_est, out=raw[:, 14])
-    raw[:, 15:17] *= 1000.0
     max_tok = request.max_tokens
     raw[:, _N_REPLICA:] = (
         request.prompt_tokens_est,

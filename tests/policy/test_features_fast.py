@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from router.policy import features
 from router.policy.features import (
     FEATURE_NAMES,
     _LOG_COLS,
@@ -153,8 +154,11 @@ def random_view(rng: np.random.Generator) -> ClusterView:
     return ClusterView(tuple(reps))
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_build_features_is_bit_identical_to_the_per_replica_reference(seed):
+@pytest.mark.parametrize("rowwise_max", [None, 0, 10**9], ids=["default", "all-columnwise", "all-rowwise"])
+@pytest.mark.parametrize("seed", range(12))
+def test_build_features_is_bit_identical_to_the_per_replica_reference(seed, rowwise_max, monkeypatch):
+    if rowwise_max is not None:  # small views take the row-wise path by default: check the column-wise one on them too
+        monkeypatch.setattr(features, "_ROWWISE_MAX_REPLICAS", rowwise_max)
     rng = np.random.default_rng(seed)
     for _ in range(40):
         view, request = random_view(rng), random_request(rng)
@@ -173,20 +177,20 @@ def test_build_features_is_bit_identical_to_the_per_replica_reference(seed):
 
 def test_views_from_a_tracker_are_bit_identical_including_cold_start():
     rng = np.random.default_rng(7)
-    cluster = ClusterTracker([f"r{i}" for i in range(32)])
+    cluster = ClusterTracker([f"r{i}" for i in range(64)])
     for step in range(300):
         req = RequestInfo(f"q{step}", int(rng.integers(1, 4000)), None if step % 3 else 64,
                           tuple(int(x) for x in rng.integers(0, 8, int(rng.integers(0, 6)))))
         view = cluster.view(step * 0.1, req)
         assert build_features(view, req).tobytes() == reference_build_features(view, req).tobytes()
-        i = int(rng.integers(0, 32))
+        i = int(rng.integers(0, 64))
         cluster.dispatch(i, req)
         if step % 7 == 0:
             cluster.trackers[i].on_scrape(step * 0.1, int(rng.integers(0, 5)), None if step % 2 else 3, 0.4, 10_000)
         if step % 5 == 0:
             cluster.trackers[i].on_first_token(0.1)
         if step % 11 == 0:
-            cluster.trackers[int(rng.integers(0, 32))].healthy = bool(step % 2)
+            cluster.trackers[int(rng.integers(0, 64))].healthy = bool(step % 2)
 
 
 def test_the_reference_exercises_what_it_should():
