@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter, lt
 
 import numpy as np
 
 from router.policy.base import Policy, PolicyUnavailable
 from router.policy.types import ClusterView, Outcome, RequestInfo
-
-_HEALTHY = attrgetter("healthy")
-_AGE = attrgetter("stats_age_s")
-_OUTSTANDING = attrgetter("outstanding")
 
 # The bounded set of labels `Decision.fallback_reason` can take (used as a metric label).
 FALLBACK_REASONS = (
@@ -87,7 +81,7 @@ class FallbackPolicy(Policy):
         except Exception as exc:  # noqa: BLE001 - any primary failure must fall back, never fail a request
             return None, "exception", f"{type(exc).__name__}: {exc}"
         reps = view.replicas
-        mask = np.fromiter(map(_HEALTHY, reps), bool, len(reps))  # = action_mask(view) as bool
+        mask = np.array([r.healthy for r in reps], dtype=bool)  # = action_mask(view) as bool
         if scores.shape != mask.shape or not np.isfinite(scores[mask]).all():
             return None, "nan", f"scores not finite or of shape {scores.shape}"
         masked = np.where(mask, scores, -np.inf)
@@ -102,10 +96,8 @@ class FallbackPolicy(Policy):
     def decide(self, view: ClusterView, request: RequestInfo) -> Decision:
         reps = view.replicas
         reason: str | None = None
-        # The guards iterate with C-level map/filter: they run at every decision.
         if self.max_stats_age_s is not None:
-            # any healthy replica with stats_age_s > max_stats_age_s
-            if any(map(lt, repeat(self.max_stats_age_s), map(_AGE, filter(_HEALTHY, reps)))):
+            if any(r.healthy and r.stats_age_s > self.max_stats_age_s for r in reps):
                 reason = "stale_stats"
         pick: int | None = None
         error: str | None = None
@@ -121,7 +113,7 @@ class FallbackPolicy(Policy):
             if not (0 <= pick < len(reps)) or not reps[pick].healthy:
                 reason = "masked_pick"
             elif self.overload_margin is not None:
-                least = min(map(_OUTSTANDING, filter(_HEALTHY, reps)))
+                least = min(r.outstanding for r in reps if r.healthy)
                 if reps[pick].outstanding - least > self.overload_margin:
                     reason = "overload_guard"
         if reason is None and pick is not None:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from itertools import chain, repeat
-from operator import attrgetter, is_
 
 import numpy as np
 
@@ -79,33 +77,32 @@ def spec_info() -> dict:
 
 # Views up to this many replicas are built row by row in Python; larger ones column-wise in numpy.
 # Both give the same bits (tests/policy/test_features_fast.py); only their speed differs.
-_ROWWISE_MAX_REPLICAS = 40
+_ROWWISE_MAX_REPLICAS = 32
 
-# Snapshot fields read by one C-level call per replica: those that are never None ...
-_ROW_A = attrgetter(
-    "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "stats_age_s",
-    "dispatched_since_scrape", "prefix_match_blocks",
-)  # fmt: skip
-# ... and those that are None until scraped / measured (flagged, then read as 0).
-_NULLABLE = ("waiting", "running", "kv_cache_usage", "kv_capacity_tokens", "ttft_ema_s", "tpot_ema_s")
-_ROW_B = attrgetter(*_NULLABLE)
+# Feature column of each snapshot field as `_field_columns` lists them; the last six may be None
+# (not scraped / measured yet): flagged, then read as 0.
+_FIELD_COLS = np.array([1, 2, 4, 5, 10, 11, 13, 6, 7, 8, 12, 15, 16])
+_NULLABLE_FROM = 7
 _N_REPLICA = len(REPLICA_FEATURES)
 
 
-def _columns(reps: tuple, getter: attrgetter, width: int) -> np.ndarray:
-    return np.fromiter(chain.from_iterable(map(getter, reps)), np.float64, len(reps) * width).reshape(-1, width)
-
-
-def _nullable_columns(reps: tuple) -> tuple[np.ndarray, np.ndarray | None]:
-    """(values with None read as 0, None mask or None when nothing is None); a NaN value stays NaN."""
-    n, width = len(reps), len(_NULLABLE)
-    flat = list(chain.from_iterable(map(_ROW_B, reps)))
-    values = np.fromiter(flat, np.float64, n * width).reshape(n, width)  # None -> NaN
-    if not np.isnan(values).any():
-        return values, None
-    none = np.fromiter(map(is_, flat, repeat(None)), bool, n * width).reshape(n, width)
-    values[none] = 0.0
-    return values, none
+def _field_columns(reps: tuple) -> list[list]:
+    # one list comprehension per field: the cheapest way CPython reads a slot of many objects
+    return [
+        [r.healthy for r in reps],
+        [r.outstanding for r in reps],
+        [r.outstanding_prompt_tokens for r in reps],
+        [r.outstanding_decode_tokens for r in reps],
+        [r.stats_age_s for r in reps],
+        [r.dispatched_since_scrape for r in reps],
+        [r.prefix_match_blocks for r in reps],
+        [r.waiting for r in reps],
+        [r.running for r in reps],
+        [r.kv_cache_usage for r in reps],
+        [r.kv_capacity_tokens for r in reps],
+        [r.ttft_ema_s for r in reps],
+        [r.tpot_ema_s for r in reps],
+    ]
 
 
 def _raw_features_rows(view: ClusterView, request: RequestInfo) -> np.ndarray:
@@ -157,41 +154,44 @@ def _raw_features_rows(view: ClusterView, request: RequestInfo) -> np.ndarray:
 def raw_features(view: ClusterView, request: RequestInfo) -> np.ndarray:
     """Untransformed values, float64, shape (n_replicas, N_FEATURES).
 
-    Large views are built column-wise (this runs at every decision): two C-level attrgetter
-    calls per replica, two conversions and column arithmetic that gives the same bits as the
-    row-wise code (integer fields are exact in float64 below 2**53), which
-    tests/policy/test_features_fast.py checks on random views.
+    Large views are built column-wise (this runs at every decision): one list comprehension per
+    field, one conversion, and column arithmetic that gives the same bits as the row-wise code
+    (integer fields are exact in float64 below 2**53); tests/policy/test_features_fast.py checks
+    both paths against the original per-replica code on random views.
     """
     reps = view.replicas
     n = len(reps)
     if n <= _ROWWISE_MAX_REPLICAS:
         return _raw_features_rows(view, request)
-    a = _columns(reps, _ROW_A, 7)
-    b, none = _nullable_columns(reps)
+    cols = _field_columns(reps)
+    g = np.array(cols, dtype=np.float64)  # (fields, n); None -> NaN
+    none = None
+    nan_rows = np.isnan(g[_NULLABLE_FROM:]).any(axis=1)
+    if nan_rows.any():  # None -> 0 plus a flag; a value that really is NaN stays NaN
+        none = np.zeros((len(nan_rows), n), dtype=bool)
+        for k in np.flatnonzero(nan_rows):
+            none[k] = [x is None for x in cols[_NULLABLE_FROM + k]]
+        g[_NULLABLE_FROM:][none] = 0.0
     raw = np.empty((n, N_FEATURES), dtype=np.float64)
+    raw[:, _FIELD_COLS] = g.T
     raw[:, 0] = 1.0
-    raw[:, 1:3] = a[:, 0:2]  # healthy, outstanding
-    raw[:, 4:6] = a[:, 2:4]  # outstanding prompt / decode tokens
-    raw[:, 6:9] = b[:, 0:3]  # waiting, running, kv usage
-    raw[:, 11] = a[:, 5]  # dispatched since scrape
-    raw[:, 12] = b[:, 3]  # kv capacity
-    np.multiply(b[:, 4:6], 1000.0, out=raw[:, 15:17])  # ttft, tpot in ms
     if none is None:
         raw[:, 9] = 0.0
         raw[:, 17] = 0.0
     else:
-        raw[:, 9] = none[:, 0:3].any(axis=1)
-        raw[:, 17] = none[:, 4:6].any(axis=1)
-    healthy = a[:, 0] != 0.0
-    out = a[:, 1]
+        raw[:, 9] = none[0:3].any(axis=0)
+        raw[:, 17] = none[4:6].any(axis=0)
+    healthy = g[0] != 0.0
+    out = g[1]
     healthy_out = out[healthy]
     n_healthy = len(healthy_out)
     raw[:, 3] = np.where(healthy, out - healthy_out.min(), 0.0) if n_healthy else 0.0
-    age = a[:, 4]
+    age = g[4]
     raw[:, 10] = np.where(np.isfinite(age), np.minimum(age, STATS_AGE_CAP_S), STATS_AGE_CAP_S)
+    raw[:, 15:17] *= 1000.0
     n_blocks = len(request.prefix_blocks)
     if n_blocks:
-        np.divide(a[:, 6], n_blocks, out=raw[:, 13])
+        raw[:, 13] /= n_blocks
     else:
         raw[:, 13] = 0.0
     np.multiply(raw[:, 13], request.prompt_tokens_est, out=raw[:, 14])
