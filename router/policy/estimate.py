@@ -95,6 +95,26 @@ class PrefixIndex:
             n += 1
         return n
 
+    def match_many(self, replica_ids: list[str], blocks: tuple[int, ...]) -> list[int]:
+        """[match(r, blocks) for r in replica_ids], in one call (the router's view asks for every replica)."""
+        if not blocks:
+            return [0] * len(replica_ids)
+        get = self._lru.get
+        first = blocks[0]
+        out = []
+        for rid in replica_ids:
+            lru = get(rid)
+            if not lru or first not in lru:  # most replicas share no prefix with the request
+                out.append(0)
+                continue
+            n = 0
+            for b in blocks:
+                if b not in lru:
+                    break
+                n += 1
+            out.append(n)
+        return out
+
     def insert(self, replica_id: str, blocks: tuple[int, ...], capacity_blocks: int | None = None) -> None:
         if not blocks:
             return

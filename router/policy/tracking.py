@@ -137,15 +137,23 @@ class ClusterTracker:
 
     def view(self, now_s: float, request: RequestInfo) -> ClusterView:
         blocks = request.prefix_blocks
+        trackers = self.trackers
+        # ReplicaTracker.snapshot(now_s, match), inlined: this runs for every replica at every decision
         if blocks:
-            match = self.prefix_index.match
-            return make_view(tuple([t.snapshot(now_s, match(t.replica_id, blocks)) for t in self.trackers]))
-        # ReplicaTracker.snapshot(now_s), inlined: this runs for every replica at every decision
+            matches = self.prefix_index.match_many([t.replica_id for t in trackers], blocks)
+            return make_view(
+                tuple(
+                    [
+                        _Snapshot(t, _INF if (last := t.last_scrape_s) is None else (now_s - last if now_s > last else 0.0), m)
+                        for t, m in zip(trackers, matches)
+                    ]
+                )
+            )
         return make_view(
             tuple(
                 [
                     _Snapshot(t, _INF if (last := t.last_scrape_s) is None else (now_s - last if now_s > last else 0.0), 0)
-                    for t in self.trackers
+                    for t in trackers
                 ]
             )
         )

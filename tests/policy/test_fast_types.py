@@ -92,3 +92,20 @@ def test_cluster_view_equals_each_trackers_snapshot_with_and_without_prefix():
         )
         assert view == ClusterView(expect)
     assert ct.view(2.5, RequestInfo("y", 10, prefix_blocks=(11, 12, 99))).replicas[0].prefix_match_blocks == 2
+
+
+def test_prefix_match_many_equals_match_per_replica():
+    rng = np.random.default_rng(3)
+    ct = ClusterTracker([f"r{i}" for i in range(12)], prefix_block_tokens=16)
+    for k in range(200):
+        blocks = tuple(int(x) for x in rng.integers(0, 6, int(rng.integers(1, 6))))
+        ct.dispatch(int(rng.integers(0, 12)), RequestInfo(f"q{k}", 10, 10, prefix_blocks=blocks))
+    ids = [t.replica_id for t in ct.trackers] + ["unknown"]
+    matched = 0
+    for _ in range(200):
+        blocks = tuple(int(x) for x in rng.integers(0, 6, int(rng.integers(0, 6))))
+        want = [ct.prefix_index.match(r, blocks) for r in ids]
+        assert ct.prefix_index.match_many(ids, blocks) == want
+        assert [s.prefix_match_blocks for s in ct.view(1.0, RequestInfo("v", 1, prefix_blocks=blocks)).replicas] == want[:-1]
+        matched += sum(want)
+    assert matched > 0  # the index does match something
