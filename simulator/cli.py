@@ -227,6 +227,8 @@ def _progress(iterable, bar, step: int):
 
 
 def format_table(doc: dict) -> str:
+    from simulator.metrics import render_table
+
     head = ("scenario", "policy", "TTFT p50", "TTFT p99", "TPOT p99", "E2E p99", "goodput", "req/s", "p99/best")
     rows = [head]
     for r in doc["results"]:
@@ -243,13 +245,7 @@ def format_table(doc: dict) -> str:
                 f"{r['ttft_p99_vs_best_heuristic']:.2f}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = []
-    for k, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render_table(rows)
 
 
 def _ms(seconds: float) -> str:

@@ -144,3 +144,14 @@ def aggregate(runs: Sequence[dict[str, float]]) -> dict[str, float]:
         out[key] = m
         out[f"{key}_ci95"] = h
     return out
+
+
+def render_table(rows: Sequence[Sequence[str]], text_columns: int = 2) -> str:
+    """Plain-text table: the first row is the header; the first `text_columns` are left-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

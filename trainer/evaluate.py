@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from router.policy.registry import BASELINES
+from simulator.metrics import render_table
 
 LEARNED_LABEL = "learned"
 
@@ -73,13 +74,7 @@ def format_table(doc: dict, onnx_path: Path | None) -> str:
                 "nan" if ratio is None or math.isnan(ratio) else f"{ratio:.2f}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = []
-    for k, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render_table(rows)
 
 
 def learned_summary(doc: dict, onnx_path: Path) -> list[dict]:

@@ -8,13 +8,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest_asyncio
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for tests.fakes
 
-from router.app import create_app  # noqa: E402
-from router.settings import RouterSettings  # noqa: E402
 from tests.fakes.fake_vllm import FakeVllm  # noqa: E402
+from tests.fakes.harness import fake_fleet, router_apps  # noqa: E402
 
 FAST = dict(
     policy="least-outstanding",
@@ -40,32 +39,12 @@ async def wait_for(cond: Callable[[], bool], timeout: float = 3.0) -> None:
 
 
 @pytest_asyncio.fixture
-async def fakes() -> AsyncIterator[Callable[[int], Awaitable[list[FakeVllm]]]]:
-    started: list[FakeVllm] = []
-
-    async def start(n: int = 2, **kw) -> list[FakeVllm]:
-        out = [FakeVllm(**kw) for _ in range(n)]
-        for f in out:
-            await f.start()
-        started.extend(out)
-        return out
-
-    yield start
-    for f in started:
-        await f.stop()
+async def fakes() -> AsyncIterator[Callable[..., Awaitable[list[FakeVllm]]]]:
+    async with fake_fleet() as start:
+        yield start
 
 
 @pytest_asyncio.fixture
 async def router_client() -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
-    clients: list[TestClient] = []
-
-    async def start(replicas: list[str], **overrides) -> TestClient:
-        settings = RouterSettings(replicas=replicas, **{**FAST, **overrides})
-        client = TestClient(TestServer(create_app(settings), host="127.0.0.1"))
-        await client.start_server()
-        clients.append(client)
-        return client
-
-    yield start
-    for c in clients:
-        await c.close()
+    async with router_apps(FAST) as start:
+        yield start

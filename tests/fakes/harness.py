@@ -1,0 +1,50 @@
+"""Async context managers behind the router and serving tests' fixtures: fake vLLM fleets and
+router apps in front of them, all on loopback, all stopped on exit."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from router.app import create_app
+from router.settings import RouterSettings
+from tests.fakes.fake_vllm import FakeVllm
+
+
+@asynccontextmanager
+async def fake_fleet() -> AsyncIterator[Callable[..., Awaitable[list[FakeVllm]]]]:
+    started: list[FakeVllm] = []
+
+    async def start(n: int = 2, **kw: Any) -> list[FakeVllm]:
+        out = [FakeVllm(**kw) for _ in range(n)]
+        for f in out:
+            await f.start()
+        started.extend(out)
+        return out
+
+    try:
+        yield start
+    finally:
+        for f in started:
+            await f.stop()
+
+
+@asynccontextmanager
+async def router_apps(defaults: dict[str, Any]) -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
+    clients: list[TestClient] = []
+
+    async def start(replicas: list[str], **overrides: Any) -> TestClient:
+        settings = RouterSettings(replicas=replicas, **{**defaults, **overrides})
+        client = TestClient(TestServer(create_app(settings), host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    try:
+        yield start
+    finally:
+        for c in clients:
+            await c.close()
