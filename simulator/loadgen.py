@@ -378,7 +378,8 @@ class Progress:
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="req", desc="loadgen", file=sys.stderr, dynamic_ncols=True)
+            self._bar = tqdm(total=total, unit="req", desc="loadgen", file=sys.stderr, dynamic_ncols=True,
+                              mininterval=0.1 if sys.stderr.isatty() else 5.0)  # a log file gets a line every 5 s
 
     def on_sent(self) -> None:
         self.sent += 1
