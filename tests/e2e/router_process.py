@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -148,6 +148,7 @@ class RouterMetricsPage:
     retries: float
     fallbacks: dict[str, float]  # reason -> count (all policies)
     policy_info: list[dict[str, str]]
+    ttft_counts: dict[str, float] = field(default_factory=dict)  # replica -> first tokens relayed (all arms)
 
     @classmethod
     def parse(cls, text: str) -> "RouterMetricsPage":
@@ -158,6 +159,7 @@ class RouterMetricsPage:
         fallbacks: dict[str, float] = defaultdict(float)
         retries = 0.0
         info: list[dict[str, str]] = []
+        ttft_counts: dict[str, float] = defaultdict(float)
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == "llm_router_requests_total":
@@ -170,12 +172,14 @@ class RouterMetricsPage:
                     retries += s.value
                 elif s.name == "llm_router_fallbacks_total":
                     fallbacks[s.labels["reason"]] += s.value
+                elif s.name == "llm_router_ttft_seconds_count":
+                    ttft_counts[s.labels["replica"]] += s.value
                 elif s.name == "llm_router_policy_info":
                     info.append(dict(s.labels))
                 elif family.type == "gauge" and "replica" in s.labels:
                     gauges[s.name][s.labels["replica"]] = s.value
         return cls(dict(gauges), {k: dict(v) for k, v in requests.items()}, dict(upstream), dict(scrape_errors), retries,
-                   dict(fallbacks), info)
+                   dict(fallbacks), info, dict(ttft_counts))
 
     def gauge(self, name: str, replica: str) -> float | None:
         return self.gauges.get(name, {}).get(replica)
