@@ -215,20 +215,28 @@ def read_azure_csv(path: str | Path, on_error: OnError = "raise", name: str | No
             ticks.append(t)
             prompt.append(p)
             output.append(o)
-    skipped = errors.finish()
-    if not ticks:
+    return _timed_trace(path, name, ticks, _TICKS_PER_S, prompt, output, None, errors.finish())
+
+
+def _timed_trace(
+    path: Path, name: str | None, times: list[int], units_per_s: float, prompt: list[int], output: list[int],
+    blocks: list[tuple[int, ...]] | None, skipped: tuple[str, ...], **extra,
+) -> Trace:
+    """A Trace in arrival order from parallel per-row lists; `times` in integer units of 1/units_per_s."""
+    if not times:
         raise TraceError(f"{path.name}: no requests")
-    t = np.asarray(ticks, dtype=np.int64)
+    t = np.asarray(times, dtype=np.int64)
     order = np.argsort(t, kind="stable")
     t = t[order]
     return Trace(
         name=name or path.stem,
         path=path,
-        arrival_s=(t - t[0]) / _TICKS_PER_S,
+        arrival_s=(t - t[0]) / units_per_s,
         prompt_tokens=np.asarray(prompt, dtype=np.int64)[order],
         output_tokens=np.asarray(output, dtype=np.int64)[order],
-        block_ids=tuple(() for _ in order),
+        block_ids=tuple(blocks[i] for i in order) if blocks is not None else tuple(() for _ in order),
         skipped=skipped,
+        **extra,
     )
 
 
@@ -290,22 +298,10 @@ def read_mooncake_jsonl(
             output.append(o)
             blocks.append(tuple(ids))
     skipped = errors.finish()
-    if not ms:
-        raise TraceError(f"{path.name}: no requests")
-    t = np.asarray(ms, dtype=np.int64)
-    order = np.argsort(t, kind="stable")
-    t = t[order]
-    return Trace(
-        name=name or path.stem,
-        path=path,
-        arrival_s=(t - t[0]) / 1000.0,
-        prompt_tokens=np.asarray(prompt, dtype=np.int64)[order],
-        output_tokens=np.asarray(output, dtype=np.int64)[order],
-        block_ids=tuple(blocks[i] for i in order),
-        block_tokens=MOONCAKE_BLOCK_TOKENS,
-        bucket_s=_detect_bucket_s(t) if bucket_s is None else bucket_s,
-        skipped=skipped,
-    )
+    if bucket_s is None and ms:
+        bucket_s = _detect_bucket_s(np.sort(np.asarray(ms, dtype=np.int64), kind="stable"))
+    return _timed_trace(path, name, ms, 1000.0, prompt, output, blocks, skipped,
+                        block_tokens=MOONCAKE_BLOCK_TOKENS, bucket_s=bucket_s)
 
 
 def read_lengths_csv(path: str | Path, on_error: OnError = "raise", name: str | None = None) -> Trace:
