@@ -218,7 +218,7 @@ class Router:
         return route
 
     def on_first_token(self, route: Route, ttft_s: float) -> None:
-        route.replica.tracker.on_first_token(ttft_s)
+        route.replica.tracker.on_first_token(route.request.request_id, ttft_s)
 
     def release(self, route: Route, outcome: Outcome | None = None, tpot_s: float | None = None) -> None:
         """The request left this replica (completed, failed or cancelled). Idempotent per request."""

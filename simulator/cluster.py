@@ -341,7 +341,7 @@ class ClusterSim:
                         Outcome(ok=True, ttft_s=rec.ttft_s, e2e_s=rec.e2e_s, output_tokens=rec.output_tokens),
                     )
             else:
-                tracker.on_first_token(t - st.dispatch_s)
+                tracker.on_first_token(self._infos[idx].request_id, t - st.dispatch_s)  # type: ignore[union-attr]
                 ft = rec.first_token_s
                 if ft != ft:  # NaN: the request's first first token
                     rec.first_token_s = t

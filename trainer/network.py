@@ -56,27 +56,37 @@ class CrossReplicaInputs(nn.Module):
 
     From the raw `build_features` rows (spec scales, log1p units) it adds, for every replica
     feature, its difference to the minimum, mean and maximum over valid replicas, plus the total
-    token load (prompt + expected decode tokens, un-logged, summed, re-logged) and the token load
-    times the replica's TPOT EMA (a speed-aware load), each with its difference to the minimum.
+    token load (prompt + expected decode tokens, un-logged, summed, re-logged), the token load
+    times the replica's TPOT EMA (a speed-aware load), and the expected wait for a first token
+    (prompt tokens still awaiting their first token + this request's uncached prompt + a tenth of
+    the decode tokens in flight, times the TPOT EMA relative to the fleet's mean; the
+    `expected-wait` heuristic's score), each with its difference to the minimum.
     Permutation-equivariant; padded and masked replicas never enter the statistics.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        from router.policy.features import FEATURE_NAMES, REPLICA_FEATURES
+        from router.policy.features import FEATURE_NAMES, REPLICA_FEATURES, REQUEST_FEATURES
 
         self.n_rep = len(REPLICA_FEATURES)
         scales = {n: s for n, _, s in REPLICA_FEATURES}
         self.i_prompt = FEATURE_NAMES.index("outstanding_prompt_tokens")
         self.i_decode = FEATURE_NAMES.index("outstanding_decode_tokens")
         self.i_tpot = FEATURE_NAMES.index("tpot_ema_ms")
+        self.i_awaiting = FEATURE_NAMES.index("awaiting_prompt_tokens")
+        self.i_match = FEATURE_NAMES.index("prefix_match_frac")
+        self.i_req_prompt = FEATURE_NAMES.index("req_prompt_tokens_est")
         self.s_prompt = scales["outstanding_prompt_tokens"]
         self.s_decode = scales["outstanding_decode_tokens"]
         self.s_tpot = scales["tpot_ema_ms"]
+        self.s_awaiting = scales["awaiting_prompt_tokens"]
+        self.s_req_prompt = dict((n, s) for n, _, s in REQUEST_FEATURES)["req_prompt_tokens_est"]
+
+    n_derived = 3
 
     @property
     def n_extra(self) -> int:
-        return 3 * self.n_rep + 4 + 2 * (self.n_rep + 2) + 1
+        return 3 * self.n_rep + 2 * self.n_derived + 2 * (self.n_rep + self.n_derived) + 1
 
     @staticmethod
     def _stats(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +107,14 @@ class CrossReplicaInputs(nn.Module):
         load = torch.log(1.0 + prompt + decode) / 10.0  # exp/log, not expm1/log1p: ONNX opset 17 has no expm1
         tpot_ms = torch.exp(features[..., self.i_tpot : self.i_tpot + 1] * self.s_tpot) - 1.0
         speed_load = torch.log(1.0 + (prompt + decode) * tpot_ms / 10.0) / 10.0
-        derived = torch.cat([load, speed_load], -1)
+        awaiting = torch.exp(features[..., self.i_awaiting : self.i_awaiting + 1] * self.s_awaiting) - 1.0
+        req_prompt = torch.exp(features[..., self.i_req_prompt : self.i_req_prompt + 1] * self.s_req_prompt) - 1.0
+        uncached = req_prompt * (1.0 - features[..., self.i_match : self.i_match + 1])
+        measured = (tpot_ms > 0).to(tpot_ms.dtype) * valid
+        mean_tpot = (tpot_ms * measured).sum(1, keepdim=True) / measured.sum(1, keepdim=True).clamp(min=1.0)
+        rel_speed = torch.where(measured > 0.5, tpot_ms / mean_tpot.clamp(min=1e-6), torch.ones_like(tpot_ms))
+        wait = torch.log(1.0 + (awaiting + uncached + 0.1 * decode) * rel_speed) / 10.0
+        derived = torch.cat([load, speed_load, wait], -1)
         d_lo, _, d_hi = self._stats(derived, valid)
         raw_load = prompt + decode
         raw_lo, raw_mean, _ = self._stats(raw_load, valid)

@@ -201,6 +201,38 @@ class SpeedAware(Policy):
         return argmin_random_ties(scores, healthy, self.rng)
 
 
+class ExpectedWait(Policy):
+    """Least expected wait for the first token: the prefill work queued ahead, scaled by speed.
+
+    Work ahead = prompt tokens of requests on the replica that have no first token yet, plus
+    this request's prompt minus its cached prefix, plus `decode_weight` x the expected decode
+    tokens in flight (decodes share each step's token budget). It is scaled by the replica's
+    TPOT EMA relative to the fleet's median, so slow or slowed-down replicas look longer.
+    """
+
+    name = "expected-wait"
+
+    def __init__(self, seed: int | None = None, decode_weight: float = 0.1) -> None:
+        super().__init__(seed)
+        self.decode_weight = decode_weight
+
+    def choose(self, view: ClusterView, request: RequestInfo) -> int:
+        healthy = healthy_or_raise(view)
+        reps = view.replicas
+        known = sorted(t for i in healthy if (t := reps[i].tpot_ema_s) is not None and t > 0)
+        median = known[len(known) // 2] if known else 1.0
+        n_blocks = len(request.prefix_blocks)
+        prompt = request.prompt_tokens_est
+        scores = []
+        for i in healthy:
+            r = reps[i]
+            uncached = prompt * (1.0 - r.prefix_match_blocks / n_blocks) if n_blocks else prompt
+            work = r.awaiting_prompt_tokens + uncached + self.decode_weight * r.outstanding_decode_tokens
+            tpot = r.tpot_ema_s
+            scores.append(work * (tpot / median if tpot is not None and tpot > 0 else 1.0))
+        return argmin_random_ties(scores, healthy, self.rng)
+
+
 BASELINE_CLASSES: tuple[type[Policy], ...] = (
     RoundRobin,
     RandomChoice,
@@ -211,4 +243,5 @@ BASELINE_CLASSES: tuple[type[Policy], ...] = (
     PrefixAware,
     WeightedScorer,
     SpeedAware,
+    ExpectedWait,
 )

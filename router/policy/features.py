@@ -19,7 +19,7 @@ import numpy as np
 
 from router.policy.types import ClusterView, RequestInfo
 
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2
 
 # (name, transform, scale): value = transform(x) / scale; transform is "lin" or "log1p".
 REPLICA_FEATURES: tuple[tuple[str, str, float], ...] = (
@@ -41,6 +41,8 @@ REPLICA_FEATURES: tuple[tuple[str, str, float], ...] = (
     ("ttft_ema_ms", "log1p", 8.0),
     ("tpot_ema_ms", "log1p", 5.0),
     ("latency_missing", "lin", 1.0),
+    ("awaiting_first_token", "log1p", 3.0),
+    ("awaiting_prompt_tokens", "log1p", 10.0),
 )
 REQUEST_FEATURES: tuple[tuple[str, str, float], ...] = (
     ("req_prompt_tokens_est", "log1p", 10.0),
@@ -81,8 +83,8 @@ _ROWWISE_MAX_REPLICAS = 32
 
 # Feature column of each snapshot field as `_field_columns` lists them; the last six may be None
 # (not scraped / measured yet): flagged, then read as 0.
-_FIELD_COLS = np.array([1, 2, 4, 5, 10, 11, 13, 6, 7, 8, 12, 15, 16])
-_NULLABLE_FROM = 7
+_FIELD_COLS = np.array([1, 2, 4, 5, 10, 11, 13, 18, 19, 6, 7, 8, 12, 15, 16])
+_NULLABLE_FROM = 9
 _N_REPLICA = len(REPLICA_FEATURES)
 
 
@@ -96,6 +98,8 @@ def _field_columns(reps: tuple) -> list[list]:
         [r.stats_age_s for r in reps],
         [r.dispatched_since_scrape for r in reps],
         [r.prefix_match_blocks for r in reps],
+        [r.awaiting_first_token for r in reps],
+        [r.awaiting_prompt_tokens for r in reps],
         [r.waiting for r in reps],
         [r.running for r in reps],
         [r.kv_cache_usage for r in reps],
@@ -145,6 +149,8 @@ def _raw_features_rows(view: ClusterView, request: RequestInfo) -> np.ndarray:
                 0.0 if r.ttft_ema_s is None else r.ttft_ema_s * 1000.0,
                 0.0 if r.tpot_ema_s is None else r.tpot_ema_s * 1000.0,
                 1.0 if lat_missing else 0.0,
+                r.awaiting_first_token,
+                r.awaiting_prompt_tokens,
             )
             + req
         )

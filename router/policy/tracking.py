@@ -35,20 +35,30 @@ class ReplicaTracker:
         self.last_scrape_s: float | None = None
         self.ttft_ema_s: float | None = None
         self.tpot_ema_s: float | None = None
-        self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, decode tokens)
+        self.awaiting_first_token = 0
+        self.awaiting_prompt_tokens = 0
+        # request id -> [prompt tokens, decode tokens, 1 while its first token has not come back]
+        self._inflight: dict[str, list[int]] = {}
 
     def on_dispatch(self, request: RequestInfo) -> None:
         decode = request.max_tokens
         if decode is None:
             decode = DEFAULT_DECODE_TOKENS_EST
         prompt = request.prompt_tokens_est
-        self._inflight[request.request_id] = (prompt, decode)
+        self._inflight[request.request_id] = [prompt, decode, 1]
         self.outstanding += 1
+        self.awaiting_first_token += 1
+        self.awaiting_prompt_tokens += prompt
         self.outstanding_prompt_tokens += prompt
         self.outstanding_decode_tokens += decode
         self.dispatched_since_scrape += 1
 
-    def on_first_token(self, ttft_s: float) -> None:
+    def on_first_token(self, request_id: str, ttft_s: float) -> None:
+        entry = self._inflight.get(request_id)
+        if entry is not None and entry[2]:  # a recomputed (preempted) request's later first token counts once
+            entry[2] = 0
+            self.awaiting_first_token -= 1
+            self.awaiting_prompt_tokens -= entry[0]
         self.ttft_ema_s = ttft_s if self.ttft_ema_s is None else self.ttft_ema_s + EMA_ALPHA * (ttft_s - self.ttft_ema_s)
 
     def on_complete(self, request_id: str, tpot_s: float | None = None) -> None:
@@ -58,6 +68,9 @@ class ReplicaTracker:
         self.outstanding -= 1
         self.outstanding_prompt_tokens -= entry[0]
         self.outstanding_decode_tokens -= entry[1]
+        if entry[2]:  # failed or cancelled before its first token
+            self.awaiting_first_token -= 1
+            self.awaiting_prompt_tokens -= entry[0]
         if tpot_s is not None:
             self.tpot_ema_s = tpot_s if self.tpot_ema_s is None else self.tpot_ema_s + EMA_ALPHA * (tpot_s - self.tpot_ema_s)
 
@@ -104,6 +117,8 @@ class _Snapshot:
         self.prefix_match_blocks = prefix_match_blocks
         self.ttft_ema_s = t.ttft_ema_s
         self.tpot_ema_s = t.tpot_ema_s
+        self.awaiting_first_token = t.awaiting_first_token
+        self.awaiting_prompt_tokens = t.awaiting_prompt_tokens
         self.__class__ = ReplicaSnapshot  # type: ignore[assignment]
 
 

@@ -32,7 +32,7 @@ def cluster(n: int, rng: np.random.Generator) -> ClusterTracker:
         t.on_scrape(0.0, int(rng.integers(0, 8)), int(rng.integers(0, 32)), float(rng.random()), 200_000)
         for k in range(int(rng.integers(0, 6))):
             ct.dispatch(i, RequestInfo(f"w{i}-{k}", int(rng.integers(50, 2000)), 256))
-        t.on_first_token(float(rng.uniform(0.02, 0.3)))
+        t.on_first_token(f"w{i}-0", float(rng.uniform(0.02, 0.3)))
     return ct
 
 

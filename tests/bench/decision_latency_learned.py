@@ -65,10 +65,10 @@ def busy_cluster(n: int, rng: np.random.Generator) -> ClusterTracker:
     cluster = ClusterTracker([f"10.0.{i // 250}.{i % 250}:8000" for i in range(n)])
     for i, t in enumerate(cluster.trackers):
         t.on_scrape(0.0, int(rng.integers(0, 8)), int(rng.integers(1, 32)), float(rng.uniform(0.1, 0.9)), 262_144)
-        t.on_first_token(float(rng.uniform(0.05, 0.5)))
         for k in range(int(rng.integers(0, 12))):
             cluster.dispatch(i, RequestInfo(f"warm-{i}-{k}", int(rng.integers(50, 3000)), 256,
                                             tuple(int(x) for x in rng.integers(0, 50, 4))))
+        t.on_first_token(f"warm-{i}-0", float(rng.uniform(0.05, 0.5)))
         t.on_complete(f"warm-{i}-0", float(rng.uniform(0.01, 0.05)))
     return cluster
 

@@ -216,3 +216,34 @@ def test_tracker_counts_and_view():
     assert (s.outstanding, s.outstanding_prompt_tokens, s.dispatched_since_scrape) == (0, 0, 0)
     assert (s.waiting, s.running, s.kv_cache_usage, s.kv_capacity_tokens, s.stats_age_s) == (1, 3, 0.5, 1600, 1.5)
     assert s.tpot_ema_s == 0.02
+
+
+def test_tracker_counts_prompt_tokens_awaiting_their_first_token_once():
+    ct = ClusterTracker(["a"])
+    t = ct.trackers[0]
+    for rid, prompt in (("1", 100), ("2", 40), ("3", 7)):
+        ct.dispatch(0, RequestInfo(rid, prompt, 10))
+    assert (t.awaiting_first_token, t.awaiting_prompt_tokens) == (3, 147)
+    t.on_first_token("1", 0.1)
+    t.on_first_token("1", 0.3)  # a preempted, recomputed request's second first token: counted once
+    assert (t.awaiting_first_token, t.awaiting_prompt_tokens) == (2, 47)
+    assert t.ttft_ema_s == pytest.approx(0.1 + 0.2 * (0.3 - 0.1))  # both still feed the TTFT EMA
+    t.on_complete("2")  # failed before its first token
+    t.on_complete("1", 0.02)
+    s = ct.view(1.0, RequestInfo("4", 1)).replicas[0]
+    assert (s.awaiting_first_token, s.awaiting_prompt_tokens, s.outstanding, s.outstanding_prompt_tokens) == (1, 7, 1, 7)
+    t.on_first_token("unknown", 0.1)  # a late first token of a released request changes no count
+    assert (t.awaiting_first_token, t.awaiting_prompt_tokens) == (1, 7)
+
+
+def test_expected_wait_weighs_queued_prefill_by_speed_and_discounts_the_cached_prefix():
+    pol = make_policy("expected-wait", seed=0)
+    # same outstanding tokens, but replica 1's prompts are already past their first token
+    view = ClusterView((snap(0, 2, awaiting_prompt_tokens=200), snap(1, 2, awaiting_prompt_tokens=0)))
+    assert pol.choose(view, REQ) == 1
+    # equal queued prefill: the replica three times slower per token loses ...
+    view = ClusterView((snap(0, 2, awaiting_prompt_tokens=100, tpot_ema_s=0.03), snap(1, 2, awaiting_prompt_tokens=100, tpot_ema_s=0.01)))
+    assert pol.choose(view, REQ) == 1
+    # ... and the whole prompt cached on replica 0 outweighs 100 queued tokens on it
+    view = ClusterView((snap(0, 2, awaiting_prompt_tokens=100, prefix_match_blocks=4), snap(1, 2, awaiting_prompt_tokens=0)))
+    assert pol.choose(view, RequestInfo("req", 1200, 64, (1, 2, 3, 4))) == 0

@@ -21,7 +21,7 @@ from router.policy.types import (
     make_view,
 )
 
-SNAP_ARGS = ("r1", True, 3, 300, 256, 2, 5, 0.25, 4096, 0.5, 1, 2, 0.12, 0.03)
+SNAP_ARGS = ("r1", True, 3, 300, 256, 2, 5, 0.25, 4096, 0.5, 1, 2, 0.12, 0.03, 1, 120)
 
 
 def test_fast_snapshot_is_a_real_frozen_snapshot():
@@ -79,7 +79,7 @@ def test_one_pass_least_outstanding_matches_argmin_random_ties_and_rng_use():
 def test_cluster_view_equals_each_trackers_snapshot_with_and_without_prefix():
     ct = ClusterTracker(["a", "b", "c"], prefix_block_tokens=64)
     ct.trackers[0].on_scrape(1.0, 2, 3, 0.4, 64 * 100)
-    ct.trackers[1].on_first_token(0.2)
+    ct.trackers[1].on_first_token("none", 0.2)
     ct.trackers[1].on_complete("none", 0.01)
     ct.trackers[2].healthy = False
     ct.dispatch(0, RequestInfo("p", 100, 50, prefix_blocks=(11, 12, 13)))

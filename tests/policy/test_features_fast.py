@@ -69,6 +69,8 @@ def reference_raw_features(view: ClusterView, request: RequestInfo) -> np.ndarra
                 0.0 if r.ttft_ema_s is None else r.ttft_ema_s * 1000.0,
                 0.0 if r.tpot_ema_s is None else r.tpot_ema_s * 1000.0,
                 1.0 if lat_missing else 0.0,
+                r.awaiting_first_token,
+                r.awaiting_prompt_tokens,
             )
             + req
         )
@@ -132,6 +134,8 @@ def random_snapshot(rng: np.random.Generator, i: int, p_none: float) -> ReplicaS
         prefix_match_blocks=int(rng.integers(0, 20)),
         ttft_ema_s=_maybe(rng, p_none, float(rng.choice([rng.exponential(0.2), math.nan, 0.0]))),
         tpot_ema_s=_maybe(rng, p_none, float(rng.exponential(0.03))),
+        awaiting_first_token=int(rng.integers(0, 50)),
+        awaiting_prompt_tokens=int(rng.integers(0, 10**6)),
     )
 
 
@@ -188,7 +192,7 @@ def test_views_from_a_tracker_are_bit_identical_including_cold_start():
         if step % 7 == 0:
             cluster.trackers[i].on_scrape(step * 0.1, int(rng.integers(0, 5)), None if step % 2 else 3, 0.4, 10_000)
         if step % 5 == 0:
-            cluster.trackers[i].on_first_token(0.1)
+            cluster.trackers[i].on_first_token(req.request_id, 0.1)
         if step % 11 == 0:
             cluster.trackers[int(rng.integers(0, 64))].healthy = bool(step % 2)
 

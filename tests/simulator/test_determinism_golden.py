@@ -156,7 +156,7 @@ CASES = {
 
 GOLDEN = {
     "bench-1500-lor": "f814ee9231e3266ccff76fe5",
-    "env-random-actions": "4eeb0ef3e38adb8b851340d4",
+    "env-random-actions": "ab32c6ed3d3d7bbe3e62b334",
     "faulty-kv-aware": "a0c4a15f9b290c71e5cf2e9e",
     "faulty-least-token-load": "4fd28e7ef98028926bd282a1",
     "faulty-power-of-two": "b0120912a606e3eeca3e89ac",
@@ -165,7 +165,7 @@ GOLDEN = {
     "faulty-round-robin": "2884c0aa2b83329e6f904836",
     "faulty-speed-aware": "fb73e04a10bb26cd637f19d1",
     "faulty-weighted-scorer-reference": "a24e2f687f1ca86be03fa62c",
-    "features": "b3e8245f0e937c3783753c1f",
+    "features": "4bd6877f5baeca50ac63cd87",
 }
 
 
