@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 from yarl import URL
 
+from router.policy.fallback import LEARNED_GUARDS
 from router.policy.registry import BASELINES, LEARNED, policy_names
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -79,7 +80,7 @@ class RouterSettings(BaseSettings):
     policy: str = LEARNED
     seed: int | None = None
     decision_budget_s: float | None = Field(0.0005, gt=0)
-    max_stats_age_s: float | None = Field(None, gt=0, description="default 10 for learned policies, None for baselines")
+    max_stats_age_s: float | None = Field(None, gt=0, description="default 30 for learned policies, None for baselines")
     overload_margin: int | None = Field(None, ge=0, description="default 32 for learned policies, None for baselines")
     min_confidence: float | None = Field(None, ge=0, le=1)
     chars_per_token: float = Field(4.0, gt=0)
@@ -164,9 +165,9 @@ class RouterSettings(BaseSettings):
             raise ValueError(f"scrape_timeout_s={self.scrape_timeout_s}: must not exceed scrape_interval_s={self.scrape_interval_s}")
         learned = is_learned(self.policy)
         if "max_stats_age_s" not in self.model_fields_set and learned:
-            self.max_stats_age_s = 10.0
+            self.max_stats_age_s = float(LEARNED_GUARDS["max_stats_age_s"])
         if "overload_margin" not in self.model_fields_set and learned:
-            self.overload_margin = 32
+            self.overload_margin = int(LEARNED_GUARDS["overload_margin"])
         return self
 
 

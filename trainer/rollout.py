@@ -17,7 +17,7 @@ import torch
 
 from router.policy.base import Policy
 from router.policy.baselines import LeastOutstanding
-from router.policy.fallback import FallbackPolicy
+from router.policy.fallback import LEARNED_GUARDS, FallbackPolicy
 from router.policy.features import N_FEATURES, action_mask, build_features
 from router.policy.registry import make_policy
 from router.policy.types import ClusterView, RequestInfo
@@ -66,7 +66,7 @@ class _FixedScores(Policy):
 
 def router_guard() -> FallbackPolicy:
     """The live router's default guardrails for a learned policy (router/settings.py)."""
-    return FallbackPolicy(_FixedScores(), LeastOutstanding(), max_stats_age_s=10.0, overload_margin=32)
+    return FallbackPolicy(_FixedScores(), LeastOutstanding(), **LEARNED_GUARDS)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------

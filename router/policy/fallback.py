@@ -33,6 +33,12 @@ class Decision:
     error: str | None = None  # the exception text, for logs and the admin API
 
 
+# The guards a learned policy runs with unless configured otherwise (router/settings.py). Training
+# sees scrape ages up to ~20 s (the stale-metrics scenario: 5 +- 2 s interval, 3 s lag, 20 % failed
+# scrapes), so only older stats mean the scraper is broken rather than slow.
+LEARNED_GUARDS: dict[str, float | int] = {"max_stats_age_s": 30.0, "overload_margin": 32}
+
+
 class FallbackPolicy(Policy):
     """Returns the primary's choice unless it raises, returns NaN scores, picks a masked
     replica, overruns `budget_s` (measured with the injected `clock`), runs on stats older

@@ -247,3 +247,16 @@ def test_expected_wait_weighs_queued_prefill_by_speed_and_discounts_the_cached_p
     # ... and the whole prompt cached on replica 0 outweighs 100 queued tokens on it
     view = ClusterView((snap(0, 2, awaiting_prompt_tokens=100, prefix_match_blocks=4), snap(1, 2, awaiting_prompt_tokens=0)))
     assert pol.choose(view, RequestInfo("req", 1200, 64, (1, 2, 3, 4))) == 0
+
+
+def test_served_policy_is_a_learned_policy_behind_the_routers_default_guards(tmp_path):
+    from router.policy.fallback import LEARNED_GUARDS
+    from router.policy.registry import make_served_policy
+
+    assert type(make_served_policy("least-token-load", seed=0)).__name__ == "LeastTokenLoad"
+    served = make_served_policy(str(tmp_path / "missing.onnx"), seed=0)
+    assert isinstance(served, FallbackPolicy)
+    assert served.max_stats_age_s == LEARNED_GUARDS["max_stats_age_s"] and served.budget_s is None
+    view = ClusterView((snap(0, 3, stats_age_s=1.0), snap(1, 1, stats_age_s=1.0)))
+    decision = served.decide(view, REQ)
+    assert (decision.index, decision.fallback_reason) == (1, "unavailable")  # LOR serves, saying why
