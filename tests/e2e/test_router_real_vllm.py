@@ -36,6 +36,7 @@ from .vllm_servers import (
     ROOMY,
     SERVED_MODEL_NAME,
     SMALL,
+    TINY_MODEL_MAX_POSITIONS,
     VllmServer,
     _group_alive,
     free_ports,
@@ -45,7 +46,15 @@ from .vllm_servers import (
 PROMPT = "Route the request to the replica with the shortest queue and the warmest prefix cache."
 SMALL_MAX_NUM_SEQS = int(FLEET_ARGS[SMALL][FLEET_ARGS[SMALL].index("--max-num-seqs") + 1])
 FAILOVER_TEST = "test_failover_when_a_replica_is_killed_mid_load"
-EXTRA_MAX_MODEL_LEN = 2048  # = the tiny model's max_position_embeddings
+# The failover test's long streams must still be open upstream at the kill. On a quiet machine the tiny model decodes
+# 4 streams at 500-700 tokens/s each, so 1,948-token streams (a 2,048 context) ended upstream 3-4 s after they
+# started, before the kill (which came ~10 s after the router started while the test's client parsed one event per
+# token). 16k-token streams last 25+ s even then; the kill cuts them, so their length costs no test time.
+EXTRA_MAX_MODEL_LEN = TINY_MODEL_MAX_POSITIONS
+EXTRA_KV_CACHE = "96M"  # 4 x 16k tokens at ~1 KiB per token, plus the short and held requests
+# Tokens per SSE event of the long streams (vLLM's per-request `stream_interval`; the first token is sent alone):
+# one event per token floods vLLM's API server, the router and the test's own client with thousands of events/s.
+LONG_STREAM_INTERVAL = 32
 EXTRA_STARTUP_TIMEOUT_S = float(os.environ.get("ROUTEWISE_VLLM_STARTUP_TIMEOUT_S", "300"))
 
 # A vLLM server decoding 16-24 sequences on a shared 2-core machine can take longer than 0.2 s to answer /metrics;
@@ -113,9 +122,10 @@ def extra_server(request, vllm_python_path, tiny_model_dir, vllm_work_dir) -> It
     work.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
     launched_at = time.monotonic()
-    # twice the fleet's context, so the failover test's long streams outlast the run-up to the kill
+    # a long context, so the failover test's long streams outlast the run-up to the kill
     server = launch_server(vllm_python_path, tiny_model_dir, port, work, core=0,
-                           extra_args=["--max-model-len", str(EXTRA_MAX_MODEL_LEN)])
+                           extra_args=["--max-model-len", str(EXTRA_MAX_MODEL_LEN),
+                                       "--kv-cache-memory-bytes", EXTRA_KV_CACHE])
     try:
         yield ExtraServer(server, launched_at)
     finally:
@@ -362,27 +372,28 @@ class FailoverLoad:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def request(self, c: AsyncOpenAI, kind: str, stream: bool, max_tokens: int, prompt: str,
-                      first: asyncio.Event | None = None) -> None:
+                      stream_interval: int | None = None) -> None:
         """One completion; its outcome says whether it succeeded and how many chunks came before any error."""
         o = Outcome(kind, stream, time.monotonic())
         self.outcomes.append(o)
+        extra_body = {"ignore_eos": True}
+        if stream_interval is not None:
+            extra_body["stream_interval"] = stream_interval
         try:
             if stream:
                 s = await c.completions.create(model=SERVED_MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
                                                stream=True, stream_options={"include_usage": True},
-                                               extra_body={"ignore_eos": True})
+                                               extra_body=extra_body)
                 usage = None
                 async for chunk in s:
                     o.chunks += 1
                     if o.first_chunk is None:
                         o.first_chunk = time.monotonic()
-                    if first is not None:
-                        first.set()
                     usage = chunk.usage or usage
                 o.ok = usage is not None and usage.completion_tokens == max_tokens
             else:
                 r = await c.completions.create(model=SERVED_MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
-                                               extra_body={"ignore_eos": True})
+                                               extra_body=extra_body)
                 o.ok = r.usage.completion_tokens == max_tokens
             if not o.ok:
                 o.error = "incomplete answer"
@@ -398,13 +409,6 @@ class FailoverLoad:
             i += 1
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open defect: on a quiet machine the doomed replica often has nothing in flight at the kill (the long "
-    "streams have finished or the replica was already out of rotation ~1 s after their first tokens), so the "
-    "retry/failover assertions are not exercised; see the closing note of issue 3. Retry-before-first-byte and "
-    "mid-stream failure are covered with fault-injecting fakes in tests/router/test_proxy.py.",
-)
 async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_servers, log_dir):
     assert extra_server is not None
     server = extra_server.server
@@ -415,16 +419,19 @@ async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_ser
           f"(waited {time.monotonic() - t_wait:.1f}s here)")
     survivor_url = vllm_servers[ROOMY]
     extra, survivor = replica_id(server.base_url), replica_id(survivor_url)
-    # round-robin sends every other request to the doomed replica; probes every 0.25 s
+    # round-robin sends every other request to the doomed replica; probes every 0.25 s. A probe times out only on a
+    # live but slow replica (a killed one refuses connections at once), so the timeout is generous: a vLLM server
+    # streaming on a loaded 2-core machine can take over 0.5 s to answer /health, and must stay in rotation.
     router = start_router([server.base_url, survivor_url], "round-robin", log_dir,
-                          env={"ROUTEWISE_HEALTH_INTERVAL_S": "0.25", "ROUTEWISE_HEALTH_TIMEOUT_S": "0.5"})
-    n_long, long_tokens, n_workers, n_held = 4, EXTRA_MAX_MODEL_LEN - 100, 6, 6
+                          env={"ROUTEWISE_HEALTH_INTERVAL_S": "0.25", "ROUTEWISE_HEALTH_TIMEOUT_S": "2.0"})
+    n_long, long_tokens, n_workers, n_held = 4, EXTRA_MAX_MODEL_LEN - 256, 6, 6
     load = FailoverLoad()
     try:
         async with openai_client(router, timeout_s=30.0) as c:
             # the long streams go to the doomed replica only: drain the survivor while they start, then restore it
             router.admin_post(f"/admin/replicas/{survivor}/drain")
-            longs = [asyncio.create_task(load.request(c, "long", True, long_tokens, f"{PROMPT} long {i}"))
+            longs = [asyncio.create_task(load.request(c, "long", True, long_tokens, f"{PROMPT} long {i}",
+                                                      stream_interval=LONG_STREAM_INTERVAL))
                      for i in range(n_long)]
             # Wait on the router, not on the client: one asyncio client reading four fast streams can starve some
             # of them for seconds (a raw-socket client through the same router sees every first chunk within
@@ -438,6 +445,7 @@ async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_ser
                     break
                 assert time.monotonic() < deadline, f"the router relayed {relayed} of {n_long} first tokens in 30 s"
                 await asyncio.sleep(0.05)
+            t_relayed = time.monotonic()
             assert at_first.gauge("llm_router_outstanding_requests", extra) == n_long, (
                 "some long streams finished upstream before the kill could test them; make them longer")
             assert router.admin_post(f"/admin/replicas/{survivor}/restore")["routable"] is True
@@ -449,6 +457,8 @@ async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_ser
                     for i in range(n_held)]
             await asyncio.sleep(0.3)
             before_kill = await loop.run_in_executor(None, router.metrics)
+            assert before_kill.gauge("llm_router_replica_healthy", extra) == 1, (
+                f"the doomed replica left the rotation before the kill: {router.admin_replicas()[extra]}")
             assert before_kill.gauge("llm_router_outstanding_requests", extra) >= n_long, before_kill.gauges
             long_running_at_kill = sum(not t.done() for t in longs)
 
@@ -482,7 +492,8 @@ async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_ser
           f"ok {len(load.outcomes) - len(failed)}, failed after first byte {len(failed_after_byte)} "
           f"({sum(o.kind == 'long' for o in failed_after_byte)} long), failed before first byte "
           f"{len(failed_before_byte)}; retries {end.retries - before_kill.retries:.0f}; "
-          f"long streams running at kill {long_running_at_kill}")
+          f"long streams running at kill {long_running_at_kill}, killed {t_kill - t_relayed:.1f}s after their first "
+          f"tokens were relayed")
 
     assert rc == 0, f"router did not exit cleanly (rc={rc}); log:\n{router.log_tail()}"
     assert not failed_before_byte, [o.error for o in failed_before_byte]

@@ -55,6 +55,9 @@ SMALL, ROOMY = 0, 1
 # ---------------------------------------------------------------------------------------------------------------
 
 TOKENIZER_VOCAB_SIZE = 1000
+# The servers' --max-model-len may go up to this. Long enough for streams that outlast seconds of test set-up even
+# when the tiny model decodes ~500 tokens/s per sequence (the failover test's streams); the fleet uses 1024.
+TINY_MODEL_MAX_POSITIONS = 16384
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -101,7 +104,7 @@ def write_tiny_model(model_dir: str | os.PathLike) -> Path:
     tokenizer.train_from_iterator(_synthetic_corpus(), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        model_max_length=2048,
+        model_max_length=TINY_MODEL_MAX_POSITIONS,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
@@ -116,7 +119,7 @@ def write_tiny_model(model_dir: str | os.PathLike) -> Path:
         "num_key_value_heads": 2,
         "head_dim": 64,  # CPU attention supports 32/64/80/96/112/128
         "vocab_size": len(fast),
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": TINY_MODEL_MAX_POSITIONS,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
@@ -290,7 +293,13 @@ def launch_server(
     core: int,
     extra_args: list[str] | tuple[str, ...] = (),
 ) -> VllmServer:
-    """Start one server (does not wait for it). Later flags in extra_args override BASE_SERVER_ARGS."""
+    """Start one server (does not wait for it), confined to CPU `core` with all its processes.
+
+    Later flags in extra_args override BASE_SERVER_ARGS. VLLM_CPU_OMP_THREADS_BIND pins only the Worker; the
+    EngineCore busy-waits on the Worker's results (sched_yield spin, vLLM's shm_broadcast) on any free core, and on
+    a 2-core machine a decoding server then holds both cores: the router and the test starved for 5-30 s at a time
+    (a /health ping took 27 s). Set before the API server spawns anything, so its EngineCore and Worker inherit it.
+    """
     log_path = work_dir / f"vllm-{port}.log"
     args = [
         str(python), "-m", API_SERVER_MODULE, "--model", str(model_dir),
@@ -301,6 +310,8 @@ def launch_server(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=server_env(core, work_dir / "cache"), cwd=work_dir, start_new_session=True,
         )
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(process.pid, {core})
     return VllmServer(port=port, process=process, log_path=log_path, args=args)
 
 

@@ -33,6 +33,27 @@ async def test_health_probe_ejects_and_readmits(fakes, router_client):
     await wait_for(lambda: ra.routable)
 
 
+async def test_a_stream_in_flight_outlives_its_replica_leaving_the_rotation(fakes, router_client):
+    """Failing probes only stop new traffic: the stream already on the replica keeps flowing and keeps its
+    outstanding slot until it ends, then releases it exactly once."""
+    a, b = await fakes(2, token_delay_s=0.01)
+    client = await router_client([a.url, b.url], policy="round-robin")
+    ra, rb = (client.app[REPLICAS].by_id[f.url.removeprefix("http://")] for f in (a, b))
+    n = 60
+    resp = await completion(client, max_tokens=n, stream=True)
+    assert resp.headers["x-routewise-replica"] == ra.id
+    body = await resp.content.readany()
+    a.health_ok = False
+    await wait_for(lambda: not ra.routable)
+    assert ra.tracker.outstanding == 1 and a.active == 1  # still open on both sides
+    for _ in range(3):  # new requests avoid the unhealthy replica
+        assert (await completion(client)).headers["x-routewise-replica"] == rb.id
+    body += await resp.read()
+    assert body.count(b" tok") == n and body.rstrip().endswith(b"data: [DONE]")
+    assert a.completed == 1 and a.cancelled == 0
+    assert ra.tracker.outstanding == 0 and rb.tracker.outstanding == 0
+
+
 async def test_circuit_breaker_ejects_then_recovers_half_open(fakes, router_client):
     a, b = await fakes(2)
     a.mode = "error_500"
