@@ -226,10 +226,21 @@ def _on_sigterm(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt
 
 
+def _stop_on_ctrl_c_and_sigterm() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so the demo always stops the fleet it started.
+
+    SIGINT is set explicitly because it can arrive ignored: a shell without job control (a script, CI) starts
+    `cmd &` with SIGINT ignored, exec keeps that, and Python then installs no Ctrl-C handler and `asyncio.run`
+    none either, so the demo would ignore Ctrl-C and replay the whole trace.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # asyncio.run cancels the load on it
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     python = sys.executable
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    _stop_on_ctrl_c_and_sigterm()
     log_root = args.logs or Path(tempfile.mkdtemp(prefix="routewise-demo-"))
     log_root.mkdir(parents=True, exist_ok=True)
     procs = Processes(log_root)

@@ -33,11 +33,17 @@ def end_to_end(test):
 URL = re.compile(r"http://127\.0\.0\.1:(\d+)")
 
 
-def _demo(*args: str) -> subprocess.Popen:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _demo(*args: str, sigint_ignored: bool = False) -> subprocess.Popen:
+    """`sigint_ignored`: start it the way a shell without job control starts `demo &` (SIGINT ignored, kept by exec)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [sys.executable, "-m", "simulator", "demo", "--no-progress", *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=_ignore_sigint if sigint_ignored else None,
     )  # fmt: skip
 
 
@@ -48,9 +54,14 @@ def _closed(port: int) -> bool:
 
 
 def _kill(proc: subprocess.Popen) -> None:
+    """SIGTERM first, so that even a failed run stops the fleet, whose processes are in sessions of their own."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_router_gets_ab_flags_only_when_it_lists_them():
@@ -89,8 +100,9 @@ def test_short_demo_prints_percentiles_per_arm_and_stops_everything():
 
 
 @end_to_end
-def test_ctrl_c_stops_the_fleet():
-    proc = _demo("--duration", "60")
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint-as-pytest", "sigint-ignored"])
+def test_ctrl_c_stops_the_fleet(sigint_ignored: bool):
+    proc = _demo("--duration", "60", sigint_ignored=sigint_ignored)
     ports: set[int] = set()
     try:
         deadline = time.monotonic() + 60
