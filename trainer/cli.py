@@ -210,7 +210,7 @@ def _write_card(path: Path, ckpt: Path, cfg, doc: dict, version: str, size: int,
 
 # ---------------------------------------------------------------- main
 COMMANDS = {
-    "train": ("train a policy: heuristic selection, behaviour cloning, PPO (resumable)", _train_arguments, _train),
+    "train": ("train a policy: heuristic selection, warm start (TTFT regression or behaviour cloning), PPO (resumable)", _train_arguments, _train),
     "evaluate": ("the learned policy and every baseline on the same seeds: table with 95%% CIs, plots", _evaluate_arguments, _evaluate),
     "export": ("export a checkpoint to ONNX (normalisation folded in) and check parity with torch", _export_arguments, _export),
 }

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -82,11 +82,47 @@ class NetworkConfig(_Strict):
 
 
 class BCConfig(_Strict):
-    episodes_per_scenario: int = Field(6, ge=0, description="heuristic episodes recorded per scenario (0 = no warm start)")
+    """The warm start before PPO, which is also PPO's KL reference policy."""
+
+    target: Literal["latency", "imitate"] = Field(
+        "latency",
+        description="latency: regress each decision's time to first token on the chosen replica (trainer/latency.py); "
+        "imitate: cross-entropy on the best heuristic's choices (trainer/bc.py)",
+    )
+    episodes_per_scenario: int = Field(6, ge=0, description="episodes recorded per scenario (0 = no warm start)")
     epochs: int = Field(8, ge=0)
     batch_size: int = Field(256, ge=8)
     lr: float = Field(2e-3, gt=0)
     selection_seeds: int = Field(2, ge=1, description="TRAIN seeds per scenario used to pick the best heuristic (p99 TTFT)")
+    behaviours: list[str] = Field(
+        ["expected-wait", "least-token-load", "weighted-scorer", "least-outstanding", "kv-aware", "prefix-aware"],
+        min_length=1,
+        description="latency target: heuristics that route the exploration episodes (in turn)",
+    )
+    explore_epsilon: list[float] = Field(
+        [0.05, 0.2, 0.5], min_length=1, description="latency target: chance of a uniformly random healthy replica per decision (in turn)"
+    )
+    dagger_rounds: int = Field(
+        2, ge=0, description="latency target: rounds of episodes routed by the fitted network (epsilon 0.1), each followed by epochs/2 more epochs on all data"
+    )
+
+    @field_validator("behaviours")
+    @classmethod
+    def _known_behaviours(cls, names: list[str]) -> list[str]:
+        from router.policy.registry import BASELINES
+
+        for name in names:
+            if name not in BASELINES:
+                raise ValueError(f"unknown heuristic {name!r} (known: {', '.join(BASELINES)})")
+        return names
+
+    @field_validator("explore_epsilon")
+    @classmethod
+    def _probabilities(cls, eps: list[float]) -> list[float]:
+        for e in eps:
+            if not 0.0 <= e <= 1.0:
+                raise ValueError(f"epsilon {e} is not a probability in [0, 1]")
+        return eps
 
 
 class PPOConfig(_Strict):

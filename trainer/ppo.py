@@ -2,7 +2,9 @@
 
 Pipeline (`train`):
   1. Pick, per TRAIN scenario, the best heuristic by p99 TTFT on TRAIN windows.
-  2. Behaviour cloning from it (trainer/bc.py) -> the warm start and the KL reference policy.
+  2. Warm start, which is also PPO's KL reference policy: by default the network learns to
+     predict each decision's time to first token from exploration episodes (trainer/latency.py);
+     or behaviour cloning of the best heuristic (trainer/bc.py, `bc.target: imitate`).
   3. PPO updates. Every update each environment plays one whole episode (a sampled TRAIN
      scenario instance, load from the curriculum, domain-randomised), in 1-2 worker processes.
      Rewards are paired: the best heuristic's per-decision reward on the SAME arrival sequence
@@ -291,17 +293,56 @@ def _csv_fields(cfg: TrainConfig) -> list[str]:
         "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/ref_kl",
         "losses/clipfrac", "losses/explained_variance", "losses/epochs", "charts/learning_rate", "charts/ent_coef",
         "charts/ref_kl_coef", "charts/load", "charts/decisions", "rollout/ttft_p90_s", "rollout/ttft_p99_s",
-        "rollout/slo_attainment", "rollout/paired_gain", "bc/loss", "bc/accuracy",
+        "rollout/slo_attainment", "rollout/paired_gain", "bc/loss", "bc/accuracy", "warm/huber", "warm/rmse_log_ttft",
         "eval/score", "eval/worst_ratio", "eval/min_goodput_gap", "eval/fallback_free_share", "eval/ttft_p90_s",
         "eval/ttft_p99_s", "eval/slo_attainment",
     ]  # fmt: skip
     return base + [f"eval/ttft_p99_ratio/{Path(s).stem}" for s in cfg.env.scenarios]
 
 
+def _latency_phase(pool, cfg: TrainConfig, net: RoutingNet, rng: np.random.Generator, progress: bool) -> list[dict]:
+    """Warm start by TTFT regression (trainer/latency.py): heuristic-routed exploration episodes,
+    then `dagger_rounds` rounds routed by the fitted network, each followed by more fitting on all data."""
+    from trainer.instances import InstanceSpec
+    from trainer.latency import ExploreJob, fit_latency
+
+    c, b = cfg.env.curriculum, cfg.bc
+
+    def specs(base: int, n: int):
+        for sc in cfg.env.scenarios:
+            for k in range(n):
+                load = round(float(rng.uniform(c.start, c.end_hi)), 2)
+                yield k, InstanceSpec(sc, base + k, load, cfg.env.randomise, cfg.env.max_requests)
+
+    jobs = [
+        ExploreJob(spec, b.behaviours[k % len(b.behaviours)], b.explore_epsilon[k % len(b.explore_epsilon)])
+        for k, spec in specs(BC_SEED_BASE, b.episodes_per_scenario)
+    ]
+    data = pool.run("explore", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j.spec.seed)])
+    history: list[dict] = []
+    for rnd in range(b.dagger_rounds + 1):
+        feats = np.concatenate([d["features"] for d in data])
+        if rnd == 0:  # observation statistics from the heuristic-routed data, kept fixed afterwards
+            net.normaliser.update(feats, feats[..., 0])
+        history += fit_latency(  # later rounds continue on all data so far, with half the epochs
+            net, feats, np.concatenate([d["masks"] for d in data]), np.concatenate([d["actions"] for d in data]),
+            np.concatenate([d["ttft_s"] for d in data]), b.epochs if rnd == 0 else max(1, b.epochs // 2),
+            b.batch_size, b.lr, cfg.run.seed + rnd, progress,
+        )  # fmt: skip
+        if rnd == b.dagger_rounds:
+            break
+        sd = {k: v.clone() for k, v in net.state_dict().items()}
+        jobs = [ExploreJob(spec, None, 0.1) for _, spec in specs(BC_SEED_BASE + 1000 * (rnd + 1), max(1, b.episodes_per_scenario // 2))]
+        data += pool.run("explore", [{"jobs": part, "state_dict": sd} for part in pool.split(jobs, key=lambda j: j.spec.seed)])
+    return history
+
+
 def _bc_phase(pool, cfg: TrainConfig, net: RoutingNet, best: dict[str, str], rng: np.random.Generator, progress: bool) -> list[dict]:
     from trainer.bc import behaviour_clone
     from trainer.instances import InstanceSpec
 
+    if cfg.bc.target == "latency":
+        return _latency_phase(pool, cfg, net, rng, progress)
     c = cfg.env.curriculum
     jobs = []
     for sc in cfg.env.scenarios:

@@ -308,6 +308,16 @@ class WorkerState:
             out.append({"spec": spec, "policy": p} | {k: ep[k] for k in ("features", "masks", "actions", "summary")})
         return out
 
+    def cmd_explore(self, jobs: list, state_dict: dict | None = None) -> list[dict]:
+        """Exploration episodes for the latency warm start (trainer/latency.py)."""
+        from trainer.latency import explore_episode
+
+        net = None
+        if state_dict is not None:
+            self.net.load_state_dict(state_dict)
+            net = self.net.eval()
+        return [{"spec": job.spec} | explore_episode(self._henv(), job, net) for job in jobs]
+
     def cmd_rollout(self, state_dict: dict, jobs: list[tuple[InstanceSpec, str | None]], greedy: bool, seed: int) -> list[dict]:
         """Network episodes; where a paired heuristic is named, rewards become (policy - heuristic)."""
         self.net.load_state_dict(state_dict)
