@@ -53,6 +53,7 @@ def guarded_policy(policy_name: str, settings: RouterSettings) -> FallbackPolicy
         max_stats_age_s=guard("max_stats_age_s"),
         min_confidence=settings.min_confidence if learned else None,
         overload_margin=guard("overload_margin"),
+        overload_ratio=guard("overload_ratio") or 0.0,
     )
 
 

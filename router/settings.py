@@ -82,6 +82,10 @@ class RouterSettings(BaseSettings):
     decision_budget_s: float | None = Field(0.0005, gt=0)
     max_stats_age_s: float | None = Field(None, gt=0, description="default 30 for learned policies, None for baselines")
     overload_margin: int | None = Field(None, ge=0, description="default 32 for learned policies, None for baselines")
+    overload_ratio: float | None = Field(
+        None, ge=0, description="the overload guard's reference is max(least, ratio x the other replicas' mean outstanding); "
+        "default 3 for learned policies, 0 (the least-loaded replica only) otherwise"
+    )
     min_confidence: float | None = Field(None, ge=0, le=1)
     chars_per_token: float = Field(4.0, gt=0)
     prefix_capacity_blocks: int = Field(4096, ge=1)
@@ -168,6 +172,8 @@ class RouterSettings(BaseSettings):
             self.max_stats_age_s = float(LEARNED_GUARDS["max_stats_age_s"])
         if "overload_margin" not in self.model_fields_set and learned:
             self.overload_margin = int(LEARNED_GUARDS["overload_margin"])
+        if "overload_ratio" not in self.model_fields_set and learned:
+            self.overload_ratio = float(LEARNED_GUARDS["overload_ratio"])
         return self
 
 

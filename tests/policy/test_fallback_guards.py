@@ -33,13 +33,14 @@ def decide(view, scores, **kw):
     return FallbackPolicy(Scores(scores), LeastOutstanding(seed=0), **kw).decide(view, REQ)
 
 
-def test_stale_stats_counts_healthy_replicas_only():
+def test_stale_stats_counts_healthy_replicas_that_have_stats():
     view = ClusterView((snap(0, age=math.inf, healthy=False), snap(1, age=2.0), snap(2, age=3.0)))
     assert decide(view, [0.0, 1.0, 0.0], max_stats_age_s=10).fallback_reason is None  # an int limit works too
     assert decide(view, [0.0, 1.0, 0.0], max_stats_age_s=2.5).fallback_reason == "stale_stats"
     assert decide(view, [0.0, 1.0, 0.0], max_stats_age_s=3.0).fallback_reason is None  # strictly older
-    never = ClusterView((snap(0, age=math.inf), snap(1)))
-    assert decide(never, [0.0, 1.0], max_stats_age_s=10.0).fallback_reason == "stale_stats"
+    never = ClusterView((snap(0, age=math.inf), snap(1)))  # not scraped yet: no stats, nothing stale
+    assert decide(never, [0.0, 1.0], max_stats_age_s=10.0).fallback_reason is None
+    assert decide(ClusterView((snap(0, age=math.inf), snap(1, age=11.0))), [0.0, 1.0], max_stats_age_s=10.0).fallback_reason == "stale_stats"
     nan_first = ClusterView((snap(0, age=math.nan), snap(1, age=30.0)))
     assert decide(nan_first, [0.0, 1.0], max_stats_age_s=10.0).fallback_reason == "stale_stats"
     assert decide(ClusterView((snap(0, age=math.nan),)), [1.0], max_stats_age_s=10.0).fallback_reason is None
@@ -51,6 +52,23 @@ def test_overload_guard_measures_from_the_least_loaded_healthy_replica():
     assert (d.fallback_reason, d.primary_index) == (None, 2)  # 9 - 5 = 4, not above the margin
     d = decide(view, [0.0, 0.0, 1.0], overload_margin=3)
     assert (d.fallback_reason, d.primary_index, d.index) == ("overload_guard", 2, 1)
+
+
+def test_relative_overload_guard_lets_a_fast_replica_carry_more_but_stops_a_stuck_policy():
+    # a fast replica carrying 3x the others plus the margin is fine ...
+    busy_fast = ClusterView((snap(0, 10), snap(1, 10), snap(2, 60)))
+    assert decide(busy_fast, [0.0, 0.0, 1.0], overload_margin=32, overload_ratio=3.0).fallback_reason is None
+    assert decide(busy_fast, [0.0, 0.0, 1.0], overload_margin=32).fallback_reason == "overload_guard"  # absolute: 50 > 32
+    # ... one beyond margin + 3x the others' mean is not: 63 - 3 x 10 = 33 > 32
+    d = decide(ClusterView((snap(0, 10), snap(1, 10), snap(2, 63))), [0.0, 0.0, 1.0], overload_margin=32, overload_ratio=3.0)
+    assert d.fallback_reason == "overload_guard" and d.index in (0, 1)
+    # a policy stuck on one replica of an otherwise idle pair is stopped at margin + 1, as before
+    stuck = ClusterView((snap(0, 33), snap(1, 0)))
+    assert decide(stuck, [1.0, 0.0], overload_margin=32, overload_ratio=3.0).fallback_reason == "overload_guard"
+    assert decide(ClusterView((snap(0, 32), snap(1, 0))), [1.0, 0.0], overload_margin=32, overload_ratio=3.0).fallback_reason is None
+    # unhealthy replicas are not "others"; a lone healthy replica is never overloaded
+    lone = ClusterView((snap(0, 0, healthy=False), snap(1, 500)))
+    assert decide(lone, [0.0, 1.0], overload_margin=0, overload_ratio=3.0).fallback_reason is None
 
 
 def test_scores_of_unhealthy_replicas_are_ignored_but_not_of_healthy_ones():

@@ -48,11 +48,11 @@ def test_sources_priority_and_learned_defaults(tmp_path, monkeypatch):
     cfg.write_text("replicas: [http://10.0.0.1:8000]\nport: 9001\nscrape_interval_s: 2.0\n")
     s = build_settings(cfg)
     assert s.replicas == ["http://10.0.0.1:8000"] and s.port == 9001 and s.policy == "learned"
-    assert s.max_stats_age_s == 30.0 and s.overload_margin == 32  # learned defaults
+    assert s.max_stats_age_s == 30.0 and s.overload_margin == 32 and s.overload_ratio == 3.0  # learned defaults
     monkeypatch.setenv("ROUTEWISE_PORT", "9002")
     monkeypatch.setenv("ROUTEWISE_REPLICAS", "http://10.0.0.2:8000,http://10.0.0.3:8000")
     s = build_settings(cfg, policy="least-outstanding")
-    assert s.port == 9002 and len(s.replicas) == 2 and s.max_stats_age_s is None  # env over file
+    assert s.port == 9002 and len(s.replicas) == 2 and s.max_stats_age_s is None and s.overload_ratio is None  # env over file
     assert build_settings(cfg, port=9003).port == 9003  # flags over env
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"replicas": ["http://a:1"], "polcy": "random"}))
