@@ -70,12 +70,18 @@ class NetworkConfig(_Strict):
     relative_inputs: bool = Field(
         True, description="add cross-replica relative inputs (difference to min/mean/max, token load) to the encoder"
     )
+    wait_prior: bool = Field(
+        False, description="add -w x the expected-wait score to each logit (w learnable, starts at 100): the untrained network "
+        "ranks replicas like the expected-wait heuristic and the layers learn corrections (needs relative_inputs)"
+    )
     gru: bool = Field(False, description="recurrent state over time (ablation only; not supported by export)")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "NetworkConfig":
         if self.hidden % self.heads:
             raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden})")
+        if self.wait_prior and not self.relative_inputs:
+            raise ValueError("wait_prior needs relative_inputs: true (the expected-wait score is one of the relative inputs)")
         if self.gru:
             raise ValueError("gru: the recurrent variant is not implemented in this release; set gru: false")
         return self

@@ -98,7 +98,8 @@ class CrossReplicaInputs(nn.Module):
         zero = torch.zeros_like(lo)
         return torch.where(any_valid, lo, zero), torch.where(any_valid, mean, zero), torch.where(any_valid, hi, zero)
 
-    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(derived inputs [B, R, n_extra], the expected-wait score [B, R])."""
         valid = mask.unsqueeze(-1)
         rep = features[..., : self.n_rep]
         lo, mean, hi = self._stats(rep, valid)
@@ -124,7 +125,7 @@ class CrossReplicaInputs(nn.Module):
         is_max = (both >= torch.cat([hi, d_hi], -1) - 1e-6).to(both.dtype)
         rel_load = (raw_load - raw_lo) / (raw_mean + 256.0)  # load excess in units of the mean load
         out = torch.cat([rep - lo, rep - mean, hi - rep, derived, derived - d_lo, is_min, is_max, rel_load], -1)
-        return out * valid
+        return out * valid, wait.squeeze(-1)
 
 
 class _AttentionBlock(nn.Module):
@@ -166,22 +167,34 @@ class RoutingNet(nn.Module):
         self.blocks = nn.ModuleList(_AttentionBlock(h, cfg.heads) for _ in range(cfg.layers))
         self.final_norm = nn.LayerNorm(h)
         self.policy_head = nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Linear(h, 1))
+        self.register_parameter("wait_weight", None)
+        if cfg.wait_prior:  # (the config checks relative_inputs is on)
+            # logit = head - w x expected-wait score; w = 100 makes the untrained network rank replicas exactly like
+            # the expected-wait heuristic (the score is log(1 + work ahead) / 10, the latency target's logit scale 10)
+            self.wait_weight = nn.Parameter(torch.tensor(100.0))
         self.value_head = nn.Sequential(nn.Linear(2 * h, h), nn.GELU(), nn.Linear(h, 1))
         nn.init.zeros_(self.policy_head[-1].weight)  # start near uniform over valid replicas
         nn.init.zeros_(self.policy_head[-1].bias)
 
-    def _embed(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _embed(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(per-replica embedding [B, R, H], the logit prior [B, R] or None)."""
         x = self.normaliser(features)
+        prior = None
         if self.cross_inputs is not None:
-            x = torch.cat([x, self.cross_inputs(features, mask)], -1)
+            extra, wait = self.cross_inputs(features, mask)
+            x = torch.cat([x, extra], -1)
+            if self.wait_weight is not None:
+                prior = -self.wait_weight * wait
         h = self.encoder(x)
         key_bias = ((1.0 - mask) * MASKED_LOGIT)[:, None, None, :]
         for block in self.blocks:
             h = block(h, key_bias)
-        return self.final_norm(h)
+        return self.final_norm(h), prior
 
-    def logits_from_embedding(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def logits_from_embedding(self, h: torch.Tensor, mask: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.policy_head(h).squeeze(-1)
+        if prior is not None:
+            logits = logits + prior
         return torch.where(mask > 0.5, logits, torch.full_like(logits, MASKED_LOGIT))
 
     def value_from_embedding(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -193,11 +206,12 @@ class RoutingNet(nn.Module):
         return self.value_head(torch.cat([mean_pool, max_pool], -1)).squeeze(-1)
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self._embed(features, mask)
-        return self.logits_from_embedding(h, mask), self.value_from_embedding(h, mask)
+        h, prior = self._embed(features, mask)
+        return self.logits_from_embedding(h, mask, prior), self.value_from_embedding(h, mask)
 
     def logits(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.logits_from_embedding(self._embed(features, mask), mask)
+        h, prior = self._embed(features, mask)
+        return self.logits_from_embedding(h, mask, prior)
 
 
 class LogitsOnly(nn.Module):
