@@ -108,6 +108,9 @@ class BCConfig(_Strict):
     explore_epsilon: list[float] = Field(
         [0.05, 0.2, 0.5], min_length=1, description="latency target: chance of a uniformly random healthy replica per decision (in turn)"
     )
+    ttft_floor_s: float = Field(
+        0.0, ge=0, description="latency target: regress log(TTFT + this), weighting the slow tail over small differences"
+    )
     dagger_rounds: int = Field(
         2, ge=0, description="latency target: rounds of episodes routed by the fitted network (epsilon 0.1), each followed by epochs/2 more epochs on all data"
     )

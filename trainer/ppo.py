@@ -327,7 +327,7 @@ def _latency_phase(pool, cfg: TrainConfig, net: RoutingNet, rng: np.random.Gener
         history += fit_latency(  # later rounds continue on all data so far, with half the epochs
             net, feats, np.concatenate([d["masks"] for d in data]), np.concatenate([d["actions"] for d in data]),
             np.concatenate([d["ttft_s"] for d in data]), b.epochs if rnd == 0 else max(1, b.epochs // 2),
-            b.batch_size, b.lr, cfg.run.seed + rnd, progress,
+            b.batch_size, b.lr, cfg.run.seed + rnd, progress, b.ttft_floor_s,
         )  # fmt: skip
         if rnd == b.dagger_rounds:
             break

@@ -69,6 +69,8 @@ def test_config_names_bad_behaviours_and_epsilons():
         config_from_dict({"env": ENV, "bc": {"behaviours": ["least-outstanding", "no-such-router"]}})
     with pytest.raises(ConfigError, match="bc.explore_epsilon.*1.5"):
         config_from_dict({"env": ENV, "bc": {"explore_epsilon": [0.1, 1.5]}})
+    with pytest.raises(ConfigError, match="bc.ttft_floor_s"):
+        config_from_dict({"env": ENV, "bc": {"ttft_floor_s": -0.1}})
     with pytest.raises(ConfigError, match="bc.target"):
         config_from_dict({"env": ENV, "bc": {"target": "guess"}})
 
