@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from router.policy.base import Policy, PolicyUnavailable
-from router.policy.types import ClusterView, Outcome, RequestInfo
+from router.policy.types import ClusterView, Outcome, ReplicaSnapshot, RequestInfo
 
 # The bounded set of labels `Decision.fallback_reason` can take (used as a metric label).
 FALLBACK_REASONS = (
@@ -48,9 +48,10 @@ LEARNED_GUARDS: dict[str, float | int] = {"max_stats_age_s": 30.0, "overload_mar
 class FallbackPolicy(Policy):
     """Returns the primary's choice unless it raises, returns NaN scores, picks a masked
     replica, overruns `budget_s` (measured with the injected `clock`), runs on stats older
-    than `max_stats_age_s` (replicas never scraped yet do not count), is less sure than `min_confidence`, or picks an overloaded replica:
-    more than `overload_margin` requests above max(the least-loaded healthy replica,
-    `overload_ratio` x the mean of the other healthy replicas). Then the fallback decides.
+    than `max_stats_age_s` (replicas never scraped yet do not count), is less sure than
+    `min_confidence`, or picks an overloaded replica: more than `overload_margin` requests above
+    max(the least-loaded other healthy replica, `overload_ratio` x the other healthy replicas'
+    mean). Then the fallback decides.
 
     Primaries that expose `scores(view, request) -> np.ndarray` (one logit per replica) get the
     NaN and confidence checks; others are asked `choose`.
@@ -139,7 +140,7 @@ class FallbackPolicy(Policy):
         self.last_decision = decision
         return decision
 
-    def _overloaded(self, reps, pick: int, margin: int) -> bool:
+    def _overloaded(self, reps: tuple[ReplicaSnapshot, ...], pick: int, margin: int) -> bool:
         others = [r.outstanding for i, r in enumerate(reps) if r.healthy and i != pick]
         if not others:
             return False
