@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from simulator.traces import TRACES_DIR_HELP, TraceError, use_traces_dir
+
 ALL = "all"
 EXIT_USAGE = 2
 
@@ -45,6 +47,10 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+# Subcommands that read traces take `--traces-dir` (else $ROUTEWISE_TRACES_DIR, else the shipped copy).
+READS_TRACES = {"run", "compare", "loadgen", "demo"}
+
+
 class UsageError(Exception):
     """A bad value on the command line (exit code 2, one line)."""
 
@@ -65,6 +71,8 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         if name == command:  # only the chosen subcommand's module is imported
             _resolve(cmd.add_arguments)(p)
+            if name in READS_TRACES:
+                p.add_argument("--traces-dir", metavar="DIR", help=TRACES_DIR_HELP)
     return parser
 
 
@@ -73,8 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     try:
+        if getattr(args, "traces_dir", None):
+            use_traces_dir(args.traces_dir)
         return int(_resolve(COMMANDS[args.command].run)(args) or 0)
-    except UsageError as e:
+    except (UsageError, TraceError) as e:
         print(f"simulator {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 

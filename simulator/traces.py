@@ -1,6 +1,10 @@
-"""Readers for the public LLM traces in `../shared/traces/` and the train/eval split over them.
+"""Readers for the public LLM traces shipped in `simulator/data/traces/` and the train/eval split over them.
 
-Formats (see `../shared/traces/README.md`):
+Where traces are found (one lookup order): an explicit folder (`TraceLibrary(root=...)`, the
+`--traces-dir` flag, or `$ROUTEWISE_TRACES_DIR`), else the gzip-compressed copy shipped as package data.
+In an explicit folder each file may be plain or gzip-compressed (`<name>.gz`); both are read directly.
+
+Formats (see `simulator/data/traces/README.md`):
 - Azure 2023 CSV `TIMESTAMP,ContextTokens,GeneratedTokens`; TIMESTAMP is a naive wall clock with up to
   7 fractional digits. It is parsed exactly, as integer 100 ns ticks, and made relative to the first row.
 - Mooncake JSONL `{"timestamp": ms, "input_length", "output_length", "hash_ids"}`; `hash_ids` are
@@ -16,22 +20,27 @@ rows instead, with one warning that counts them, and records the messages in `Tr
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import os
 import re
 import warnings
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
-from typing import Callable, Literal
+from typing import IO, Callable, Literal
 
 import numpy as np
 
 OnError = Literal["raise", "warn"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACES_DIR_ENV = "ROUTEWISE_TRACES_DIR"
+SHIPPED_TRACES_DIR = Path(__file__).resolve().parent / "data" / "traces"
+TRACES_DIR_HELP = f"read traces from this folder (default: ${TRACES_DIR_ENV}, else the copy shipped with routewise)"
 
 # Train and tune only on timestamps < 2400 s after a trace's first request (600 s for Mooncake
 # synthetic); the rest is evaluation. Untimed (lengths-only) traces are split by row: the first 70 %
@@ -51,9 +60,33 @@ class TraceError(ValueError):
 
 
 def traces_dir() -> Path:
-    """`$ROUTEWISE_TRACES_DIR`, default `<repo root>/../shared/traces`."""
+    """The folder traces are read from: `$ROUTEWISE_TRACES_DIR` when set, else the shipped copy."""
     env = os.environ.get(TRACES_DIR_ENV)
-    return Path(env) if env else REPO_ROOT.parent / "shared" / "traces"
+    return Path(env) if env else SHIPPED_TRACES_DIR
+
+
+def use_traces_dir(folder: str | Path) -> None:
+    """Point every later trace lookup in this process (and its children) at `folder`: a CLI's
+    `--traces-dir`. Fails now, naming the flag, when the folder does not exist."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise TraceError(f"--traces-dir {folder}: no such folder (omit the flag to use the traces shipped with routewise)")
+    os.environ[TRACES_DIR_ENV] = str(path.resolve())
+
+
+@contextmanager
+def _open_text(path: Path) -> Iterator[IO[str]]:
+    """`path` as text, gunzipped on the fly when it ends in `.gz`; a corrupt or truncated file is a
+    TraceError naming it (the partial rows read so far are discarded by the caller's exception)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="") as f:
+            yield f
+    except (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError) as e:
+        raise TraceError(
+            f"{path}: corrupt or truncated file ({type(e).__name__}: {e}); replace it with an intact copy"
+            + (f" or unset {TRACES_DIR_ENV} to use the shipped traces" if os.environ.get(TRACES_DIR_ENV) else "")
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -196,7 +229,7 @@ def read_azure_csv(path: str | Path, on_error: OnError = "raise", name: str | No
     ticks: list[int] = []
     prompt: list[int] = []
     output: list[int] = []
-    with path.open(newline="") as f:
+    with _open_text(path) as f:
         reader = csv.reader(f)
         _check_header(path, next(reader, None), ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
         for row in reader:
@@ -229,7 +262,7 @@ def _timed_trace(
     order = np.argsort(t, kind="stable")
     t = t[order]
     return Trace(
-        name=name or path.stem,
+        name=name or _stem(path),
         path=path,
         arrival_s=(t - t[0]) / units_per_s,
         prompt_tokens=np.asarray(prompt, dtype=np.int64)[order],
@@ -266,7 +299,7 @@ def read_mooncake_jsonl(
     prompt: list[int] = []
     output: list[int] = []
     blocks: list[tuple[int, ...]] = []
-    with path.open() as f:
+    with _open_text(path) as f:
         for line, text in enumerate(f, start=1):
             if not text.strip():
                 continue
@@ -310,7 +343,7 @@ def read_lengths_csv(path: str | Path, on_error: OnError = "raise", name: str | 
     errors = _RowErrors(path, on_error)
     prompt: list[int] = []
     output: list[int] = []
-    with path.open(newline="") as f:
+    with _open_text(path) as f:
         reader = csv.reader(f)
         header = next(reader, None)
         _check_header(path, header, ["num_prefill_tokens", "num_decode_tokens"])
@@ -331,7 +364,7 @@ def read_lengths_csv(path: str | Path, on_error: OnError = "raise", name: str | 
     if not prompt:
         raise TraceError(f"{path.name}: no requests")
     return Trace(
-        name=name or path.stem,
+        name=name or _stem(path),
         path=path,
         prompt_tokens=np.asarray(prompt, dtype=np.int64),
         output_tokens=np.asarray(output, dtype=np.int64),
@@ -339,24 +372,60 @@ def read_lengths_csv(path: str | Path, on_error: OnError = "raise", name: str | 
     )
 
 
+def _stem(path: Path) -> str:
+    """`conv.csv.gz` -> `conv`, `conv.csv` -> `conv`."""
+    return Path(path.name.removesuffix(".gz")).stem
+
+
 @dataclass(frozen=True)
 class TraceSource:
-    relative_path: str
+    relative_path: str  # as published; the shipped copy adds `.gz`
     reader: Callable[..., Trace]
     train_window: tuple[float, float] | None  # None: lengths only, split by rows
+    requests: int  # rows in the published file
+    sha256: str  # of the published (uncompressed) bytes: the shipped copy must gunzip to exactly these
 
 
 KNOWN_TRACES: dict[str, TraceSource] = {
-    "azure-conv": TraceSource("azure_llm_2023/AzureLLMInferenceTrace_conv.csv", read_azure_csv, TRAIN_WINDOW),
-    "azure-code": TraceSource("azure_llm_2023/AzureLLMInferenceTrace_code.csv", read_azure_csv, TRAIN_WINDOW),
-    "mooncake-conversation": TraceSource("mooncake_fast25/conversation_trace.jsonl", read_mooncake_jsonl, TRAIN_WINDOW),
+    "azure-conv": TraceSource(
+        "azure_llm_2023/AzureLLMInferenceTrace_conv.csv", read_azure_csv, TRAIN_WINDOW,
+        19_366, "2f1e5b666d4e3055fdbba98598ce2ec307767b9064e03e2fa46676dbcc7d0bf8",
+    ),
+    "azure-code": TraceSource(
+        "azure_llm_2023/AzureLLMInferenceTrace_code.csv", read_azure_csv, TRAIN_WINDOW,
+        8_819, "54e9a6d2a4bd06ba1e060304b900abbc74cbea53de96506e60fe5bb4f2277fb6",
+    ),
+    "mooncake-conversation": TraceSource(
+        "mooncake_fast25/conversation_trace.jsonl", read_mooncake_jsonl, TRAIN_WINDOW,
+        12_031, "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df",
+    ),
     "mooncake-synthetic": TraceSource(
-        "mooncake_fast25/synthetic_trace.jsonl", read_mooncake_jsonl, MOONCAKE_SYNTHETIC_TRAIN_WINDOW
+        "mooncake_fast25/synthetic_trace.jsonl", read_mooncake_jsonl, MOONCAKE_SYNTHETIC_TRAIN_WINDOW,
+        3_993, "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131",
     ),
     "arxiv-lengths": TraceSource(
-        "arxiv_summarization_lengths/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv", read_lengths_csv, None
+        "arxiv_summarization_lengths/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv", read_lengths_csv, None,
+        28_257, "9d3580538d915ca75e4aaaa54590b42dbb17abc6d74c8913310cf07c232adcdc",
     ),
 }
+
+
+def trace_path(name: str, root: str | Path | None = None) -> Path:
+    """The file `name` is read from. An explicit `root` (else `$ROUTEWISE_TRACES_DIR`) must exist and hold the
+    published file, plain or `.gz`; without either, the shipped compressed copy. Errors say what to set."""
+    source = _source(name)
+    env = os.environ.get(TRACES_DIR_ENV)
+    if root is None and not env:
+        return SHIPPED_TRACES_DIR / f"{source.relative_path}.gz"
+    folder = Path(root if root is not None else env).expanduser()  # type: ignore[arg-type]
+    where = f"traces folder {folder}" if root is not None else f"{TRACES_DIR_ENV}={env}"
+    fix = "point it at a folder laid out like the shipped one, or leave it unset to use the traces shipped with routewise"
+    if not folder.is_dir():
+        raise TraceError(f"{where}: no such folder; {fix}")
+    for candidate in (folder / source.relative_path, folder / f"{source.relative_path}.gz"):
+        if candidate.is_file():
+            return candidate
+    raise TraceError(f"{where}: trace {name!r} not found (looked for {source.relative_path}[.gz]); {fix}")
 
 
 def split_window(name: str, split: Split) -> tuple[float, float] | None:
@@ -386,19 +455,14 @@ class TraceLibrary:
     """Parses each known trace once per instance (pass one library around instead of re-parsing)."""
 
     def __init__(self, root: str | Path | None = None, on_error: OnError = "raise") -> None:
-        self.root = Path(root) if root is not None else traces_dir()
+        self.root = Path(root) if root is not None else None  # None: $ROUTEWISE_TRACES_DIR, else the shipped copy
         self.on_error = on_error
         self._cache: dict[str, Trace] = {}
 
     def load(self, name: str) -> Trace:
         if name not in self._cache:
-            source = _source(name)
-            path = self.root / source.relative_path
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"trace {name!r} not found at {path} (set {TRACES_DIR_ENV} to the traces folder)"
-                )
-            self._cache[name] = source.reader(path, on_error=self.on_error, name=name)
+            path = trace_path(name, self.root)
+            self._cache[name] = _source(name).reader(path, on_error=self.on_error, name=name)
         return self._cache[name]
 
     def split(self, name: str, split: Split) -> Trace:

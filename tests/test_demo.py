@@ -13,14 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from simulator.traces import traces_dir
-
 ROOT = Path(__file__).resolve().parents[1]
 E2E_MARKS = (
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not (traces_dir() / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv").is_file(), reason="traces not found"
-    ),
     pytest.mark.timeout(120),
 )
 

@@ -15,7 +15,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from simulator.traces import TRACES_DIR_HELP, TraceError, use_traces_dir
+
 ALL = "all"
+READS_TRACES = {"train", "evaluate"}
 
 
 class UsageError(Exception):
@@ -222,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, add_args, _) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
+        if name in READS_TRACES:
+            p.add_argument("--traces-dir", metavar="DIR", help=TRACES_DIR_HELP)
     return parser
 
 
@@ -232,8 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "traces_dir", None):
+            use_traces_dir(args.traces_dir)
         return COMMANDS[args.command][2](args)
-    except (UsageError, ConfigError, CheckpointError, ExportError) as exc:
+    except (UsageError, ConfigError, CheckpointError, ExportError, TraceError) as exc:
         print(f"trainer {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

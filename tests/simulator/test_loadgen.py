@@ -21,11 +21,10 @@ from simulator.loadgen import (
     run_load,
     summarize,
 )
-from simulator.traces import TraceLibrary, traces_dir
+from simulator.traces import TraceLibrary
 
 pytestmark = pytest.mark.timeout(60)
 EST = TokenEstimator()
-HAVE_TRACES = (traces_dir() / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv").is_file()
 
 
 def test_prompts_have_the_planned_token_counts_and_are_unique_without_block_ids():
@@ -46,7 +45,6 @@ def test_shared_hash_ids_give_shared_text_prefixes():
     assert not set(bx) & set(bz)  # chained: a different first block shares nothing
 
 
-@pytest.mark.skipif(not HAVE_TRACES, reason="traces folder not found")
 def test_trace_plan_follows_the_trace_window_and_scales():
     lib = TraceLibrary()
     plan, info = build_plan(
@@ -64,7 +62,6 @@ def test_trace_plan_follows_the_trace_window_and_scales():
         build_plan(PlanSpec(trace="nope"), lib)
 
 
-@pytest.mark.skipif(not HAVE_TRACES, reason="traces folder not found")
 def test_mooncake_plan_shares_prefixes_where_the_trace_does():
     lib = TraceLibrary()
     plan, _ = build_plan(PlanSpec(trace="mooncake-synth", duration_s=60.0, token_scale=0.125), lib)

@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 
 from simulator.scenario import SCENARIOS_DIR, ScenarioError, load_scenario, scenario_names
-from simulator.traces import KNOWN_TRACES, TraceLibrary, traces_dir
+from simulator.traces import TraceLibrary
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-HAVE_TRACES = (traces_dir() / KNOWN_TRACES["azure-conv"].relative_path).is_file()
 
 REQUIRED_SUITE = {
     "steady-chat", "bursty-code", "prefix-heavy", "prefix-synthetic", "heterogeneous", "kv-pressure",
@@ -82,7 +81,6 @@ def test_build_is_deterministic_and_salted_by_split():
     assert train.slo.ttft_s == 1.0 and train.slo.tpot_s == 0.1
 
 
-@pytest.mark.skipif(not HAVE_TRACES, reason="real traces absent")
 def test_every_builtin_scenario_builds_in_both_splits():
     library = TraceLibrary()
     for name in scenario_names():

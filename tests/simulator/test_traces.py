@@ -13,8 +13,10 @@ from simulator.traces import (
     read_azure_csv,
     read_lengths_csv,
     read_mooncake_jsonl,
+    SHIPPED_TRACES_DIR,
     split_window,
     spread_in_buckets,
+    trace_path,
     traces_dir,
 )
 
@@ -160,19 +162,20 @@ def test_library_caches_and_splits_by_window(tmp_path):
     assert lib.load("azure-conv") is lib.load("azure-conv")
     assert lib.split("azure-conv", "train").prompt_tokens.tolist() == [1, 1001, 2400]
     assert lib.split("azure-conv", "eval").prompt_tokens.tolist() == [2401, 2402, 3001]
-    with pytest.raises(FileNotFoundError, match=TRACES_DIR_ENV):
+    with pytest.raises(TraceError, match=r"trace 'azure-code' not found .*AzureLLMInferenceTrace_code.csv\[\.gz\]"):
         lib.load("azure-code")
 
 
 def test_traces_dir_env_var(monkeypatch, tmp_path):
     monkeypatch.setenv(TRACES_DIR_ENV, str(tmp_path))
     assert traces_dir() == tmp_path
-    assert TraceLibrary().root == tmp_path
     monkeypatch.delenv(TRACES_DIR_ENV)
-    assert traces_dir().parts[-2:] == ("shared", "traces")
+    assert traces_dir() == SHIPPED_TRACES_DIR
+    assert trace_path("azure-conv") == SHIPPED_TRACES_DIR / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv.gz"
 
 
-REAL_COUNTS = {
+# The request counts the published traces README gives for the original files.
+README_COUNTS = {
     "azure-conv": 19366,
     "azure-code": 8819,
     "mooncake-conversation": 12031,
@@ -181,14 +184,15 @@ REAL_COUNTS = {
 }
 
 
-@pytest.mark.skipif(not (traces_dir() / KNOWN_TRACES["azure-conv"].relative_path).is_file(), reason="real traces absent")
 def test_real_traces_parse_completely():
+    """The shipped copies: every row parses, counts as published (no skipped or lost rows)."""
+    assert set(README_COUNTS) == set(KNOWN_TRACES)
     lib = TraceLibrary()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for name, count in REAL_COUNTS.items():
+        for name, count in README_COUNTS.items():
             trace = lib.load(name)
-            assert len(trace) == count, name
+            assert len(trace) == count == KNOWN_TRACES[name].requests, name
             assert trace.skipped == ()
     assert lib.load("mooncake-conversation").bucket_s == pytest.approx(3.0)
     assert lib.load("mooncake-synthetic").bucket_s == 0.0
