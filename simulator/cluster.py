@@ -10,6 +10,10 @@ first, then faults, scrape samples, scrape deliveries, health changes and finall
 decisions. All randomness (scrape jitter and failures, the token estimator's error) comes from
 one `np.random.Generator` per instance.
 
+Late binding (opt-in, `hold()`): instead of routing the pending request now, the router keeps it in its
+own FIFO queue. The queue's head comes back as a fresh decision at the next first token or completion (and
+the next head right after a held request is routed), so holding time counts in TTFT and nothing is dropped.
+
 Crashes: a crashed replica drops everything in flight. The router notices after
 `health_check_delay_s`: the replica is marked unhealthy, its in-flight requests (including any
 routed to it meanwhile) are released and routed again as fresh decisions, so no request is lost.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 from operator import attrgetter
+from collections import deque
 from typing import Callable, Sequence
 
 import numpy as np
@@ -98,6 +103,9 @@ class ClusterSim:
         self._lost: list[list[int]] = [[] for _ in range(n_rep)]
         self._samples: list[list[tuple[int, int, float] | None]] = [[] for _ in range(n_rep)]
         self._pending: tuple[int, RequestInfo, float] | None = None
+        self._held: deque[int] = deque()  # late binding: the router-side FIFO queue (request indices)
+        self._offered: int | None = None  # the held request currently offered as a decision
+        self.n_holds = 0
         self._next_arrival = 0
         self._decisions_queued = 0
         self._future_crashes = 0
@@ -191,6 +199,10 @@ class ClusterSim:
             raise ValueError(f"replica {index} ({tr.replica_id}) is unhealthy in the router's view")
         idx, info, t = self._pending
         self._pending = None
+        if idx == self._offered:
+            self._offered = None
+            if self._held:
+                self._offer_held(t)
         self.tracker.dispatch(index, info)
         self.records[idx].replica_id = self.replica_ids[index]
         self.n_dispatches += 1
@@ -209,6 +221,32 @@ class ClusterSim:
         rep.add(st, t)
         if rep.event_s != before:
             self._push_replica(index)
+
+    def hold(self) -> None:
+        """Keep the pending request in the router-side queue (late binding) instead of routing it now.
+        The offered head of the queue goes back to the head; anything else joins the tail."""
+        if self._pending is None:
+            raise RuntimeError("no pending decision: call next_decision() first")
+        idx, _info, _t = self._pending
+        if not any(tr.outstanding for tr in self.tracker.trackers):
+            raise RuntimeError(f"request {idx}: held with nothing in flight, so no completion would ever release it")
+        self._pending = None
+        self._decisions_queued += 1
+        if idx == self._offered:
+            self._offered = None
+            self._held.appendleft(idx)
+        else:
+            self.n_holds += 1  # requests that entered the queue (the head offered back and held again is not new)
+            self._held.append(idx)
+
+    @property
+    def held(self) -> int:
+        """Requests in the router-side queue (late binding)."""
+        return len(self._held)
+
+    def _offer_held(self, t: float) -> None:
+        self._offered = idx = self._held.popleft()
+        self._push(t, P_DECISION, E_RETRY, idx)
 
     def _reject(self, i: int, idx: int, info: RequestInfo, t: float) -> None:
         """vLLM's admission check: a prompt of max_model_len tokens or more gets HTTP 400 at once."""
@@ -334,6 +372,8 @@ class ClusterSim:
                 info = self._infos[idx]
                 tracker.on_complete(info.request_id, (t - st.first_token_s) / (out - 1) if out > 1 else None)  # type: ignore[union-attr]
                 self.n_completed += 1
+                if self._held and self._offered is None:
+                    self._offer_held(t)
                 if hook is not None:
                     hook(
                         rep.replica_id,
@@ -342,6 +382,8 @@ class ClusterSim:
                     )
             else:
                 tracker.on_first_token(self._infos[idx].request_id, t - st.dispatch_s)  # type: ignore[union-attr]
+                if self._held and self._offered is None:
+                    self._offer_held(t)
                 ft = rec.first_token_s
                 if ft != ft:  # NaN: the request's first first token
                     rec.first_token_s = t

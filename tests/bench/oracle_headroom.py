@@ -8,9 +8,14 @@ detected. It sends each request where that work, times that speed, is smallest (
 expected-wait rule on true values). It is greedy, so it is a yardstick, not a bound: a router
 that plans ahead could do better still.
 
+A second yardstick adds late binding (issue 16): the same perfect information, but a request waits in a
+router-side FIFO queue while no replica has room (its waiting queue empty, a free batch slot, and less
+prefill work queued than one iteration's token budget) and the head of the queue goes to the replica that
+frees first (the cheapest with room). That is one shared queue instead of one queue per replica.
+
     python tests/bench/oracle_headroom.py --scenarios prefix-heavy,kv-pressure --seeds 3 --workers 2
 
-prints p99 TTFT per scenario for the oracle, the best heuristic and the shipped learned policy.
+prints p99 TTFT per scenario for both oracles, the best heuristic and the shipped learned policy.
 """
 
 from __future__ import annotations
@@ -68,17 +73,47 @@ class TrueStateGreedy(Policy):
         return healthy[int(np.argmin(scores))]
 
 
+class TrueStateLateBinding(TrueStateGreedy):
+    """Holds while no replica has room; the head of the queue goes to the cheapest replica with room."""
+
+    name = "oracle-late"
+
+    def _has_room(self, i: int) -> bool:
+        rep = self.sim.replicas[i]
+        if self.sim._crashed[i] or rep.waiting or len(rep.running) >= rep.max_seqs:
+            return False
+        return sum(st.prompt - st.c for st in rep.prefilling) < rep.budget
+
+    def choose_or_hold(self, view: ClusterView, request: RequestInfo) -> int | None:
+        sim = self.sim
+        if sim.held and sim._pending[0] != sim._offered:
+            return None  # first in, first out: a new arrival queues behind the held ones
+        healthy = [i for i, r in enumerate(view.replicas) if r.healthy]
+        room = [i for i in healthy if self._has_room(i)]
+        if not room and any(tr.outstanding for tr in sim.tracker.trackers):
+            return None
+        candidates = room or healthy
+        return candidates[int(np.argmin([self._score(i, request) for i in candidates]))]
+
+
 def run(job: tuple[str, int, str]) -> tuple[str, int, str, float, float]:
     scenario, seed, name = job
     sc = load_scenario(scenario, split="eval")
     cluster, requests = sc.build(np.random.default_rng(seed))
     sim = ClusterSim(cluster, requests, seed=seed)
+    if name == "oracle-late":
+        late = TrueStateLateBinding(sim)
+        while (d := sim.next_decision()) is not None:
+            pick = late.choose_or_hold(*d)
+            sim.hold() if pick is None else sim.dispatch(pick)
+        s = summarize(sim.finish(), sc.slo)
+        return scenario, seed, name, s["ttft_p99_s"], s["goodput"], sim.n_holds / len(sim.requests)
     policy = TrueStateGreedy(sim) if name == "oracle" else make_served_policy(name, seed=seed)
     policy.reset(seed)
     while (d := sim.next_decision()) is not None:
         sim.dispatch(policy.choose(*d))
     s = summarize(sim.finish(), sc.slo)
-    return scenario, seed, name, s["ttft_p99_s"], s["goodput"]
+    return scenario, seed, name, s["ttft_p99_s"], s["goodput"], 0.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,19 +123,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
     scenarios = args.scenarios.split(",")
-    jobs = [(sc, k, p) for sc in scenarios for k in range(args.seeds) for p in ("oracle", "learned", *HEURISTICS)]
+    names = ("oracle", "oracle-late", "learned", *HEURISTICS)
+    jobs = [(sc, k, p) for sc in scenarios for k in range(args.seeds) for p in names]
     with get_context("spawn").Pool(args.workers) as pool:
         results = pool.map(run, jobs, chunksize=1)
     p99: dict[tuple[str, str], list[float]] = {}
-    for sc, _seed, name, v, _g in results:
+    held: dict[str, list[float]] = {}
+    for sc, _seed, name, v, _g, h in results:
         p99.setdefault((sc, name), []).append(v)
+        if name == "oracle-late":
+            held.setdefault(sc, []).append(h)
     print(f"p99 TTFT, mean over {args.seeds} seeds, EVAL windows; ratios to the best heuristic ({', '.join(HEURISTICS)})")
-    print(f"{'scenario':17s} {'best heuristic':>24s} {'learned':>9s} {'oracle':>9s} {'learned/best':>13s} {'oracle/best':>12s}")
+    print(f"{'scenario':17s} {'best heuristic':>24s} {'learned':>9s} {'oracle':>9s} {'late':>9s} "
+          f"{'learned/best':>13s} {'oracle/best':>12s} {'late/best':>10s} {'held':>6s}")  # fmt: skip
     for sc in scenarios:
-        mean = {name: float(np.mean(p99[(sc, name)])) for name in ("oracle", "learned", *HEURISTICS)}
+        mean = {name: float(np.mean(p99[(sc, name)])) for name in names}
         best = min(HEURISTICS, key=mean.get)
         print(f"{sc:17s} {best:>16s} {mean[best]:7.3f}s {mean['learned']:8.3f}s {mean['oracle']:8.3f}s "
-              f"{mean['learned'] / mean[best]:13.2f} {mean['oracle'] / mean[best]:12.2f}")  # fmt: skip
+              f"{mean['oracle-late']:8.3f}s {mean['learned'] / mean[best]:13.2f} {mean['oracle'] / mean[best]:12.2f} "
+              f"{mean['oracle-late'] / mean[best]:10.2f} {np.mean(held[sc]):6.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":
