@@ -14,6 +14,10 @@ Late binding (opt-in, `hold()`): instead of routing the pending request now, the
 own FIFO queue. The queue's head comes back as a fresh decision at the next first token or completion (and
 the next head right after a held request is routed), so holding time counts in TTFT and nothing is dropped.
 
+Several routers (`ClusterConfig.routers` = N > 1): requests reach router `arrival index mod N` (a Service
+in front of N router pods); each router has its own `ClusterTracker`, so it sees only the requests it
+routed itself, while scrapes and health changes reach every router.
+
 Crashes: a crashed replica drops everything in flight. The router notices after
 `health_check_delay_s`: the replica is marked unhealthy, its in-flight requests (including any
 routed to it meanwhile) are released and routed again as fresh decisions, so no request is lost.
@@ -85,7 +89,8 @@ class ClusterSim:
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
         block_tokens = self.requests[0].block_tokens if self.requests else 512
-        self.tracker = ClusterTracker(list(self.replica_ids), prefix_block_tokens=block_tokens)
+        self.routers = [ClusterTracker(list(self.replica_ids), prefix_block_tokens=block_tokens) for _ in range(config.routers)]
+        self.tracker = self.routers[0]
         self.estimator = TokenEstimator(rel_error_sigma=config.estimator_sigma)
         self.records: list[RequestRecord] = [
             RequestRecord(r.request_id, "", r.arrival_s, r.prompt_tokens, r.output_tokens, tenant=r.tenant)
@@ -143,8 +148,9 @@ class ClusterSim:
         heap, versions, replicas = self._heap, self._rep_version, self.replicas
         heappop, heappush = heapq.heappop, heapq.heappush
         n_requests = len(self.requests)
-        tracker = self.tracker
-        trackers = tracker.trackers
+        routers = self.routers
+        n_routers = len(routers)
+        trackers = self.tracker.trackers  # health is the same in every router's view
         while True:
             if not self._decisions_queued and not self._detections_due and (
                 not self._future_crashes or self.n_completed == n_requests
@@ -176,7 +182,7 @@ class ClusterSim:
                     if tr.healthy:  # the common case of _decide, inlined
                         info = self._infos[x]
                         self._pending = (x, info, t)  # type: ignore[assignment]
-                        return tracker.view(t, info), info  # type: ignore[arg-type,return-value]
+                        return routers[x % n_routers].view(t, info), info  # type: ignore[arg-type,return-value]
                 d = self._decide(x, t)
                 if d is not None:
                     return d
@@ -198,12 +204,13 @@ class ClusterSim:
         if not tr.healthy:
             raise ValueError(f"replica {index} ({tr.replica_id}) is unhealthy in the router's view")
         idx, info, t = self._pending
+        router = self._router_of(idx)
         self._pending = None
         if idx == self._offered:
             self._offered = None
             if self._held:
                 self._offer_held(t)
-        self.tracker.dispatch(index, info)
+        router.dispatch(index, info)
         self.records[idx].replica_id = self.replica_ids[index]
         self.n_dispatches += 1
         if self._crashed[index]:
@@ -228,7 +235,7 @@ class ClusterSim:
         if self._pending is None:
             raise RuntimeError("no pending decision: call next_decision() first")
         idx, _info, _t = self._pending
-        if not any(tr.outstanding for tr in self.tracker.trackers):
+        if not any(tr.outstanding for router in self.routers for tr in router.trackers):
             raise RuntimeError(f"request {idx}: held with nothing in flight, so no completion would ever release it")
         self._pending = None
         self._decisions_queued += 1
@@ -244,6 +251,10 @@ class ClusterSim:
         """Requests in the router-side queue (late binding)."""
         return len(self._held)
 
+    def _router_of(self, idx: int) -> ClusterTracker:
+        """The router instance request `idx` arrived at."""
+        return self.routers[idx % len(self.routers)]
+
     def _offer_held(self, t: float) -> None:
         self._offered = idx = self._held.popleft()
         self._push(t, P_DECISION, E_RETRY, idx)
@@ -252,7 +263,7 @@ class ClusterSim:
         """vLLM's admission check: a prompt of max_model_len tokens or more gets HTTP 400 at once."""
         rec = self.records[idx]
         rec.error = REJECTED_PROMPT_TOO_LONG
-        self.tracker.trackers[i].on_complete(info.request_id, None)  # the router releases it on the 400
+        self._router_of(idx).trackers[i].on_complete(info.request_id, None)  # the router releases it on the 400
         self.n_completed += 1
         self._advance_integrals(t)
         self._waiting_ft -= 1  # it waits for no first token any more
@@ -352,12 +363,16 @@ class ClusterSim:
                 self._push_replica(x)
 
     def _outputs(self, i: int, rep: Replica) -> None:
-        tracker = self.tracker.trackers[i]
+        routers = self.routers
+        n_routers = len(routers)
+        tracker = routers[0].trackers[i]
         records = self.records
         hook = self.on_complete_hook
         for kind, st, t in rep.outputs:
             idx = st.idx
             rec = records[idx]
+            if n_routers > 1:
+                tracker = routers[idx % n_routers].trackers[i]
             if kind == COMPLETE:
                 rec.finish_s = t
                 rec.replica_id = rep.replica_id
@@ -440,7 +455,7 @@ class ClusterSim:
             self._push(min(later), P_DECISION, E_RETRY, idx)
             return None
         self._pending = (idx, info, t)  # type: ignore[assignment]
-        return self.tracker.view(t, info), info  # type: ignore[arg-type,return-value]
+        return self._router_of(idx).view(t, info), info  # type: ignore[arg-type,return-value]
 
     # ---- scrapes -------------------------------------------------------------------------------
 
@@ -461,7 +476,8 @@ class ClusterSim:
         if values is None or fail:
             return  # connection refused / timeout: the tracker keeps its old values, age grows
         waiting, running, usage = values
-        self.tracker.trackers[i].on_scrape(t, waiting, running, usage, self.replicas[i].kv_capacity_tokens)
+        for router in self.routers:
+            router.trackers[i].on_scrape(t, waiting, running, usage, self.replicas[i].kv_capacity_tokens)
 
     # ---- faults --------------------------------------------------------------------------------
 
@@ -481,14 +497,15 @@ class ClusterSim:
             self._push(max(t + duration, t + delay), P_HEALTH, E_HEALTH, i, True)
 
     def _on_health(self, i: int, healthy: bool, t: float) -> None:
-        tr = self.tracker.trackers[i]
-        tr.healthy = healthy
+        for router in self.routers:
+            router.trackers[i].healthy = healthy
         if healthy:
             return
         self._detections_due -= 1
-        self.tracker.prefix_index.forget(tr.replica_id)
+        for router in self.routers:
+            router.prefix_index.forget(self.replica_ids[i])
         for idx in self._lost[i]:
-            tr.on_complete(self._infos[idx].request_id, None)  # type: ignore[union-attr]
+            self._router_of(idx).trackers[i].on_complete(self._infos[idx].request_id, None)  # type: ignore[union-attr]
             self._decisions_queued += 1
             self._push(t, P_DECISION, E_RETRY, idx)
         self._lost[i] = []

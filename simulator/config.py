@@ -50,6 +50,11 @@ class ClusterConfig(_Strict):
     faults: list[FaultConfig] = []
     estimator_sigma: float = Field(0.15, ge=0, description="log-normal error of the prompt-token estimator")
     health_check_delay_s: float = Field(2.0, ge=0, description="time for the router to notice a crash")
+    routers: int = Field(
+        1, ge=1, le=64,
+        description="router instances sharing the traffic round-robin (several pods behind a Service): each keeps "
+        "its own router-side state (in-flight counts, first tokens, prefix index); scraped stats reach all of them",
+    )
 
     def replica_count(self) -> int:
         return sum(g.count for g in self.replicas)

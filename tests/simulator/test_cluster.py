@@ -170,3 +170,29 @@ def test_reward_integrals_follow_littles_law():
     assert sim.waiting_for_first_token() == 0
     slo = 0.2
     assert sim.slo_excess_integral(slo) == pytest.approx(sum(max(0.0, r.ttft_s - slo) for r in records), rel=1e-9)
+
+
+def test_several_routers_each_see_only_their_own_requests_but_share_scrapes():
+    cfg = config(count=3, routers=2, scrape=ScrapeConfig(interval_s=0.2, jitter_s=0.0))
+    sim = ClusterSim(cfg, workload(n=300, rate=40.0), seed=3)
+    policy = make_policy("least-outstanding", seed=0)
+    own_counts_differ = 0
+    while (d := sim.next_decision()) is not None:
+        view, info = d
+        idx = int(info.request_id)
+        mine, other = sim.routers[idx % 2], sim.routers[(idx + 1) % 2]
+        assert [r.outstanding for r in view.replicas] == [tr.outstanding for tr in mine.trackers]
+        if [tr.outstanding for tr in mine.trackers] != [tr.outstanding for tr in other.trackers]:
+            own_counts_differ += 1
+        assert [tr.waiting for tr in mine.trackers] == [tr.waiting for tr in other.trackers]  # the same scrapes
+        sim.dispatch(policy.choose(view, info))
+    records = sim.finish()
+    assert own_counts_differ > 50
+    assert all(math.isfinite(r.finish_s) for r in records)
+    assert all(tr.outstanding == 0 for router in sim.routers for tr in router.trackers)
+    assert sum(1 for r in records) == 300
+
+
+def test_one_router_is_the_default_and_unchanged():
+    sim = ClusterSim(config(count=2), workload(n=50), seed=0)
+    assert len(sim.routers) == 1 and sim.tracker is sim.routers[0]
