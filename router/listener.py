@@ -14,7 +14,8 @@ import logging
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from router.errors import error_body, error_response
 from router.settings import RouterSettings
@@ -69,8 +70,7 @@ class GuardedHandler(RequestHandler):
         self._head_timer = None
         if not self._request_in_progress and not self._messages and self.transport is not None:
             log.info("closing a connection that sent no complete request head in %g s", self._limits[0])
-            self.force_close()
-            self.transport.close()
+            self.force_close()  # closes the transport
 
     def data_received(self, data: bytes) -> None:
         before = self._request_count
@@ -84,6 +84,13 @@ class GuardedHandler(RequestHandler):
         self._disarm()
         super().connection_lost(exc)
 
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, (RequestPayloadError, HttpProcessingError)):  # the rest of a bad body, after our 400
+            log.debug("discarding the rest of a malformed request body: %s", exc)
+            return
+        super().log_exception(*args, **kw)
+
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if request.writer.output_size > 0:
@@ -92,7 +99,7 @@ class GuardedHandler(RequestHandler):
             log.error("error handling %s %s: %r", request.method, request.path[:200], exc, exc_info=exc)
             resp = error_response(status, "internal router error", "server_error")
         else:  # malformed HTTP: one line, no traceback (any client can send it)
-            text = (message or (str(exc) if exc else "bad request")).splitlines()[0][:300] if (message or exc) else ""
+            text = " ".join((message or str(exc or "") or "bad request").split())[:300]
             log.info("bad HTTP request from %s: %s", request.remote, text)
             resp = error_response(status, f"malformed HTTP request: {text}", code="bad_http_request")
         resp.force_close()

@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from router.h1client import H1Client, H1Response
 from router.errors import BadRequest, error_response, sse_error_event
@@ -48,6 +49,15 @@ def route_headers(route: Route, upstream_headers, replica_header: bool) -> Any:
 
 class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
+
+
+def _refuse(exc: BadRequest, request: web.Request) -> web.Response:
+    """The 4xx of a refused request; the connection is closed if its body was not read to the end (a slow,
+    broken or oversized body is not worth draining)."""
+    resp = exc.response()
+    if request.body_exists and not request.content.is_eof():
+        resp.force_close()
+    return resp
 
 
 def _code_class(status: int) -> str:
@@ -168,7 +178,7 @@ class Proxy:
                                  code="model_not_found")
             info = self.router.request_info(body, chat, request.headers)
         except BadRequest as exc:
-            return exc.response()
+            return _refuse(exc, request)
         stream = body.get("stream") is True
         self.inflight += 1
         try:
@@ -190,7 +200,7 @@ class Proxy:
         except TimeoutError:
             raise BadRequest(f"request body not received within {self.settings.body_timeout_s:g} s", status=408,
                              code="request_timeout") from None
-        except (HttpProcessingError, aiohttp.ClientPayloadError, ValueError) as exc:  # bad gzip, bad chunking
+        except (HttpProcessingError, RequestPayloadError, ValueError) as exc:  # bad gzip, bad chunking
             raise BadRequest(f"request body could not be read: {type(exc).__name__}: {exc}") from None
         if len(raw) > limit:
             raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")
@@ -396,7 +406,7 @@ class Proxy:
         try:
             raw = await self._read_body(request) if request.can_read_body else None
         except BadRequest as exc:
-            return exc.response()
+            return _refuse(exc, request)
         upstream_path = encode_path(path)
         tried: set[str] = set()
         for _ in range(self.settings.max_retries + 1):

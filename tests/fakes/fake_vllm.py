@@ -7,6 +7,8 @@
                     | reset_mid_stream (2 chunks, then the connection is aborted) | slow (token_delay_s per token)
 `metrics_mode`:     ok | legacy (gpu_cache_usage_perc) | garbage | missing (no kv usage) | http_500 | hang
 `health_ok`:        False makes GET /health answer 500.
+Whatever the mode, like real vLLM on input it chokes on: a request still carrying `Content-Encoding` or whose
+prompt contains POISON gets a 500 (a failure the request causes, not the replica).
 """
 
 from __future__ import annotations
@@ -147,9 +149,15 @@ class FakeVllm:
         self.requests += 1
         self.active += 1
         try:
+            self.headers.append(dict(request.headers))
+            if "Content-Encoding" in request.headers:  # vLLM (uvicorn) fails such a body with a 500
+                return web.json_response({"object": "error", "message": "Expecting value", "type": "InternalServerError",
+                                          "param": None, "code": 500}, status=500)
             body = await request.json()
             self.bodies.append(body)
-            self.headers.append(dict(request.headers))
+            if "POISON" in json.dumps(body):
+                return web.json_response({"object": "error", "message": "poisoned input", "type": "InternalServerError",
+                                          "param": None, "code": 500}, status=500)
             mode = self.mode
             if mode == "error_500":
                 return web.json_response({"object": "error", "message": "engine dead", "type": "InternalServerError",
