@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import aiohttp
+
 EJECTION_REASONS = ("consecutive_failures", "request_failures", "stream_failures", "slow_first_byte", "stalled")
 
 
@@ -21,17 +23,18 @@ class Inflight:
     """One attempt on a replica; `abort()` ends it: before its first byte as a timeout (so it is retried),
     afterwards by closing the upstream response (the client gets an SSE error event)."""
 
-    __slots__ = ("started", "timeout", "response", "aborted")
+    __slots__ = ("started", "last", "timeout", "response", "aborted")
 
     def __init__(self, timeout: asyncio.Timeout) -> None:
-        self.started = time.perf_counter()
+        self.started = self.last = time.perf_counter()  # last: the last byte of a stream
         self.timeout: asyncio.Timeout | None = timeout
         self.response = None
         self.aborted = False
 
     def abort(self) -> None:
         self.aborted = True
-        if self.response is not None:
+        if self.response is not None:  # closing alone would not wake a pending read: fail it first
+            self.response.content.set_exception(aiohttp.ClientPayloadError("replica stalled: stream aborted"))
             self.response.close()
         elif self.timeout is not None and not self.timeout.expired():
             self.timeout.reschedule(asyncio.get_running_loop().time())
@@ -76,6 +79,11 @@ class OutlierState:
         return now - max(self.last_progress, oldest)
 
 
+def stalled_streams(state: OutlierState, now: float, timeout_s: float) -> list[Inflight]:
+    """Streams of one replica silent for `timeout_s` since their last chunk (vLLM streams tokens steadily)."""
+    return [a for a in state.inflight if a.response is not None and now - a.last >= timeout_s]
+
+
 def ttfb_outliers(states: dict[str, OutlierState], min_samples: int, ratio: float, min_s: float) -> list[str]:
     """Replicas whose median time to first byte is `ratio` x the median of all their peers' samples and > min_s."""
     medians = {rid: statistics.median(s.ttfb) for rid, s in states.items() if len(s.ttfb) >= min_samples}
@@ -89,11 +97,13 @@ def ttfb_outliers(states: dict[str, OutlierState], min_samples: int, ratio: floa
 
 def stalled(states: dict[str, OutlierState], now: float, timeout_s: float,
             routable: Callable[[str], bool]) -> list[str]:
-    """Replicas silent for `timeout_s` with attempts waiting, while some routable peer sent bytes meanwhile."""
+    """Replicas silent for `timeout_s` with attempts waiting on them, while some routable peer is not (it sent
+    bytes meanwhile, or has nothing to do). When every replica is silent (say, all busy with long non-streamed
+    generations) none is judged stalled."""
     out = []
     for rid, s in states.items():
         if s.stalled_for(now) >= timeout_s and any(
-            pid != rid and routable(pid) and now - p.last_progress < timeout_s for pid, p in states.items()
+            pid != rid and routable(pid) and p.stalled_for(now) < timeout_s for pid, p in states.items()
         ):
             out.append(rid)
     return out

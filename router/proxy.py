@@ -302,7 +302,7 @@ class Proxy:
                                     headers=route_headers(route, resp.headers, self._replica_header))
             inflight.response = resp
             inflight.timeout = None
-            return await self._stream(request, route, resp, first, t0, ch)
+            return await self._stream(request, route, resp, first, t0, ch, inflight)
         except _ClientGone:
             ch.codes["error"].inc()
             return web.Response(status=499)  # nobody reads it; aiohttp needs a return value
@@ -321,7 +321,7 @@ class Proxy:
 
     async def _stream(
         self, request: web.Request, route: Route, resp: aiohttp.ClientResponse | H1Response, first: bytes, t0: float,
-        ch: _Children,
+        ch: _Children, inflight: Inflight,
     ) -> web.StreamResponse:
         rep = route.replica
         out = web.StreamResponse(status=resp.status, headers=route_headers(route, resp.headers, self._replica_header))
@@ -338,7 +338,7 @@ class Proxy:
         content = resp.content
         while chunk:
             if _DATA in chunk:
-                outlier.last_progress = now = time.perf_counter()
+                outlier.last_progress = inflight.last = now = time.perf_counter()
                 n = chunk.count(_DATA)
                 if _DONE in chunk:
                     n -= 1

@@ -18,7 +18,7 @@ from enum import Enum
 import aiohttp
 from yarl import URL
 
-from router.outlier import OutlierState, stalled, ttfb_outliers
+from router.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
 from router.policy.tracking import ClusterTracker, ReplicaTracker
 from router.settings import RouterSettings, replica_id
 from router.telemetry import RouterMetrics
@@ -188,6 +188,10 @@ class ReplicaSet:
     def check_outliers(self, now: float) -> None:
         """The periodic part of outlier detection: stalled replicas and slow first bytes."""
         s = self.settings
+        for rep in self.ordered:  # a stream that stopped mid-way ends with an error event (and counts as a failure)
+            for a in stalled_streams(rep.outlier, now, s.stall_timeout_s):
+                log.info("aborting a stream from %s silent for %.1f s", rep.id, now - a.last)
+                a.abort()
         states = {r.id: r.outlier for r in self.ordered}
         routable = {r.id: r.routable for r in self.ordered}
         for rid in stalled(states, now, s.stall_timeout_s, routable.__getitem__):

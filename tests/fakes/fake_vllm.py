@@ -5,6 +5,7 @@
 
 `mode` (requests):  ok | error_500 | hang (never answers) | hang_stream (headers, then nothing)
                     | reset_mid_stream (2 chunks, then the connection is aborted) | slow (token_delay_s per token)
+                    | stall_mid_stream (2 chunks, then nothing) | first_byte_delay (first_byte_delay_s before anything)
 `metrics_mode`:     ok | legacy (gpu_cache_usage_perc) | garbage | missing (no kv usage) | http_500 | hang
 `health_ok`:        False makes GET /health answer 500.
 Whatever the mode, like real vLLM on input it chokes on: a request still carrying `Content-Encoding` or whose
@@ -26,6 +27,7 @@ class FakeVllm:
         self.tokens = tokens
         self.token_delay_s = token_delay_s
         self.mode = "ok"
+        self.first_byte_delay_s = 0.5
         self.metrics_mode = "ok"
         self.health_ok = True
         self.waiting, self.running, self.kv_usage = 3, 5, 0.42
@@ -164,6 +166,8 @@ class FakeVllm:
                                           "param": None, "code": 500}, status=500)
             if mode == "hang":
                 await asyncio.sleep(3600)
+            if mode == "first_byte_delay":
+                await asyncio.sleep(self.first_byte_delay_s)
             n = int(body.get("max_tokens") or self.tokens)
             if body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -173,6 +177,8 @@ class FakeVllm:
                 if chat:
                     await resp.write(self._chunk(-1, True, None))
                 for i in range(n):
+                    if mode == "stall_mid_stream" and i == 2:
+                        await asyncio.sleep(3600)
                     if mode == "reset_mid_stream" and i == 2:
                         request.transport.abort()  # type: ignore[union-attr]
                         return resp
