@@ -8,6 +8,7 @@ also gets from another replica is the request's fault, not the replica's).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections import deque
@@ -37,7 +38,8 @@ class Inflight:
             self.response.content.set_exception(aiohttp.ClientPayloadError("replica stalled: stream aborted"))
             self.response.close()
         elif self.timeout is not None and not self.timeout.expired():
-            self.timeout.reschedule(asyncio.get_running_loop().time())
+            with contextlib.suppress(RuntimeError):  # its block already ended: nothing left to abort
+                self.timeout.reschedule(asyncio.get_running_loop().time())
 
 
 @dataclass(slots=True)
