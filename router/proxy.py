@@ -17,7 +17,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
