@@ -36,6 +36,7 @@ class FakeVllm:
         self.active = 0  # generation requests being handled now
         self.cancelled = 0  # generation requests whose client went away
         self.completed = 0
+        self.generation_tokens = 0  # exported as vllm:generation_tokens_total
         self.bodies: list[dict] = []
         self.headers: list[dict[str, str]] = []
         self.metrics_scrapes = 0
@@ -102,6 +103,8 @@ class FakeVllm:
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",enable_prefix_caching="True",'
             f'engine="0",num_gpu_blocks="{self.num_gpu_blocks}"}} 1.0',
+            "# TYPE vllm:generation_tokens_total counter",
+            f'vllm:generation_tokens_total{{engine="0",model_name="{self.model}"}} {float(self.generation_tokens)}',
             "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
             "# TYPE vllm:num_preemptions_total counter",
             f'vllm:num_preemptions_total{{engine="0",model_name="{self.model}"}} 7.0',
@@ -184,13 +187,16 @@ class FakeVllm:
                         return resp
                     if self.token_delay_s:
                         await asyncio.sleep(self.token_delay_s)
+                    self.generation_tokens += 1
                     await resp.write(self._chunk(i, chat, "length" if i == n - 1 else None))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 self.completed += 1
                 return resp
-            if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s * n)
+            for _ in range(n):  # generating: the counter moves, the client sees nothing until the end
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                self.generation_tokens += 1
             text = "".join(f" tok{i}" for i in range(n))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})

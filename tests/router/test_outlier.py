@@ -85,6 +85,18 @@ async def test_hanging_replica_does_not_hold_a_non_streamed_request(fakes, route
     await wait_for(lambda: a.active == 0)  # the aborted requests were cancelled on the replica too
 
 
+async def test_long_non_streamed_generation_is_not_a_stall(fakes, router_client):
+    """The replica's own generation counter (scraped /metrics) shows progress the client cannot see yet."""
+    a, b = await fakes(2)
+    a.token_delay_s = 0.05  # 40 tokens: 2 s of silence on the connection, 4x stall_timeout_s
+    client = await router_client([a.url, b.url], policy="round-robin", stall_timeout_s=0.5,
+                                 health_interval_s=0.05, scrape_interval_s=0.05)
+    r = await oai(client).completions.create(model="tiny", prompt="x", max_tokens=40)
+    assert r.choices[0].text.endswith(" tok39")
+    rep = client.app[REPLICAS].by_id[a.url[7:]]
+    assert a.completed == 1 and rep.breaker.trips == 0 and rep.routable, "aborted as a stall"
+
+
 async def test_stalled_stream_ends_with_an_error_event(fakes, router_client):
     """A stream that stops mid-way used to hang for the 300 s idle timeout."""
     (a,) = await fakes(1, token_delay_s=0.02)
