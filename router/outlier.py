@@ -21,14 +21,16 @@ EJECTION_REASONS = ("consecutive_failures", "request_failures", "stream_failures
 
 
 class Inflight:
-    """One attempt on a replica; `abort()` ends it: before its first byte as a timeout (so it is retried),
-    afterwards by closing the upstream response (the client gets an SSE error event)."""
+    """One attempt on a replica; `abort()` ends it. Before its first byte: a streamed attempt's first-byte
+    timeout fires now, a non-streamed attempt's task is cancelled (the proxy turns either into a retryable
+    failure); afterwards the upstream response is closed (the client gets an SSE error event)."""
 
-    __slots__ = ("started", "last", "timeout", "response", "aborted")
+    __slots__ = ("started", "last", "timeout", "task", "response", "aborted")
 
-    def __init__(self, timeout: asyncio.Timeout) -> None:
+    def __init__(self, timeout: asyncio.Timeout | None, task: asyncio.Task | None) -> None:
         self.started = self.last = time.perf_counter()  # last: the last byte of a stream
-        self.timeout: asyncio.Timeout | None = timeout
+        self.timeout = timeout
+        self.task = task
         self.response = None
         self.aborted = False
 
@@ -40,6 +42,8 @@ class Inflight:
         elif self.timeout is not None and not self.timeout.expired():
             with contextlib.suppress(RuntimeError):  # its block already ended: nothing left to abort
                 self.timeout.reschedule(asyncio.get_running_loop().time())
+        elif self.task is not None:
+            self.task.cancel("replica stalled")
 
 
 @dataclass(slots=True)

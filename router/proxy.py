@@ -191,8 +191,11 @@ class Proxy:
             raise BadRequest(f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes",
                              status=413, code="request_too_large")
         try:
-            async with asyncio.timeout(self.settings.body_timeout_s):
+            if request.content.is_eof():  # all of it arrived with the head (the usual case): no timer needed
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(self.settings.body_timeout_s):
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413,
                              code="request_too_large") from None
@@ -271,18 +274,28 @@ class Proxy:
                     post = self._h1().pool(url).post(path, raw, headers)
                 else:
                     post = self._session().post(url.with_path(path), data=raw, headers=headers)
-                # Streamed: the first byte is due within first_byte_timeout_s. Not streamed: it comes at the end,
-                # so only the idle timeout applies, unless the replica is ejected as stalled (inflight.abort()).
-                async with asyncio.timeout(self._first_byte_timeout if stream else None) as cm:
-                    inflight = Inflight(cm)
+                if stream:  # the first byte is due within first_byte_timeout_s
+                    async with asyncio.timeout(self._first_byte_timeout) as cm:
+                        inflight = Inflight(cm, None)
+                        outlier.inflight.add(inflight)
+                        resp = await post
+                        first = await resp.content.readany() if resp.status < 300 else await resp.read()
+                else:  # the first byte comes at the end: only the idle timeout, or a stall (inflight.abort())
+                    inflight = Inflight(None, asyncio.current_task())
                     outlier.inflight.add(inflight)
                     resp = await post
-                    first = await resp.content.readany() if stream and resp.status < 300 else await resp.read()
+                    first = await resp.read()
                 outlier.last_progress = now = time.perf_counter()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 route.outcome = Outcome(False, None, None)
                 kind = "stalled" if inflight is not None and inflight.aborted else classify(exc)
                 raise UpstreamError(kind, f"{rep.id}: {type(exc).__name__}: {exc}") from None
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if inflight is None or not inflight.aborted or task is None or task.uncancel() > 0:
+                    raise  # the client went away (or the router stops)
+                route.outcome = Outcome(False, None, None)
+                raise UpstreamError("stalled", f"{rep.id}: stalled, aborted") from None
             status = route.status = resp.status
             if status >= 500 and can_retry:
                 route.outcome = Outcome(False, None, None)
