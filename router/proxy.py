@@ -233,7 +233,6 @@ class Proxy:
                     self.replicas.record_failure(rep, stream)
                 else:
                     suspects.append((rep, exc.kind))
-                log.info("attempt %d on %s failed before the first byte: %s", attempt + 1, rep.id, exc)
                 if not can_retry:
                     break
                 self.metrics.retries.labels(exc.kind).inc()
@@ -248,7 +247,10 @@ class Proxy:
     def _settle(self, suspects: list[tuple[Replica, str]], served: bool, stream: bool) -> None:
         """Failures before the first byte count against a replica only if another replica then served the same
         request; if it failed everywhere it was tried, the request is to blame (a client can send one that
-        makes vLLM answer 500), and no replica's health suffers."""
+        makes vLLM answer 500), and no replica's health suffers. One log line per request at most."""
+        if suspects:
+            log.info("%s after failures before the first byte on %s", "served" if served else "failed everywhere",
+                     ", ".join(f"{rep.id} ({kind})" for rep, kind in suspects))
         for rep, kind in suspects:
             if served:
                 self.replicas.record_failure(rep, stream)

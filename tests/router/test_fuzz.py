@@ -179,9 +179,11 @@ async def test_gzip_request_is_served_and_never_ejects_a_replica(fleet):
     assert all_routable(client)
 
 
-async def test_requests_that_make_every_replica_fail_do_not_eject_them(fleet):
-    """vLLM answers some malformed input with a 500: a client repeating it must not take healthy replicas out."""
+async def test_requests_that_make_every_replica_fail_do_not_eject_them(fleet, caplog):
+    """vLLM answers some malformed input with a 500: a client repeating it must not take healthy replicas out
+    (nor write more than a line per request)."""
     replicas, client = fleet
+    caplog.set_level(logging.INFO, logger="router")
     api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="k", max_retries=0, timeout=5)
     for i in range(20):
         with pytest.raises(openai.InternalServerError):
@@ -190,6 +192,8 @@ async def test_requests_that_make_every_replica_fail_do_not_eject_them(fleet):
     assert all(r.breaker.trips == 0 for r in client.app[REPLICAS].ordered)
     assert client.app[METRICS].registry.get_sample_value("llm_router_client_caused_failures_total",
                                                          {"kind": "http_5xx"}) >= 20
+    lines = [r for r in caplog.records if r.name.startswith("router") and r.levelno >= logging.INFO]
+    assert len(lines) <= 20, [r.getMessage() for r in lines[:5]]
     r = await api.completions.create(model="tiny", prompt="fine", max_tokens=2)
     assert r.choices[0].text == " tok0 tok1"
     await wait_for(lambda: settled(client))

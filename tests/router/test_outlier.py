@@ -122,7 +122,7 @@ async def test_slow_first_byte_outlier_is_ejected(fakes, router_client):
     a.first_byte_delay_s = 0.3
     client = await router_client([a.url, b.url, c.url], policy="round-robin", outlier_min_requests=3,
                                  outlier_ttfb_min_s=0.1, outlier_ttfb_ratio=5, health_interval_s=0.05,
-                                 breaker_cooldown_s=30)
+                                 breaker_cooldown_s=30, first_byte_timeout_s=5, breaker_failure_threshold=100)
     api = oai(client)
     await asyncio.gather(*(stream_text(api) for _ in range(12)))
     rep = client.app[REPLICAS].by_id[a.url[7:]]
