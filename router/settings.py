@@ -91,8 +91,9 @@ class RouterSettings(BaseSettings):
                                       "times its peers' median ...")
     outlier_ttfb_min_s: float = Field(2.0, gt=0, description="... and above this")
     stall_timeout_s: float = Field(
-        30.0, gt=0, description="eject a replica with requests in flight that sent no byte for this long while its "
-        "peers did; its unanswered requests are retried elsewhere, its streams end with an error event",
+        30.0, gt=0, description="eject a replica with requests in flight that sent no byte, and whose scraped "
+        "vllm:generation_tokens_total did not grow, for this long while a peer did not stall; its unanswered "
+        "requests are retried elsewhere, its streams end with an error event. Also: a stream silent this long ends",
     )
 
     # client side of the listener
