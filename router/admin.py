@@ -34,7 +34,8 @@ def replica_info(rep: Replica, now: float) -> dict[str, Any]:
         "probe_ok": rep.probe_ok,
         "last_probe_error": rep.last_probe_error,
         "breaker": {"state": rep.breaker.state.value, "consecutive_failures": rep.breaker.consecutive_failures,
-                    "trips": rep.breaker.trips},
+                    "trips": rep.breaker.trips, "reason": rep.breaker.reason},
+        "ejections": dict(rep.outlier.ejections),
         "outstanding": t.outstanding,
         "outstanding_prompt_tokens": t.outstanding_prompt_tokens,
         "scrape": {

@@ -11,12 +11,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.admin import admin_routes
+from router.listener import openai_errors
 from router.proxy import Proxy
 from router.replicas import ReplicaSet
 from router.routing import Router
@@ -36,6 +38,7 @@ PROXY = web.AppKey("proxy", Proxy)
 SCRAPER = web.AppKey("scraper", Scraper)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 H1 = web.AppKey("h1", H1Client)
+OPS_APP = web.AppKey("ops_app", web.Application)
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -63,11 +66,20 @@ def replica_rows(replicas: ReplicaSet):
     return rows
 
 
+def handler_args(settings: RouterSettings) -> dict[str, Any]:
+    # lingering: after refusing a request whose body was not read, drain it for at most 1 s (aiohttp: 10 s),
+    # so that a slow body cannot hold the connection long after its 408.
+    return {"max_field_size": 65536, "keepalive_timeout": settings.keepalive_timeout_s, "lingering_time": 1.0}
+
+
 def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.monotonic) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes, handler_args={"max_field_size": 65536})
+    """The public app. With settings.ops_port, /metrics and /admin/* live on app[OPS_APP] instead (serve it
+    on its own listener); /health and /ready are on both."""
+    app = web.Application(client_max_size=settings.max_body_bytes, handler_args=handler_args(settings),
+                          middlewares=[openai_errors])
     metrics = RouterMetrics()
     session_getter = lambda: app[SESSION]  # noqa: E731 - the session exists once the app starts
-    replicas = ReplicaSet(settings, session_getter, clock)
+    replicas = ReplicaSet(settings, session_getter, clock, metrics)
     router = Router(settings, replicas, metrics, clock)
     proxy = Proxy(settings, replicas, router, metrics, session_getter, lambda: app[H1])
     scraper = Scraper(replicas, session_getter, metrics, settings.scrape_interval_s, settings.scrape_timeout_s)
@@ -116,15 +128,18 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
+    probes = [web.get("/health", proxy.health), web.get("/ready", proxy.ready)]
     app.add_routes([
         web.post("/v1/completions", proxy.completions),
         web.post("/v1/chat/completions", proxy.chat_completions),
-        web.get("/v1/models", proxy.passthrough),
-        web.route("*", "/v1/{tail:.*}", proxy.passthrough),
-        web.get("/health", proxy.health),
-        web.get("/ready", proxy.ready),
-        web.get("/metrics", metrics_handler),
+        web.route("*", "/v1/{tail:.*}", proxy.passthrough),  # allow-listed paths only (Proxy.passthrough)
+        *probes,
     ])
+    ops = app
+    if settings.ops_port is not None:
+        ops = app[OPS_APP] = web.Application(handler_args=handler_args(settings), middlewares=[openai_errors])
+        ops.add_routes(probes)
+    ops.add_routes([web.get("/metrics", metrics_handler)])
     if settings.admin_token is not None:
-        app.add_routes(admin_routes(proxy, settings.admin_token.get_secret_value(), time.monotonic()))
+        ops.add_routes(admin_routes(proxy, settings.admin_token.get_secret_value(), time.monotonic()))
     return app

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         "environment, then the file). See router/settings.py for all fields.",
     )
     s.add_argument("--config", help="YAML or JSON file of settings (field names as in RouterSettings)")
-    s.add_argument("--host", help="listen address (default 0.0.0.0)")
+    s.add_argument("--host", help="listen address (default 0.0.0.0; 127.0.0.1 keeps it local)")
     s.add_argument("--port", type=int, help="listen port (default 8000)")
     s.add_argument("--replica", action="append", dest="replicas", metavar="URL",
                    help="vLLM base URL, e.g. http://10.0.0.5:8000 (repeatable)")
@@ -48,24 +48,37 @@ def _parser() -> argparse.ArgumentParser:
                    "x-session-id, the OpenAI 'user' field, else the request) routed by the treatment, 0..1")
     s.add_argument("--decision-log", dest="decision_log_dir", metavar="DIR",
                    help="write one JSON line per routing decision to rotating files in DIR (see router/serving/DECISION_LOG.md)")
-    s.add_argument("--admin-token", help="bearer token of /admin/* (admin API disabled without one)")
+    s.add_argument("--admin-token", help="bearer token of /admin/* (admin API disabled without one); visible in ps: "
+                   "prefer ROUTEWISE_ADMIN_TOKEN or --admin-token-file")
+    s.add_argument("--admin-token-file", metavar="PATH", help="read the admin bearer token from PATH")
+    s.add_argument("--ops-port", type=int, help="serve /metrics and /admin/* on this port only, not on --port")
+    s.add_argument("--ops-host", help="listen address of --ops-port (default: --host)")
     s.add_argument("--scrape-interval", type=float, dest="scrape_interval_s", help="seconds between /metrics scrapes")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])
     return p
 
 
 async def serve(settings: RouterSettings) -> None:
-    from router.app import PROXY, create_app
+    from router.app import OPS_APP, PROXY, create_app
+    from router.listener import RouterRunner
 
     app = create_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, access_log=logging.getLogger("router.access")
-                           if settings.access_log else None,
-                           handler_cancellation=True, shutdown_timeout=settings.drain_timeout_s)
+    access_log = logging.getLogger("router.access") if settings.access_log else None
+    runner = RouterRunner(app, settings=settings, handle_signals=False, access_log=access_log,
+                          handler_cancellation=True, shutdown_timeout=settings.drain_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_address=True)
     await site.start()
     log = logging.getLogger("router")
     log.info("routewise router on http://%s:%d, policy %s", settings.host, settings.port, settings.policy)
+    ops_runner = None
+    if OPS_APP in app:
+        ops_runner = RouterRunner(app[OPS_APP], settings=settings, handle_signals=False, access_log=None,
+                                  shutdown_timeout=1.0)
+        await ops_runner.setup()
+        ops_host = settings.ops_host or settings.host
+        await web.TCPSite(ops_runner, ops_host, settings.ops_port, reuse_address=True).start()
+        log.info("metrics and admin API on http://%s:%d", ops_host, settings.ops_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -75,6 +88,8 @@ async def serve(settings: RouterSettings) -> None:
     log.info("draining: %d requests in flight, waiting up to %.0fs", proxy.inflight, settings.drain_timeout_s)
     proxy.draining = True  # new requests on open connections get 503; the listener closes in cleanup
     await runner.cleanup()  # stops the site, waits for handlers up to drain_timeout_s, runs cleanup contexts
+    if ops_runner is not None:
+        await ops_runner.cleanup()
     log.info("stopped")
 
 

@@ -17,9 +17,13 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from router.h1client import H1Client, H1Response
 from router.errors import BadRequest, error_response, sse_error_event
+from router.outlier import Inflight
+from router.paths import GENERATION_PATHS, PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
 from router.policy.types import NoHealthyReplica, Outcome
 from router.replicas import Replica, ReplicaSet
 from router.routing import Route, Router
@@ -33,16 +37,26 @@ _DATA = b"data:"
 _DONE = b"data: [DONE]"
 
 
-def route_headers(route: Route, upstream_headers) -> Any:
-    """The replica's response headers plus which arm and replica served it (clients group results by them)."""
+def route_headers(route: Route, upstream_headers, replica_header: bool) -> Any:
+    """The replica's response headers plus which arm (and, opted in, which replica) served it."""
     h = response_headers(upstream_headers)
     h["x-routewise-arm"] = route.runner.arm
-    h["x-routewise-replica"] = route.replica.id
+    if replica_header:
+        h["x-routewise-replica"] = route.replica.id
     return h
 
 
 class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
+
+
+def _refuse(exc: BadRequest, request: web.Request) -> web.Response:
+    """The 4xx of a refused request; the connection is closed if its body was not read to the end (a slow,
+    broken or oversized body is not worth draining)."""
+    resp = exc.response()
+    if request.body_exists and not request.content.is_eof():
+        resp.force_close()
+    return resp
 
 
 def _code_class(status: int) -> str:
@@ -55,7 +69,7 @@ def _check_type(body: dict[str, Any], key: str, types: tuple[type, ...], what: s
         raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", param=key)
 
 
-def validate(body: Any, chat: bool) -> dict[str, Any]:
+def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str, Any]:
     """Checks the fields the router reads; the replica validates the rest."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
@@ -70,6 +84,8 @@ def validate(body: Any, chat: bool) -> dict[str, Any]:
     for key in ("max_tokens", "max_completion_tokens", "n"):
         if isinstance(body.get(key), int) and body[key] < (1 if key == "n" else 0):
             raise BadRequest(f"'{key}' must be >= {1 if key == 'n' else 0}, got {body[key]}", param=key)
+        if isinstance(body.get(key), int) and body[key] > max_tokens_limit:
+            raise BadRequest(f"'{key}' must be <= {max_tokens_limit}, got {body[key]}", param=key)
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -123,6 +139,8 @@ class Proxy:
         self.inflight = 0
         self._children: dict[tuple[str, str, str], _Children] = {}
         self._first_byte_timeout = settings.first_byte_timeout_s
+        self._replica_header = settings.replica_header
+        self._allowed = PathAllowList(settings.passthrough_paths)
 
     def children(self, route: Route) -> _Children:
         key = (route.replica.id, route.runner.label, route.runner.arm)
@@ -150,18 +168,20 @@ class Proxy:
                 body = json.loads(raw)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise BadRequest(f"request body is not valid JSON: {exc}") from None
-            validate(body, chat)
+            except RecursionError:
+                raise BadRequest("request body is nested too deeply") from None
+            validate(body, chat, self.settings.max_tokens_limit)
             known = self.replicas.known_models
             if known and body["model"] not in known:
                 raise BadRequest(f"The model `{body['model']}` does not exist.", param="model", status=404,
                                  code="model_not_found")
             info = self.router.request_info(body, chat, request.headers)
         except BadRequest as exc:
-            return exc.response()
+            return _refuse(exc, request)
         stream = body.get("stream") is True
         self.inflight += 1
         try:
-            return await self._forward(request, raw, info, stream, t0)
+            return await self._forward(request, raw, info, stream, t0, GENERATION_PATHS[chat])
         finally:
             self.inflight -= 1
 
@@ -171,18 +191,29 @@ class Proxy:
             raise BadRequest(f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes",
                              status=413, code="request_too_large")
         try:
-            raw = await request.read()
+            if request.content.is_eof():  # all of it arrived with the head (the usual case): no timer needed
+                raw = await request.read()
+            else:
+                async with asyncio.timeout(self.settings.body_timeout_s):
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413,
                              code="request_too_large") from None
+        except TimeoutError:
+            raise BadRequest(f"request body not received within {self.settings.body_timeout_s:g} s", status=408,
+                             code="request_timeout") from None
+        except (HttpProcessingError, RequestPayloadError, ValueError) as exc:  # bad gzip, bad chunking
+            raise BadRequest(f"request body could not be read: {type(exc).__name__}: {exc}") from None
         if len(raw) > limit:
             raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")
         return raw
 
-    async def _forward(self, request: web.Request, raw: bytes, info, stream: bool, t0: float) -> web.StreamResponse:
-        headers = request_headers(request.headers)
+    async def _forward(self, request: web.Request, raw: bytes, info, stream: bool, t0: float,
+                       path: str) -> web.StreamResponse:
+        headers = request_headers(request.headers, request.remote)
         tried: set[str] = set()
         last: UpstreamError | None = None
+        suspects: list[tuple[Replica, str]] = []  # failed before the first byte; blamed if another replica serves
         for attempt in range(self.settings.max_retries + 1):
             try:
                 route = self.router.route(info, tried)
@@ -193,22 +224,42 @@ class Proxy:
                 r.routable and r is not rep and r.id not in tried for r in self.replicas.ordered
             )
             try:
-                return await self._attempt(request, route, raw, headers, stream, t0, can_retry)
+                out = await self._attempt(request, route, raw, headers, stream, t0, can_retry, path)
             except UpstreamError as exc:
                 last = exc
                 tried.add(rep.id)
                 self.metrics.upstream_errors.labels(rep.id, exc.kind).inc()
-                self.replicas.record_failure(rep)
-                log.info("attempt %d on %s failed before the first byte: %s", attempt + 1, rep.id, exc)
+                if exc.kind == "connect":  # nothing the request carries can cause this
+                    self.replicas.record_failure(rep, stream)
+                else:
+                    suspects.append((rep, exc.kind))
                 if not can_retry:
                     break
                 self.metrics.retries.labels(exc.kind).inc()
+            else:
+                self._settle(suspects, route.status is not None and route.status < 500, stream)
+                return out
+        self._settle(suspects, False, stream)
         if last is None:
             return error_response(503, "no healthy replica available", "server_error", code="no_healthy_replica")
         return error_response(last.status, f"upstream failed: {last}", "server_error", code=f"upstream_{last.kind}")
 
+    def _settle(self, suspects: list[tuple[Replica, str]], served: bool, stream: bool) -> None:
+        """Failures before the first byte count against a replica only if another replica then served the same
+        request; if it failed everywhere it was tried, the request is to blame (a client can send one that
+        makes vLLM answer 500), and no replica's health suffers. One log line per request at most."""
+        if suspects:
+            log.info("%s after failures before the first byte on %s", "served" if served else "failed everywhere",
+                     ", ".join(f"{rep.id} ({kind})" for rep, kind in suspects))
+        for rep, kind in suspects:
+            if served:
+                self.replicas.record_failure(rep, stream)
+            else:
+                self.metrics.client_caused_failures.labels(kind).inc()
+
     async def _attempt(
         self, request: web.Request, route: Route, raw: bytes, headers, stream: bool, t0: float, can_retry: bool,
+        path: str,
     ) -> web.StreamResponse:
         """One upstream attempt. Raises UpstreamError only while nothing has reached the client."""
         rep = route.replica
@@ -216,40 +267,56 @@ class Proxy:
         ch = self.children(route)
         resp: aiohttp.ClientResponse | H1Response | None = None
         clean = False  # the upstream body was read to its end: the connection may be reused
+        outlier = rep.outlier
+        inflight: Inflight | None = None
         try:
             try:
                 url = rep.url
                 if url.scheme == "http":  # the lean keep-alive client; https goes through aiohttp's session
-                    post = self._h1().pool(url).post(request.rel_url.raw_path, raw, headers)
+                    post = self._h1().pool(url).post(path, raw, headers)
                 else:
-                    post = self._session().post(url.with_path(request.path), data=raw, headers=headers)
-                if stream:
-                    async with asyncio.timeout(self._first_byte_timeout):
+                    post = self._session().post(url.with_path(path), data=raw, headers=headers)
+                if stream:  # the first byte is due within first_byte_timeout_s
+                    async with asyncio.timeout(self._first_byte_timeout) as cm:
+                        inflight = Inflight(cm, None)
+                        outlier.inflight.add(inflight)
                         resp = await post
                         first = await resp.content.readany() if resp.status < 300 else await resp.read()
-                else:  # a non-streamed answer's first byte comes at its end: only the idle timeout applies
+                else:  # the first byte comes at the end: only the idle timeout, or a stall (inflight.abort())
+                    inflight = Inflight(None, asyncio.current_task())
+                    outlier.inflight.add(inflight)
                     resp = await post
                     first = await resp.read()
+                outlier.last_progress = now = time.perf_counter()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 route.outcome = Outcome(False, None, None)
-                raise UpstreamError(classify(exc), f"{rep.id}: {type(exc).__name__}: {exc}") from None
+                kind = "stalled" if inflight is not None and inflight.aborted else classify(exc)
+                raise UpstreamError(kind, f"{rep.id}: {type(exc).__name__}: {exc}") from None
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if inflight is None or not inflight.aborted or task is None or task.uncancel() > 0:
+                    raise  # the client went away (or the router stops)
+                route.outcome = Outcome(False, None, None)
+                raise UpstreamError("stalled", f"{rep.id}: stalled, aborted") from None
             status = route.status = resp.status
             if status >= 500 and can_retry:
                 route.outcome = Outcome(False, None, None)
                 raise UpstreamError("http_5xx", f"{rep.id}: HTTP {status}")
-            if status >= 500:
+            if status >= 500:  # the last try: not held against the replica (see _settle)
                 self.metrics.upstream_errors.labels(rep.id, "http_5xx").inc()
-                self.replicas.record_failure(rep)
             else:
-                self.replicas.record_success(rep)
+                self.replicas.record_success(rep, stream, now - t0 if stream else None)
             if not stream or status >= 300:
                 clean = True
-                e2e = time.perf_counter() - t0
+                e2e = now - t0
                 ch.e2e.observe(e2e)
                 ch.codes[_code_class(status)].inc()
                 route.outcome = Outcome(status < 300, None, e2e)
-                return web.Response(status=status, body=first, headers=route_headers(route, resp.headers))
-            return await self._stream(request, route, resp, first, t0, ch)
+                return web.Response(status=status, body=first,
+                                    headers=route_headers(route, resp.headers, self._replica_header))
+            inflight.response = resp
+            inflight.timeout = None
+            return await self._stream(request, route, resp, first, t0, ch, inflight)
         except _ClientGone:
             ch.codes["error"].inc()
             return web.Response(status=499)  # nobody reads it; aiohttp needs a return value
@@ -257,6 +324,8 @@ class Proxy:
             ch.codes["error"].inc()
             raise
         finally:
+            if inflight is not None:
+                outlier.inflight.discard(inflight)
             if resp is not None:
                 if clean or (route.outcome is not None and route.outcome.ok):
                     resp.release()
@@ -266,10 +335,11 @@ class Proxy:
 
     async def _stream(
         self, request: web.Request, route: Route, resp: aiohttp.ClientResponse | H1Response, first: bytes, t0: float,
-        ch: _Children,
+        ch: _Children, inflight: Inflight,
     ) -> web.StreamResponse:
         rep = route.replica
-        out = web.StreamResponse(status=resp.status, headers=route_headers(route, resp.headers))
+        out = web.StreamResponse(status=resp.status, headers=route_headers(route, resp.headers, self._replica_header))
+        outlier = rep.outlier
         ttft: float | None = None
         events = 0
         done = False
@@ -282,7 +352,7 @@ class Proxy:
         content = resp.content
         while chunk:
             if _DATA in chunk:
-                now = time.perf_counter()
+                outlier.last_progress = inflight.last = now = time.perf_counter()
                 n = chunk.count(_DATA)
                 if _DONE in chunk:
                     n -= 1
@@ -309,7 +379,7 @@ class Proxy:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 kind = classify(exc)
                 self.metrics.upstream_errors.labels(rep.id, kind).inc()
-                self.replicas.record_failure(rep)
+                self.replicas.record_failure(rep, True)
                 ch.codes["error"].inc()
                 route.outcome = Outcome(False, ttft, time.perf_counter() - t0, events)
                 log.info("stream from %s broke after %d events: %s", rep.id, events, exc)
@@ -337,23 +407,31 @@ class Proxy:
         return min(candidates, key=lambda r: r.tracker.outstanding) if candidates else None
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """/v1/models and any other /v1/* path: forwarded to one routable replica, not routed by the policy."""
+        """An allow-listed path (passthrough_paths: /v1/models by default), GET or POST: forwarded to one
+        routable replica, not routed by the policy. Any other path is 404, whatever it decodes to."""
+        path = normalise_path(request.rel_url.raw_path)
+        if path is None or not self._allowed.allows(path):
+            return error_response(404, f"unknown path {request.rel_url.raw_path[:200]!r}", code="not_found")
+        if request.method not in PASSTHROUGH_METHODS:
+            return error_response(405, f"method {request.method} not allowed on {path}", code="method_not_allowed",
+                                  headers={"Allow": "GET, POST"})
         if self.draining:
             return error_response(503, "router is shutting down", "server_error", code="draining")
         try:
             raw = await self._read_body(request) if request.can_read_body else None
         except BadRequest as exc:
-            return exc.response()
+            return _refuse(exc, request)
+        upstream_path = encode_path(path)
         tried: set[str] = set()
         for _ in range(self.settings.max_retries + 1):
             candidates = [r for r in self.replicas.ordered if r.routable and r.id not in tried]
             if not candidates:
                 break
             rep = min(candidates, key=lambda r: r.tracker.outstanding)
-            url = rep.url.with_path(request.path).with_query(request.query)
+            url = rep.url.with_path(upstream_path, encoded=True).with_query(request.query)
             try:
                 async with self._session().request(request.method, url, data=raw,
-                                                   headers=request_headers(request.headers)) as resp:
+                                                   headers=request_headers(request.headers, request.remote)) as resp:
                     body = await resp.read()
                     return web.Response(status=resp.status, body=body, headers=response_headers(resp.headers))
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -365,7 +443,13 @@ class Proxy:
         return web.json_response({"status": "draining" if self.draining else "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
+        """Ready: not draining, a routable replica, and every arm served by the policy it was configured with
+        (a learned model that did not load leaves the fallback serving: not ready, so a rollout stops)."""
         n = sum(1 for r in self.replicas.ordered if r.routable)
-        ok = n > 0 and not self.draining
-        return web.json_response({"ready": ok, "healthy_replicas": n, "replicas": len(self.replicas.ordered)},
-                                 status=200 if ok else 503)
+        arms = self.router.arms
+        degraded = {name: runner.load_error for name, runner in arms.items() if runner.load_error}
+        ok = n > 0 and not self.draining and not degraded
+        return web.json_response({
+            "ready": ok, "healthy_replicas": n, "replicas": len(self.replicas.ordered),
+            "policies": {name: {"serving": runner.serving, "error": runner.load_error} for name, runner in arms.items()},
+        }, status=200 if ok else 503)

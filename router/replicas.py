@@ -18,8 +18,10 @@ from enum import Enum
 import aiohttp
 from yarl import URL
 
+from router.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
 from router.policy.tracking import ClusterTracker, ReplicaTracker
 from router.settings import RouterSettings, replica_id
+from router.telemetry import RouterMetrics
 
 log = logging.getLogger("router.replicas")
 
@@ -41,19 +43,26 @@ class Breaker:
     consecutive_failures: int = 0
     opened_at: float | None = None
     trips: int = 0
+    reason: str | None = None  # why it last opened (outlier.EJECTION_REASONS)
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
         self.state = BreakerState.CLOSED
         self.opened_at = None
 
-    def record_failure(self, now: float) -> None:
+    def record_failure(self) -> str | None:
+        """Counts a failure; the reason to open now, if any (the caller decides whether it may)."""
         self.consecutive_failures += 1
         if self.state is BreakerState.HALF_OPEN or self.consecutive_failures >= self.threshold:
-            if self.state is not BreakerState.OPEN:
-                self.trips += 1
-            self.state = BreakerState.OPEN
-            self.opened_at = now
+            return "consecutive_failures"
+        return None
+
+    def open(self, now: float, reason: str) -> None:
+        if self.state is not BreakerState.OPEN:
+            self.trips += 1
+        self.state = BreakerState.OPEN
+        self.opened_at = now
+        self.reason = reason
 
     def cooled_down(self, now: float) -> bool:
         return self.state is BreakerState.OPEN and self.opened_at is not None and now - self.opened_at >= self.cooldown_s
@@ -73,6 +82,7 @@ class Replica:
     models: frozenset[str] = field(default_factory=frozenset)
     scrape: object | None = None  # last VllmStats, for the admin API
     scrape_error: str | None = None
+    outlier: OutlierState = field(default_factory=lambda: OutlierState(20))
 
     @property
     def routable(self) -> bool:
@@ -94,11 +104,12 @@ class Replica:
 class ReplicaSet:
     def __init__(
         self, settings: RouterSettings, session_getter: Callable[[], aiohttp.ClientSession],
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, metrics: RouterMetrics | None = None,
     ) -> None:
         self.settings = settings
         self._session = session_getter
         self.clock = clock
+        self.metrics = metrics
         self.cluster = ClusterTracker([], prefix_capacity_blocks=settings.prefix_capacity_blocks)
         self.by_id: dict[str, Replica] = {}
         self.ordered: list[Replica] = []  # aligned with self.cluster.trackers (view indices)
@@ -112,7 +123,8 @@ class ReplicaSet:
         if rid in self.by_id:
             return self.by_id[rid]
         s = self.settings
-        rep = Replica(rid, URL(url), self.cluster.add(rid), Breaker(s.breaker_failure_threshold, s.breaker_cooldown_s))
+        rep = Replica(rid, URL(url), self.cluster.add(rid), Breaker(s.breaker_failure_threshold, s.breaker_cooldown_s),
+                      outlier=OutlierState(s.outlier_window))
         rep.sync()
         self.by_id[rid] = rep
         self._reorder()
@@ -131,18 +143,64 @@ class ReplicaSet:
     def any_routable(self) -> bool:
         return any(r.routable for r in self.ordered)
 
-    # request outcomes (circuit breaker)
-    def record_success(self, rep: Replica) -> None:
+    # request outcomes (circuit breaker and outlier detection)
+    def record_success(self, rep: Replica, stream: bool = False, ttfb_s: float | None = None) -> None:
+        rep.outlier.record(stream, False, ttfb_s)
         if rep.breaker.state is not BreakerState.CLOSED or rep.breaker.consecutive_failures:
+            if rep.breaker.state is BreakerState.HALF_OPEN:
+                rep.outlier.clear_windows()  # re-admitted: judged afresh
+                log.info("replica %s re-admitted after a successful trial request", rep.id)
             rep.breaker.record_success()
             rep.sync()
 
-    def record_failure(self, rep: Replica) -> None:
-        before = rep.breaker.state
-        rep.breaker.record_failure(self.clock())
-        if rep.breaker.state is BreakerState.OPEN and before is not BreakerState.OPEN:
-            log.warning("replica %s ejected after %d consecutive failures", rep.id, rep.breaker.consecutive_failures)
+    def record_failure(self, rep: Replica, stream: bool = False) -> None:
+        """A failure blamed on the replica (never one the request itself caused)."""
+        rep.outlier.record(stream, True)
+        s = self.settings
+        reason = rep.breaker.record_failure() or rep.outlier.failure_reason(s.outlier_min_requests,
+                                                                          s.outlier_failure_ratio)
+        if reason is not None:
+            self.eject(rep, reason)
+
+    def eject(self, rep: Replica, reason: str) -> bool:
+        """Takes `rep` out of rotation for a cool-down, unless that would pass the panic threshold: more than
+        max_ejected_ratio of the replicas ejected, or none routable left. True if ejected (or already)."""
+        if rep.breaker.state is BreakerState.OPEN:
+            return True
+        ejected = sum(1 for r in self.ordered if r is not rep and r.breaker.state is BreakerState.OPEN)
+        others_routable = any(r.routable for r in self.ordered if r is not rep)
+        if not others_routable or ejected + 1 > self.settings.max_ejected_ratio * len(self.ordered):
+            if self.metrics is not None:
+                self.metrics.ejections_refused.labels(reason).inc()
+            log.debug("replica %s not ejected (%s): panic threshold", rep.id, reason)
+            return False
+        rep.breaker.open(self.clock(), reason)
+        rep.outlier.ejections[reason] = rep.outlier.ejections.get(reason, 0) + 1
+        if self.metrics is not None:
+            self.metrics.ejections.labels(rep.id, reason).inc()
+        log.warning("replica %s ejected: %s", rep.id, reason)
         rep.sync()
+        if reason == "stalled":  # its waiting requests go elsewhere, its streams end with an error event
+            for a in list(rep.outlier.inflight):
+                a.abort()
+        return True
+
+    def check_outliers(self, now: float) -> None:
+        """The periodic part of outlier detection: stalled replicas and slow first bytes."""
+        s = self.settings
+        for rep in self.ordered:  # a stream that stopped mid-way ends with an error event (and counts as a failure)
+            for a in stalled_streams(rep.outlier, now, s.stall_timeout_s):
+                log.info("aborting a stream from %s silent for %.1f s", rep.id, now - a.last)
+                a.abort()
+        states = {r.id: r.outlier for r in self.ordered}
+        routable = {r.id: r.routable for r in self.ordered}
+        for rid in stalled(states, now, s.stall_timeout_s, routable.__getitem__):
+            if self.by_id[rid].breaker.state is not BreakerState.OPEN:
+                self.eject(self.by_id[rid], "stalled")
+        live = {rid: st for rid, st in states.items() if routable[rid]}
+        for rid in ttfb_outliers(live, s.outlier_min_requests, s.outlier_ttfb_ratio, s.outlier_ttfb_min_s):
+            if self.eject(self.by_id[rid], "slow_first_byte"):
+                self.by_id[rid].outlier.ttfb.clear()
 
     # admin
     def drain(self, rid: str) -> Replica:
@@ -213,6 +271,7 @@ class ReplicaSet:
         next_models = 0.0
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
+            self.check_outliers(time.perf_counter())
             await self.probe_all()
             if self.clock() >= next_models:
                 await self.refresh_models()

@@ -75,20 +75,37 @@ class PolicyRunner:
         for reason in FALLBACK_REASONS:  # exported at 0 from the start, so rates and alerts work
             metrics.fallbacks.labels(self.label, arm, reason)
         info = primary.describe()
-        if info.get("load_error"):
-            log.warning("policy %s unavailable, every decision falls back to LOR: %s", policy_name, info["load_error"])
         self.version = str(info.get("version", "builtin"))
         self.feature_hash = str(info.get("feature_spec_hash") or (FEATURE_SPEC_HASH if learned else ""))
-        metrics.policy_info.labels(arm, self.label, self.version, self.feature_hash).set(1)
+        self.load_error: str | None = None
+        self._set_info(info)
+
+    def _info_labels(self) -> tuple[str, str, str, str]:
+        """What really serves: the fallback (version "fallback", no feature hash) while the primary is unloaded."""
+        if self.load_error:
+            return self.arm, policy_label(self.policy.fallback.name), "fallback", ""
+        return self.arm, self.label, self.version, self.feature_hash
+
+    def _set_info(self, info: dict[str, Any]) -> None:
+        self.load_error = str(info["load_error"]) if info.get("load_error") else None
+        if self.load_error:
+            log.warning("policy %s unavailable, every decision falls back to %s: %s", self.name,
+                        self.policy.fallback.name, self.load_error)
+        self._metrics.policy_info.labels(*self._info_labels()).set(1)
+
+    @property
+    def serving(self) -> str:
+        """The policy that makes this arm's decisions now."""
+        return f"{self.policy.fallback.name} (fallback)" if self.load_error else self.name
 
     def swap_primary(self, primary) -> None:
         """Hot reload: later decisions use `primary`; decisions already made are untouched."""
         self.policy.primary = primary
         info = primary.describe()
-        self._metrics.policy_info.remove(self.arm, self.label, self.version, self.feature_hash)
+        self._metrics.policy_info.remove(*self._info_labels())
         self.version = str(info.get("version", "builtin"))
         self.feature_hash = str(info.get("feature_spec_hash") or self.feature_hash)
-        self._metrics.policy_info.labels(self.arm, self.label, self.version, self.feature_hash).set(1)
+        self._set_info(info)
         self.last_error = None
 
     def decide(self, view: ClusterView, request: RequestInfo) -> Decision:
@@ -107,6 +124,8 @@ class PolicyRunner:
             "policy": self.name,
             "version": self.version,
             "feature_hash": self.feature_hash,
+            "serving": self.serving,
+            "load_error": self.load_error,
             "describe": self.policy.describe(),
             "decisions": self.decisions,
             "fallbacks": dict(self.fallback_counts),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -68,6 +69,9 @@ class Scraper:
         rep.tracker.on_scrape(
             self.replicas.clock(), stats.waiting, stats.running, stats.kv_cache_usage, stats.kv_capacity_tokens
         )
+        prev = rep.scrape.generation_tokens if isinstance(rep.scrape, VllmStats) else None
+        if prev is not None and stats.generation_tokens is not None and stats.generation_tokens > prev:
+            rep.outlier.last_progress = time.perf_counter()  # generating: a long non-streamed answer is not a stall
         rep.scrape = stats
         return stats
 

@@ -18,6 +18,7 @@ from yarl import URL
 
 from router.policy.fallback import LEARNED_GUARDS
 from router.policy.registry import BASELINES, LEARNED, policy_names
+from router.paths import DEFAULT_PASSTHROUGH_PATHS, normalise_path
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -71,6 +72,41 @@ class RouterSettings(BaseSettings):
     max_retries: int = Field(2, ge=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     max_connections: int = Field(0, ge=0, description="upstream connection pool size; 0 = unlimited")
+    passthrough_paths: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(DEFAULT_PASSTHROUGH_PATHS),
+        description="paths besides /v1/completions and /v1/chat/completions forwarded to a replica (GET/POST); "
+        "'/prefix/*' matches any deeper path. Everything else is 404: vLLM's own endpoints stay unreachable",
+    )
+    max_tokens_limit: int = Field(1 << 20, ge=1, description="largest max_tokens (x n) a request may ask for")
+
+    # outlier detection and ejection (request outcomes blamed on a replica only)
+    max_ejected_ratio: float = Field(
+        0.5, ge=0, le=1, description="panic threshold: the breaker and outlier detection never eject more than this "
+        "share of the replicas (at least one always stays in rotation)",
+    )
+    outlier_window: int = Field(20, ge=2, description="recent outcomes per replica and kind (stream / not) judged")
+    outlier_min_requests: int = Field(5, ge=1, description="outcomes in a window before its failure ratio counts")
+    outlier_failure_ratio: float = Field(0.5, gt=0, le=1, description="eject when this share of a window failed")
+    outlier_ttfb_ratio: float = Field(10.0, gt=1, description="eject when the median time to first byte is this many "
+                                      "times its peers' median ...")
+    outlier_ttfb_min_s: float = Field(2.0, gt=0, description="... and above this")
+    stall_timeout_s: float = Field(
+        30.0, gt=0, description="eject a replica with requests in flight that sent no byte, and whose scraped "
+        "vllm:generation_tokens_total did not grow, for this long while a peer did not stall; its unanswered "
+        "requests are retried elsewhere, its streams end with an error event. Also: a stream silent this long ends",
+    )
+
+    # client side of the listener
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's line and headers must arrive within this")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request's body must arrive within this")
+    keepalive_timeout_s: float = Field(75.0, gt=0, description="idle keep-alive connections are closed after this")
+    max_client_connections: int = Field(4096, ge=1, description="client connections open at once; more are refused")
+    replica_header: bool = Field(False, description="add x-routewise-replica (the serving replica's host:port) to "
+                                 "responses; off by default: it reveals the fleet's addresses")
+    ops_host: str | None = Field(None, description="listen address of the ops listener (default: host)")
+    ops_port: int | None = Field(
+        None, ge=0, le=65535, description="serve /metrics and /admin/* on this port only (not on the public port)",
+    )
 
     # metrics scraping
     scrape_interval_s: float = Field(1.0, gt=0)
@@ -107,7 +143,32 @@ class RouterSettings(BaseSettings):
 
     # admin and lifecycle
     admin_token: SecretStr | None = None
+    admin_token_file: Path | None = Field(None, description="read admin_token from this file (not visible in ps)")
     drain_timeout_s: float = Field(30.0, ge=0)
+
+    @field_validator("passthrough_paths", mode="before")
+    @classmethod
+    def _split_paths(cls, v: Any) -> Any:
+        if isinstance(v, str):  # ROUTEWISE_PASSTHROUGH_PATHS: a JSON list or comma-separated paths
+            return json.loads(v) if v.lstrip().startswith("[") else [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("passthrough_paths")
+    @classmethod
+    def _check_paths(cls, v: list[str]) -> list[str]:
+        for p in v:
+            base = p.removesuffix("/*")
+            if not base.startswith("/") or normalise_path(base) != base:
+                raise ValueError(f"passthrough_paths: {p!r} is not a plain absolute path (no '.', '..', '//', '%', "
+                                 "query or trailing slash)")
+        return v
+
+    @field_validator("admin_token")
+    @classmethod
+    def _check_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():
+            raise ValueError("admin_token is empty: give a real token or none (admin API off)")
+        return v
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -155,6 +216,18 @@ class RouterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _finish(self) -> "RouterSettings":
+        if self.admin_token_file is not None:
+            if self.admin_token is not None:
+                raise ValueError("admin_token_file: give admin_token or admin_token_file, not both")
+            try:
+                token = self.admin_token_file.read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"admin_token_file={str(self.admin_token_file)!r}: {exc.strerror}") from None
+            if not token:
+                raise ValueError(f"admin_token_file={str(self.admin_token_file)!r}: the file is empty")
+            self.admin_token = SecretStr(token)
+        if self.ops_port is not None and self.ops_port == self.port and self.port != 0:
+            raise ValueError(f"ops_port={self.ops_port}: must differ from port")
         if not self.replicas and self.discover is None:
             raise ValueError("replicas: no replicas; give --replica URL (repeatable) or --discover host:port")
         if self.ab_share > 0 and self.ab_treatment is None:

@@ -26,7 +26,7 @@ LATENCY_BUCKETS = geometric_buckets(0.005, 120.0, 1.2)
 ITL_BUCKETS = geometric_buckets(0.001, 60.0, 1.2)
 DECISION_BUCKETS = geometric_buckets(5e-6, 0.05, 1.5)
 
-UPSTREAM_ERROR_KINDS = ("connect", "timeout", "reset", "http_5xx", "other")
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "reset", "http_5xx", "stalled", "other")
 
 REPLICA_GAUGES = {
     "llm_router_outstanding_requests": "Requests the router has in flight to the replica.",
@@ -93,6 +93,18 @@ class RouterMetrics:
         self.scrape_errors = Counter(
             "llm_router_scrape_errors", "Failed or incomplete /metrics scrapes by replica and kind.",
             ["replica", "kind"], registry=r,
+        )
+        self.ejections = Counter(
+            "llm_router_replica_ejections", "Replicas taken out of rotation by the breaker or outlier detection, "
+            "by reason.", ["replica", "reason"], registry=r,
+        )
+        self.ejections_refused = Counter(
+            "llm_router_ejections_refused", "Ejections not done because of the panic threshold (max_ejected_ratio), "
+            "by reason.", ["reason"], registry=r,
+        )
+        self.client_caused_failures = Counter(
+            "llm_router_client_caused_failures", "Failed upstream attempts not held against a replica: the same request "
+            "failed on another replica too, or nowhere else was tried.", ["kind"], registry=r,
         )
         self.policy_info = Gauge(
             "llm_router_policy_info", "The policy serving each arm (always 1).",

@@ -14,8 +14,9 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
 })
-# Also recomputed by aiohttp on each side.
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+# Also recomputed by aiohttp on each side. The router forwards the body it read, which aiohttp has
+# already decompressed: a Content-Encoding left on it would make the replica fail the request.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length", "server", "date"}
 
 
@@ -30,8 +31,15 @@ def _filter(headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[s
     return out
 
 
-def request_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    return _filter(headers, _REQUEST_DROP)
+def request_headers(headers: CIMultiDictProxy[str], peer: str | None = None) -> CIMultiDict[str]:
+    """The client's headers for the replica, with the client's address appended to X-Forwarded-For."""
+    out = _filter(headers, _REQUEST_DROP)
+    if peer:
+        prior = out.getall("x-forwarded-for", ())
+        if prior:
+            del out["x-forwarded-for"]
+        out["X-Forwarded-For"] = ", ".join([*prior, peer])
+    return out
 
 
 def response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -43,7 +51,7 @@ class UpstreamError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind  # connect | timeout | reset | http_5xx | other: a metric label
+        self.kind = kind  # connect | timeout | reset | http_5xx | stalled | other: a metric label
 
     @property
     def status(self) -> int:

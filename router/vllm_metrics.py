@@ -18,11 +18,12 @@ CACHE_CONFIG = "vllm:cache_config_info"
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 PREEMPTIONS = "vllm:num_preemptions_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"  # progress: a replica generating for the router's requests
 
 # The metrics a scrape must carry to count as complete (flagged `missing_metric` otherwise).
 REQUIRED = ("waiting", "running", "kv_cache_usage")
 
-_WANTED = {WAITING, RUNNING, CACHE_CONFIG, PREEMPTIONS, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS}
+_WANTED = {WAITING, RUNNING, CACHE_CONFIG, PREEMPTIONS, GENERATION_TOKENS, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS}
 
 
 class MetricsParseError(ValueError):
@@ -38,6 +39,7 @@ class VllmStats:
     prefix_cache_queries: float | None = None  # tokens, counter
     prefix_cache_hits: float | None = None  # tokens, counter
     preemptions: float | None = None  # counter
+    generation_tokens: float | None = None  # counter
 
     def missing(self) -> tuple[str, ...]:
         return tuple(name for name in REQUIRED if getattr(self, name) is None)
@@ -81,4 +83,5 @@ def parse_vllm_metrics(text: str) -> VllmStats:
         prefix_cache_queries=first(*PREFIX_QUERIES),
         prefix_cache_hits=first(*PREFIX_HITS),
         preemptions=first(PREEMPTIONS),
+        generation_tokens=first(GENERATION_TOKENS),
     )

@@ -12,4 +12,6 @@ PY=${PYTHON:-python3}
 if ! .venv/bin/python -c "import aiohttp, prometheus_client, numpy, pydantic_settings, yaml, tqdm, onnxruntime, gymnasium" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[sim]'
 fi
+# The demo reports which replica served each request: it needs the router's opt-in x-routewise-replica header.
+export ROUTEWISE_REPLICA_HEADER=${ROUTEWISE_REPLICA_HEADER:-true}
 exec .venv/bin/python -m simulator demo "$@"

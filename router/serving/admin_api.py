@@ -36,10 +36,14 @@ def serving_routes(layer: ServingLayer, default_arm: str, guarded: Callable[[Han
                 body = json.loads(await request.read() or b"{}")
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 return error_response(400, f"body is not valid JSON: {exc}")
+            except RecursionError:
+                return error_response(400, "body is nested too deeply")
             if not isinstance(body, dict):
                 return error_response(400, "body must be a JSON object: {\"path\": ..., \"arm\": ...}")
         arm = body.get("arm", default_arm)
         path = body.get("path")
+        if not isinstance(arm, str):
+            return error_response(400, f"'arm' must be a string, got {type(arm).__name__}", param="arm")
         if path is not None and not isinstance(path, str):
             return error_response(400, "'path' must be a string", param="path")
         reloader = layer.reloaders.get(arm)

@@ -5,8 +5,11 @@
 
 `mode` (requests):  ok | error_500 | hang (never answers) | hang_stream (headers, then nothing)
                     | reset_mid_stream (2 chunks, then the connection is aborted) | slow (token_delay_s per token)
+                    | stall_mid_stream (2 chunks, then nothing) | first_byte_delay (first_byte_delay_s before anything)
 `metrics_mode`:     ok | legacy (gpu_cache_usage_perc) | garbage | missing (no kv usage) | http_500 | hang
 `health_ok`:        False makes GET /health answer 500.
+Whatever the mode, like real vLLM on input it chokes on: a request still carrying `Content-Encoding` or whose
+prompt contains POISON gets a 500 (a failure the request causes, not the replica).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class FakeVllm:
         self.tokens = tokens
         self.token_delay_s = token_delay_s
         self.mode = "ok"
+        self.first_byte_delay_s = 0.5
         self.metrics_mode = "ok"
         self.health_ok = True
         self.waiting, self.running, self.kv_usage = 3, 5, 0.42
@@ -32,6 +36,7 @@ class FakeVllm:
         self.active = 0  # generation requests being handled now
         self.cancelled = 0  # generation requests whose client went away
         self.completed = 0
+        self.generation_tokens = 0  # exported as vllm:generation_tokens_total
         self.bodies: list[dict] = []
         self.headers: list[dict[str, str]] = []
         self.metrics_scrapes = 0
@@ -98,6 +103,8 @@ class FakeVllm:
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",enable_prefix_caching="True",'
             f'engine="0",num_gpu_blocks="{self.num_gpu_blocks}"}} 1.0',
+            "# TYPE vllm:generation_tokens_total counter",
+            f'vllm:generation_tokens_total{{engine="0",model_name="{self.model}"}} {float(self.generation_tokens)}',
             "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
             "# TYPE vllm:num_preemptions_total counter",
             f'vllm:num_preemptions_total{{engine="0",model_name="{self.model}"}} 7.0',
@@ -147,15 +154,23 @@ class FakeVllm:
         self.requests += 1
         self.active += 1
         try:
+            self.headers.append(dict(request.headers))
+            if "Content-Encoding" in request.headers:  # vLLM (uvicorn) fails such a body with a 500
+                return web.json_response({"object": "error", "message": "Expecting value", "type": "InternalServerError",
+                                          "param": None, "code": 500}, status=500)
             body = await request.json()
             self.bodies.append(body)
-            self.headers.append(dict(request.headers))
+            if "POISON" in json.dumps(body):
+                return web.json_response({"object": "error", "message": "poisoned input", "type": "InternalServerError",
+                                          "param": None, "code": 500}, status=500)
             mode = self.mode
             if mode == "error_500":
                 return web.json_response({"object": "error", "message": "engine dead", "type": "InternalServerError",
                                           "param": None, "code": 500}, status=500)
             if mode == "hang":
                 await asyncio.sleep(3600)
+            if mode == "first_byte_delay":
+                await asyncio.sleep(self.first_byte_delay_s)
             n = int(body.get("max_tokens") or self.tokens)
             if body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -165,18 +180,23 @@ class FakeVllm:
                 if chat:
                     await resp.write(self._chunk(-1, True, None))
                 for i in range(n):
+                    if mode == "stall_mid_stream" and i == 2:
+                        await asyncio.sleep(3600)
                     if mode == "reset_mid_stream" and i == 2:
                         request.transport.abort()  # type: ignore[union-attr]
                         return resp
                     if self.token_delay_s:
                         await asyncio.sleep(self.token_delay_s)
+                    self.generation_tokens += 1
                     await resp.write(self._chunk(i, chat, "length" if i == n - 1 else None))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 self.completed += 1
                 return resp
-            if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s * n)
+            for _ in range(n):  # generating: the counter moves, the client sees nothing until the end
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                self.generation_tokens += 1
             text = "".join(f" tok{i}" for i in range(n))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})

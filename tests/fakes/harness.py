@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.app import create_app
+from router.listener import RouterRunner
 from router.settings import RouterSettings
 from tests.fakes.fake_vllm import FakeVllm
 
@@ -32,13 +34,24 @@ async def fake_fleet() -> AsyncIterator[Callable[..., Awaitable[list[FakeVllm]]]
             await f.stop()
 
 
+class RouterTestServer(TestServer):
+    """A TestServer with the router's own runner (header timeout, connection cap, OpenAI-shaped HTTP errors)."""
+
+    def __init__(self, app: web.Application, settings: RouterSettings, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.settings = settings
+
+    async def _make_runner(self, **kwargs: Any) -> RouterRunner:
+        return RouterRunner(self.app, settings=self.settings, **kwargs)
+
+
 @asynccontextmanager
 async def router_apps(defaults: dict[str, Any]) -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
     clients: list[TestClient] = []
 
     async def start(replicas: list[str], **overrides: Any) -> TestClient:
         settings = RouterSettings(replicas=replicas, **{**defaults, **overrides})
-        client = TestClient(TestServer(create_app(settings), host="127.0.0.1"))
+        client = TestClient(RouterTestServer(create_app(settings), settings, host="127.0.0.1"))
         await client.start_server()
         clients.append(client)
         return client

@@ -6,6 +6,8 @@ import asyncio
 import json
 
 import aiohttp
+import aiohttp.test_utils
+import aiohttp.web
 import openai
 import pytest
 
@@ -124,14 +126,55 @@ async def test_unknown_model_via_openai_client_is_404(fakes, router_client):
         await oai(client).completions.create(model="gpt-17", prompt="x")
 
 
-async def test_models_and_other_paths_are_proxied(fakes, router_client):
+async def test_models_and_allow_listed_paths_are_proxied(fakes, router_client):
     (a,) = await fakes(1)
-    client = await router_client([a.url])
+    client = await router_client([a.url], passthrough_paths=["/v1/models", "/v1/echo/*"])
     models = await oai(client).models.list()
     assert [m.id for m in models.data] == ["tiny"]
     resp = await client.post("/v1/echo/x?y=1", data=b"payload")
     assert resp.status == 200
     assert await resp.json() == {"path": "/v1/echo/x", "query": {"y": "1"}, "body": "payload"}
+    resp = await client.post("/v1/echo/%78", data=b"")  # normalised: decoded, re-encoded
+    assert (await resp.json())["path"] == "/v1/echo/x"
+
+
+@pytest.mark.parametrize("method,path", [
+    ("POST", "/v1/%2e%2e/reset_prefix_cache"),
+    ("POST", "/v1/%2E%2E/sleep?level=1"),
+    ("POST", "/v1/../collective_rpc"),
+    ("POST", "/v1/%2e%2e%2fcollective_rpc"),
+    ("POST", "/v1/%252e%252e/reset_prefix_cache"),
+    ("POST", "/v1/models/%2e%2e/%2e%2e/reset_prefix_cache"),
+    ("POST", "/v1//models"),
+    ("DELETE", "/v1/anything"),
+    ("GET", "/v1/echo/x"),  # not allow-listed by default
+    ("POST", "/v1/completions/../../sleep"),
+])
+async def test_paths_outside_the_allow_list_never_reach_a_replica(fakes, router_client, method, path):
+    """`/v1/%2e%2e/reset_prefix_cache` used to reach the replica as `/reset_prefix_cache`."""
+    (a,) = await fakes(1)
+    seen: list[str] = []
+
+    async def spy(request):
+        seen.append(request.path)
+        return aiohttp.web.json_response({"reset": True})
+
+    runner_app = aiohttp.web.Application()
+    runner_app.router.add_route("*", "/{tail:.*}", spy)
+    server = aiohttp.test_utils.TestServer(runner_app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        client = await router_client([str(server.make_url("")).rstrip("/")])
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}".encode())
+        raw = await reader.read()
+        writer.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.split()[1] in (b"404", b"405"), raw[:200]
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+        assert not [p for p in seen if p != "/health" and p != "/metrics" and p != "/v1/models"]
+    finally:
+        await server.close()
 
 
 async def test_no_healthy_replica_is_503(fakes, router_client):

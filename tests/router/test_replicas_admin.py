@@ -37,7 +37,7 @@ async def test_a_stream_in_flight_outlives_its_replica_leaving_the_rotation(fake
     """Failing probes only stop new traffic: the stream already on the replica keeps flowing and keeps its
     outstanding slot until it ends, then releases it exactly once."""
     a, b = await fakes(2, token_delay_s=0.01)
-    client = await router_client([a.url, b.url], policy="round-robin")
+    client = await router_client([a.url, b.url], policy="round-robin", replica_header=True)
     ra, rb = (client.app[REPLICAS].by_id[f.url.removeprefix("http://")] for f in (a, b))
     n = 60
     resp = await completion(client, max_tokens=n, stream=True)
@@ -197,5 +197,10 @@ async def test_broken_model_falls_back_and_counts(fakes, router_client, tmp_path
     fallbacks = {s.labels["reason"]: s.value for s in families["llm_router_fallbacks"].samples
                  if s.name.endswith("_total")}
     assert fallbacks["unavailable"] == 3 and sum(fallbacks.values()) == 3  # a bad model never fails a request
-    info = families["llm_router_policy_info"].samples[0].labels
-    assert info["name"] == "broken" and info["arm"] == "main"
+    (info,) = [s.labels for s in families["llm_router_policy_info"].samples]  # what really serves: the fallback
+    assert info == {"arm": "main", "name": "least-outstanding", "version": "fallback", "feature_hash": ""}
+    ready = await client.get("/ready")  # not ready: a rollout with a model that does not load must stop
+    body = await ready.json()
+    assert ready.status == 503 and body["healthy_replicas"] == 1
+    assert body["policies"]["main"]["serving"] == "least-outstanding (fallback)"
+    assert "not a loadable ONNX model" in body["policies"]["main"]["error"]

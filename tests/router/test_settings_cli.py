@@ -37,6 +37,25 @@ def test_bad_settings_name_field_and_value(kwargs, field, value):
     assert f"{field}:" in msg and value in msg
 
 
+@pytest.mark.parametrize("argv,expect", [
+    (["--admin-token", ""], "admin_token is empty"),
+    (["--admin-token-file", "/no/such/token"], "admin_token_file"),
+    (["--ops-port", "8000", "--port", "8000"], "ops_port=8000: must differ from port"),
+])
+def test_cli_refuses_bad_admin_and_ops_settings(capsys, argv, expect):
+    """An empty --admin-token used to be accepted silently."""
+    assert main(["serve", "--replica", "http://127.0.0.1:1", *argv]) == 2
+    assert expect in capsys.readouterr().err
+
+
+def test_passthrough_paths_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ROUTEWISE_PASSTHROUGH_PATHS", "/v1/models,/v1/embeddings")
+    assert build_settings(replicas=["http://a:1"]).passthrough_paths == ["/v1/models", "/v1/embeddings"]
+    for bad in ("/v1/../admin", "v1/x", "/v1/%2e%2e", "/v1//x"):
+        with pytest.raises(ValidationError, match="passthrough_paths"):
+            RouterSettings(replicas=["http://a:1"], passthrough_paths=[bad])
+
+
 def test_no_replicas_is_an_error():
     with pytest.raises(ValidationError) as exc:
         RouterSettings()
