@@ -139,7 +139,7 @@ def _run_policies(scenario: str, policies: Sequence[str], seed: int, split: str,
     """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy."""
     import numpy as np
 
-    from router.policy.registry import make_served_policy
+    from router.policy.served import served_policy
     from simulator.cluster import simulate
     from simulator.metrics import summarize
     from simulator.scenario import load_scenario
@@ -148,7 +148,7 @@ def _run_policies(scenario: str, policies: Sequence[str], seed: int, split: str,
     cluster, requests = sc.build(np.random.default_rng(seed))
     out = {}
     for name in policies:
-        records = simulate(cluster, requests, make_served_policy(name, seed=seed), seed=seed)
+        records = simulate(cluster, requests, served_policy(name, seed=seed), seed=seed)
         out[name] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster))
     return out
 

@@ -113,7 +113,7 @@ def plot(doc: dict, onnx_path: Path | None, scenarios: list[str], seed: int, spl
     import matplotlib.pyplot as plt
     from tqdm import tqdm
 
-    from router.policy.registry import make_served_policy
+    from router.policy.served import served_policy
     from simulator.cluster import simulate
     from simulator.scenario import load_scenario
 
@@ -129,7 +129,7 @@ def plot(doc: dict, onnx_path: Path | None, scenarios: list[str], seed: int, spl
         sc = load_scenario(sc_name, split=split)
         cluster, requests = sc.build(np.random.default_rng(seed))
         for p in policies:
-            recs = simulate(cluster, requests, make_served_policy(p, seed=seed), seed=seed)
+            recs = simulate(cluster, requests, served_policy(p, seed=seed), seed=seed)
             ttft = np.sort([r.ttft_s for r in recs if r.tenant != "warmup" and math.isfinite(r.ttft_s)])
             y = np.arange(1, len(ttft) + 1) / max(1, len(ttft))
             lab = label(p, onnx_path)

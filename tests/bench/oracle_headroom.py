@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from router.policy.base import Policy  # noqa: E402
-from router.policy.registry import make_served_policy  # noqa: E402
+from router.policy.served import served_policy  # noqa: E402
 from router.policy.types import ClusterView, RequestInfo  # noqa: E402
 from simulator.cluster import ClusterSim  # noqa: E402
 from simulator.metrics import summarize  # noqa: E402
@@ -73,7 +73,7 @@ def run(job: tuple[str, int, str]) -> tuple[str, int, str, float, float]:
     sc = load_scenario(scenario, split="eval")
     cluster, requests = sc.build(np.random.default_rng(seed))
     sim = ClusterSim(cluster, requests, seed=seed)
-    policy = TrueStateGreedy(sim) if name == "oracle" else make_served_policy(name, seed=seed)
+    policy = TrueStateGreedy(sim) if name == "oracle" else served_policy(name, seed=seed)
     policy.reset(seed)
     while (d := sim.next_decision()) is not None:
         sim.dispatch(policy.choose(*d))
