@@ -47,10 +47,12 @@ class Decision:
 LEARNED_GUARDS: dict[str, float | int] = {"max_stats_age_s": 30.0, "overload_margin": 32, "overload_ratio": 3.0}
 
 
-# Budget: a decision is judged over the last BUDGET_WINDOW decisions; when more than 1 % of them
-# overran the budget (the window's p99 is over it), the primary is not called for the next
-# BUDGET_COOLDOWN decisions (least-outstanding decides, reason "over_budget"), then it is measured afresh.
+# Budget: decision times are judged over the last BUDGET_WINDOW decisions (at least BUDGET_MIN_SAMPLES);
+# when more than 1 % of them, and at least two, overran the budget (the rolling p99 is over it), the
+# primary is not called for the next BUDGET_COOLDOWN decisions (least-outstanding decides, reason
+# "over_budget"), then it is measured afresh. One hiccup (a GC pause) never trips it.
 BUDGET_WINDOW = 200
+BUDGET_MIN_SAMPLES = 20
 BUDGET_COOLDOWN = 1000
 
 
@@ -162,12 +164,13 @@ class FallbackPolicy(Policy):
         return decision
 
     def _judge(self, slow: bool) -> None:
-        """Track the rolling share of slow decisions; over 1 % of a full window starts a cool-down."""
+        """Track the rolling share of slow decisions; over 1 % of the window starts a cool-down."""
         if len(self._slow) == BUDGET_WINDOW:
             self._n_slow -= self._slow[0]
         self._slow.append(slow)
         self._n_slow += slow
-        if len(self._slow) == BUDGET_WINDOW and self._n_slow * 100 > BUDGET_WINDOW:
+        n = len(self._slow)
+        if n >= BUDGET_MIN_SAMPLES and self._n_slow >= 2 and self._n_slow * 100 > n:
             self._cooldown = BUDGET_COOLDOWN
             self._slow.clear()
             self._n_slow = 0
