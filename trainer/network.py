@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from router.policy.baselines import EXPECTED_WAIT_DECODE_WEIGHT
 from trainer.config import NetworkConfig
 
 MASKED_LOGIT = -1e9  # what masked replicas get (the ONNX contract allows a large negative number)
@@ -109,7 +110,7 @@ class CrossReplicaInputs(nn.Module):
         measured = (tpot_ms > 0).to(tpot_ms.dtype) * valid
         mean_tpot = (tpot_ms * measured).sum(1, keepdim=True) / measured.sum(1, keepdim=True).clamp(min=1.0)
         rel_speed = torch.where(measured > 0.5, tpot_ms / mean_tpot.clamp(min=1e-6), torch.ones_like(tpot_ms))
-        wait = torch.log(1.0 + (awaiting + uncached + 0.1 * decode) * rel_speed) / 10.0
+        wait = torch.log(1.0 + (awaiting + uncached + EXPECTED_WAIT_DECODE_WEIGHT * decode) * rel_speed) / 10.0
         derived = torch.cat([load, speed_load, wait], -1)
         # one pass of statistics over [replica block | derived | token load]
         lo_all, mean_all, hi_all = self._stats(torch.cat([rep, derived, raw_load], -1), valid)
