@@ -59,7 +59,7 @@ def label(policy: str, onnx_path: Path | None) -> str:
 
 
 def format_table(doc: dict, onnx_path: Path | None) -> str:
-    head = ("scenario", "policy", "TTFT p50", "TTFT p99", "E2E p99", "goodput", "p99/best")
+    head = ("scenario", "policy", "TTFT p50", "TTFT p99", "E2E p99", "goodput", "p99/best", "fallback")
     rows = [head]
     for r in doc["results"]:
         ratio = r["ttft_p99_vs_best_heuristic"]
@@ -72,6 +72,7 @@ def format_table(doc: dict, onnx_path: Path | None) -> str:
                 _fmt(r["e2e_p99_s"], r["e2e_p99_s_ci95"], "s"),
                 _fmt(r["goodput"], r["goodput_ci95"], ""),
                 "nan" if ratio is None or math.isnan(ratio) else f"{ratio:.2f}",
+                f"{r.get('fallback_share', 0.0):.1%}",
             )
         )
     return render_table(rows)

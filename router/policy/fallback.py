@@ -96,6 +96,8 @@ class FallbackPolicy(Policy):
         self.overload_margin = overload_margin
         self.overload_ratio = overload_ratio
         self.last_decision: Decision | None = None
+        self.decisions = 0
+        self.fallback_counts: dict[str, int] = {}  # reason -> decisions, since the last reset
         self._slow: deque[bool] = deque(maxlen=BUDGET_WINDOW)
         self._n_slow = 0
         self._cooldown = 0  # decisions left in which the primary is not called
@@ -160,6 +162,8 @@ class FallbackPolicy(Policy):
             decision = Decision(pick, pick, None, elapsed)
         else:
             decision = Decision(self.fallback.choose(view, request), pick, reason, elapsed, error)
+            self.fallback_counts[reason or "none"] = self.fallback_counts.get(reason or "none", 0) + 1
+        self.decisions += 1
         self.last_decision = decision
         return decision
 
@@ -187,6 +191,11 @@ class FallbackPolicy(Policy):
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
         return self.decide(view, request).index
 
+    @property
+    def fallback_share(self) -> float:
+        """Share of decisions since the last reset that the fallback made."""
+        return sum(self.fallback_counts.values()) / self.decisions if self.decisions else 0.0
+
     def on_complete(self, replica_id: str, request: RequestInfo, outcome: Outcome) -> None:
         self.primary.on_complete(replica_id, request, outcome)
         self.fallback.on_complete(replica_id, request, outcome)
@@ -196,6 +205,8 @@ class FallbackPolicy(Policy):
         self.primary.reset(seed)
         self.fallback.reset(None if seed is None else seed + 1)
         self.last_decision = None
+        self.decisions = 0
+        self.fallback_counts = {}
         self._slow.clear()
         self._n_slow = 0
         self._cooldown = 0
