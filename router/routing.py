@@ -39,10 +39,12 @@ def policy_label(name: str) -> str:
 
 def guarded_policy(policy_name: str, settings: RouterSettings) -> FallbackPolicy:
     """`policy_name` as served (router.policy.served): its kind's default guards, the settings'
-    explicit guards over them, the settings' budget on the wall clock."""
+    explicit guards over them, the settings' budget judged on the deciding thread's CPU time (what the
+    policy costs; time the OS spent running other processes would delay least-outstanding just as
+    much). llm_router_decision_latency_seconds reports wall time."""
     explicit = {f: getattr(settings, f) for f in GUARD_FIELDS if f in settings.model_fields_set}
     return served_policy(policy_name, seed=settings.seed, guards=explicit, budget_s=settings.decision_budget_s,
-                         clock=time.perf_counter)
+                         clock=time.thread_time)
 
 
 class PolicyRunner:

@@ -196,6 +196,19 @@ def _replica_mix(summary: dict, arms: list[str], names: dict[str, str]) -> list[
     return lines
 
 
+def _decision_stats(router: str) -> dict[str, dict]:
+    """Per-arm decision counts, fallback shares and decision latency from the router's /metrics ({} if unreadable)."""
+    from urllib.request import urlopen
+
+    from router.telemetry import decision_summary
+
+    try:
+        with urlopen(f"{router}/metrics", timeout=2.0) as resp:
+            return decision_summary(resp.read().decode())
+    except OSError:
+        return {}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="use this (real vLLM) server instead of emulated ones (repeatable)")  # fmt: skip
@@ -298,6 +311,7 @@ def main(args: argparse.Namespace) -> int:
         spec = ClientSpec(url=router, model=model, timeout_s=args.timeout)
         results, wall = asyncio.run(run_load(plan, spec, progress=not args.no_progress))
         procs.check_alive()
+        decisions = _decision_stats(router)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the demo's processes", file=sys.stderr)
         return 130
@@ -311,12 +325,18 @@ def main(args: argparse.Namespace) -> int:
         title += f": control = {args.control}, treatment = {treatment}"
     print(title)
     print(format_side_by_side(summary, arms_seen))
+    if decisions:
+        print("routing decisions per arm (router /metrics): who decided, and how long it took")
+        for arm, d in decisions.items():
+            why = ", ".join(f"{k} {v}" for k, v in sorted(d["fallbacks"].items())) or "none"
+            print(f"  {arm:<10} {d['decisions']} decisions, fell back to least-outstanding {d['fallback_share']:.1%} "
+                  f"({why}); decision latency p50 <= {d['decision_p50_s'] * 1e6:.0f} us, p99 <= {d['decision_p99_s'] * 1e6:.0f} us")
     mix = _replica_mix(summary, arms_seen, names)
     if mix:
         print("replica share per arm:")
         print("\n".join(mix))
     print(f"(demo took {time.monotonic() - started:.0f} s; logs in {log_root})")
     if args.json:
-        args.json.write_text(json.dumps({"plan": info, "summary": summary, "ab": ab, "treatment": treatment}, indent=1))
+        args.json.write_text(json.dumps({"plan": info, "summary": summary, "ab": ab, "treatment": treatment, "decisions": decisions}, indent=1))
     errors = sum(s["errors"] for s in summary.values())
     return 0 if errors == 0 else 1

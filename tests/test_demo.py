@@ -118,3 +118,27 @@ def test_ctrl_c_stops_the_fleet(sigint_ignored: bool):
         _kill(proc)
     assert proc.returncode == 130
     assert all(_closed(p) for p in ports), "a process of the demo is still listening"
+
+
+@end_to_end
+def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
+    """Issue 13: the router with the shipped model in front of emulated replicas (the demo's A/B, treatment =
+    learned) lets the model decide; fewer than 5 % of its decisions may fall back to least-outstanding."""
+    import json
+
+    from router.policy.registry import DEFAULT_MODEL_PATH
+
+    if not DEFAULT_MODEL_PATH.is_file():
+        pytest.skip("no shipped learned model")
+    proc = _demo("--duration", "10", "--json", str(tmp_path / "demo.json"))
+    try:
+        out, err = proc.communicate(timeout=100)
+    finally:
+        _kill(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "routing decisions per arm" in out, out[-2000:]
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert doc["treatment"] == "learned" and doc["ab"], doc.get("treatment")
+    learned = doc["decisions"]["treatment"]
+    assert learned["decisions"] > 20, learned
+    assert learned["fallback_share"] < 0.05, learned  # before issue 13: 100 % over_budget
