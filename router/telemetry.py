@@ -102,38 +102,3 @@ class RouterMetrics:
     def add_replica_state(self, rows: Callable[[], Iterable[tuple[str, dict[str, float | None]]]]) -> None:
         self.registry.register(ReplicaStateCollector(rows))
 
-
-def decision_summary(metrics_text: str) -> dict[str, dict]:
-    """Per arm, from the router's /metrics text: decisions, fallback share by reason, and the decision
-    latency p50/p99 as the upper bound of their histogram bucket (seconds). For the demo and the e2e tests."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    buckets: dict[str, dict[float, float]] = {}
-    fallbacks: dict[str, dict[str, float]] = {}
-    for fam in text_string_to_metric_families(metrics_text):
-        for s in fam.samples:
-            arm = s.labels.get("arm")
-            if s.name == "llm_router_decision_latency_seconds_bucket":
-                le = float(s.labels["le"])
-                per = buckets.setdefault(arm, {})
-                per[le] = per.get(le, 0.0) + s.value
-            elif s.name == "llm_router_fallbacks_total" and s.value:
-                per = fallbacks.setdefault(arm, {})
-                per[s.labels["reason"]] = per.get(s.labels["reason"], 0.0) + s.value
-    out: dict[str, dict] = {}
-    for arm, per in buckets.items():
-        les = sorted(per)
-        total = per[les[-1]] if les else 0.0
-
-        def quantile(q: float) -> float:
-            return next((le for le in les if per[le] >= q * total), math.inf) if total else math.nan
-
-        reasons = fallbacks.get(arm, {})
-        out[arm] = {
-            "decisions": int(total),
-            "fallback_share": sum(reasons.values()) / total if total else 0.0,
-            "fallbacks": {k: int(v) for k, v in reasons.items()},
-            "decision_p50_s": quantile(0.5),
-            "decision_p99_s": quantile(0.99),
-        }
-    return out

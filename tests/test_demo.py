@@ -142,3 +142,21 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
     learned = doc["decisions"]["treatment"]
     assert learned["decisions"] > 20, learned
     assert learned["fallback_share"] < 0.05, learned  # before issue 13: 100 % over_budget
+
+
+def test_decision_summary_reads_fallback_share_and_latency_per_arm():
+    from simulator.demo import decision_summary
+
+    text = "\n".join([
+        "# TYPE llm_router_decision_latency_seconds histogram",
+        *(f'llm_router_decision_latency_seconds_bucket{{policy="learned",arm="treatment",le="{le}"}} {n}'
+          for le, n in (("0.0001", 90), ("0.001", 99), ("0.01", 100), ("+Inf", 100))),
+        'llm_router_decision_latency_seconds_count{policy="learned",arm="treatment"} 100',
+        'llm_router_decision_latency_seconds_sum{policy="learned",arm="treatment"} 0.01',
+        "# TYPE llm_router_fallbacks_total counter",
+        'llm_router_fallbacks_total{policy="learned",arm="treatment",reason="over_budget"} 3',
+        'llm_router_fallbacks_total{policy="learned",arm="treatment",reason="stale_stats"} 0',
+    ]) + "\n"
+    d = decision_summary(text)["treatment"]
+    assert d["decisions"] == 100 and d["fallbacks"] == {"over_budget": 3} and d["fallback_share"] == 0.03
+    assert d["decision_p50_s"] == 0.0001 and d["decision_p99_s"] == 0.001
