@@ -101,4 +101,3 @@ class RouterMetrics:
 
     def add_replica_state(self, rows: Callable[[], Iterable[tuple[str, dict[str, float | None]]]]) -> None:
         self.registry.register(ReplicaStateCollector(rows))
-
