@@ -52,7 +52,7 @@ LEARNED_GUARDS: dict[str, float | int] = {"max_stats_age_s": 30.0, "overload_mar
 # primary is not called for the next BUDGET_COOLDOWN decisions (least-outstanding decides, reason
 # "over_budget"), then it is measured afresh. One hiccup (a GC pause) never trips it.
 BUDGET_WINDOW = 200
-BUDGET_MIN_SAMPLES = 20
+BUDGET_MIN_SAMPLES = 100
 BUDGET_COOLDOWN = 1000
 
 
