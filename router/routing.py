@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, LeastOutstanding, TokenEstimator, make_policy, text_prefix_blocks
+from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
 from router.policy.fallback import FALLBACK_REASONS, Decision
+from router.policy.served import GUARD_FIELDS, served_policy
 from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
 from router.replicas import Replica, ReplicaSet
 from router.serving.arms import routing_key
@@ -37,24 +38,13 @@ def policy_label(name: str) -> str:
 
 
 def guarded_policy(policy_name: str, settings: RouterSettings) -> FallbackPolicy:
-    """`policy_name` behind FallbackPolicy(LOR) with the settings' budget and guards. The stale-stats
-    and overload guards default on for learned policies only (an explicit setting applies to all)."""
-    learned = is_learned(policy_name)
-    explicit = settings.model_fields_set
-
-    def guard(field: str) -> Any:
-        return getattr(settings, field) if field in explicit or learned else None
-
-    return FallbackPolicy(
-        make_policy(policy_name, seed=settings.seed),
-        LeastOutstanding(seed=None if settings.seed is None else settings.seed + 1),
-        budget_s=settings.decision_budget_s,
-        clock=time.perf_counter,
-        max_stats_age_s=guard("max_stats_age_s"),
-        min_confidence=settings.min_confidence if learned else None,
-        overload_margin=guard("overload_margin"),
-        overload_ratio=guard("overload_ratio") or 0.0,
-    )
+    """`policy_name` as served (router.policy.served): its kind's default guards, the settings'
+    explicit guards over them, the settings' budget judged on the deciding thread's CPU time (what the
+    policy costs; time the OS spent running other processes would delay least-outstanding just as
+    much). llm_router_decision_latency_seconds reports wall time."""
+    explicit = {f: getattr(settings, f) for f in GUARD_FIELDS if f in settings.model_fields_set}
+    return served_policy(policy_name, seed=settings.seed, guards=explicit, budget_s=settings.decision_budget_s,
+                         clock=time.thread_time)
 
 
 class PolicyRunner:

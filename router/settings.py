@@ -16,7 +16,6 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 from yarl import URL
 
-from router.policy.fallback import LEARNED_GUARDS
 from router.policy.registry import BASELINES, LEARNED, policy_names
 from router.paths import DEFAULT_PASSTHROUGH_PATHS, normalise_path
 
@@ -116,8 +115,8 @@ class RouterSettings(BaseSettings):
     policy: str = LEARNED
     seed: int | None = None
     decision_budget_s: float | None = Field(0.0005, gt=0)
-    max_stats_age_s: float | None = Field(None, gt=0, description="default 30 for learned policies, None for baselines")
-    overload_margin: int | None = Field(None, ge=0, description="default 32 for learned policies, None for baselines")
+    max_stats_age_s: float | None = Field(None, gt=0, description="unset: 30 for learned policies, off for baselines (per arm); set: every arm")
+    overload_margin: int | None = Field(None, ge=0, description="unset: 32 for learned policies, off for baselines (per arm); set: every arm")
     overload_ratio: float | None = Field(
         None, ge=0, description="the overload guard's reference is max(least, ratio x the other replicas' mean outstanding); "
         "default 3 for learned policies, 0 (the least-loaded replica only) otherwise"
@@ -240,13 +239,6 @@ class RouterSettings(BaseSettings):
             self.scrape_timeout_s = min(self.scrape_timeout_s, self.scrape_interval_s)
         if self.scrape_timeout_s > self.scrape_interval_s:
             raise ValueError(f"scrape_timeout_s={self.scrape_timeout_s}: must not exceed scrape_interval_s={self.scrape_interval_s}")
-        learned = is_learned(self.policy)
-        if "max_stats_age_s" not in self.model_fields_set and learned:
-            self.max_stats_age_s = float(LEARNED_GUARDS["max_stats_age_s"])
-        if "overload_margin" not in self.model_fields_set and learned:
-            self.overload_margin = int(LEARNED_GUARDS["overload_margin"])
-        if "overload_ratio" not in self.model_fields_set and learned:
-            self.overload_ratio = float(LEARNED_GUARDS["overload_ratio"])
         return self
 
 

@@ -149,7 +149,7 @@ def _run_policies(scenario: str, policies: Sequence[str], seed: int, split: str,
     """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy."""
     import numpy as np
 
-    from router.policy.registry import make_served_policy
+    from router.policy.served import served_policy
     from simulator.cluster import simulate
     from simulator.metrics import summarize
     from simulator.scenario import load_scenario
@@ -158,8 +158,9 @@ def _run_policies(scenario: str, policies: Sequence[str], seed: int, split: str,
     cluster, requests = sc.build(np.random.default_rng(seed))
     out = {}
     for name in policies:
-        records = simulate(cluster, requests, make_served_policy(name, seed=seed), seed=seed)
-        out[name] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster))
+        policy = served_policy(name, seed=seed)  # guards + deterministic decision-cost budget, as the router serves it
+        records = simulate(cluster, requests, policy, seed=seed)
+        out[name] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster)) | {"fallback_share": policy.fallback_share}
     return out
 
 
@@ -220,6 +221,7 @@ def compare(
             row = {"scenario": scenario, "policy": policy, "seeds": len(seed_list)}
             row |= {k: agg[k] for k in RESULT_FIELDS}
             row |= {f"{k}_ci95": agg[f"{k}_ci95"] for k in RESULT_FIELDS}
+            row["fallback_share"] = agg["fallback_share"]
             row["metrics"] = agg
             rows.append(row)
         heuristic = [r["ttft_p99_s"] for r in rows if _is_heuristic(r["policy"]) and not math.isnan(r["ttft_p99_s"])]
@@ -239,7 +241,7 @@ def _progress(iterable, bar, step: int):
 def format_table(doc: dict) -> str:
     from simulator.metrics import render_table
 
-    head = ("scenario", "policy", "TTFT p50", "TTFT p99", "TPOT p99", "E2E p99", "goodput", "req/s", "p99/best")
+    head = ("scenario", "policy", "TTFT p50", "TTFT p99", "TPOT p99", "E2E p99", "goodput", "req/s", "p99/best", "fallback")
     rows = [head]
     for r in doc["results"]:
         rows.append(
@@ -253,6 +255,7 @@ def format_table(doc: dict) -> str:
                 f"{r['goodput']:.3f}",
                 f"{r['throughput_rps']:.2f}",
                 f"{r['ttft_p99_vs_best_heuristic']:.2f}",
+                f"{r['fallback_share']:.1%}",
             )
         )
     return render_table(rows)

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -196,6 +197,53 @@ def _replica_mix(summary: dict, arms: list[str], names: dict[str, str]) -> list[
     return lines
 
 
+def decision_summary(metrics_text: str) -> dict[str, dict]:
+    """Per arm, from the router's /metrics text: decisions, fallback share by reason, and the decision
+    latency p50/p99 as the upper bound of their histogram bucket (seconds). For the demo and the e2e tests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[str, dict[float, float]] = {}
+    fallbacks: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            arm = s.labels.get("arm")
+            if s.name == "llm_router_decision_latency_seconds_bucket":
+                le = float(s.labels["le"])
+                per = buckets.setdefault(arm, {})
+                per[le] = per.get(le, 0.0) + s.value
+            elif s.name == "llm_router_fallbacks_total" and s.value:
+                per = fallbacks.setdefault(arm, {})
+                per[s.labels["reason"]] = per.get(s.labels["reason"], 0.0) + s.value
+    out: dict[str, dict] = {}
+    for arm, per in buckets.items():
+        les = sorted(per)
+        total = per[les[-1]] if les else 0.0
+
+        def quantile(q: float) -> float:
+            return next((le for le in les if per[le] >= q * total), math.inf) if total else math.nan
+
+        reasons = fallbacks.get(arm, {})
+        out[arm] = {
+            "decisions": int(total),
+            "fallback_share": sum(reasons.values()) / total if total else 0.0,
+            "fallbacks": {k: int(v) for k, v in reasons.items()},
+            "decision_p50_s": quantile(0.5),
+            "decision_p99_s": quantile(0.99),
+        }
+    return out
+
+
+def _decision_stats(router: str) -> dict[str, dict]:
+    """Per-arm decision counts, fallback shares and decision latency from the router's /metrics ({} if unreadable)."""
+    from urllib.request import urlopen
+
+    try:
+        with urlopen(f"{router}/metrics", timeout=2.0) as resp:
+            return decision_summary(resp.read().decode())
+    except OSError:
+        return {}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="use this (real vLLM) server instead of emulated ones (repeatable)")  # fmt: skip
@@ -298,6 +346,7 @@ def main(args: argparse.Namespace) -> int:
         spec = ClientSpec(url=router, model=model, timeout_s=args.timeout)
         results, wall = asyncio.run(run_load(plan, spec, progress=not args.no_progress))
         procs.check_alive()
+        decisions = _decision_stats(router)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the demo's processes", file=sys.stderr)
         return 130
@@ -311,12 +360,18 @@ def main(args: argparse.Namespace) -> int:
         title += f": control = {args.control}, treatment = {treatment}"
     print(title)
     print(format_side_by_side(summary, arms_seen))
+    if decisions:
+        print("routing decisions per arm (router /metrics): who decided, and how long it took")
+        for arm, d in decisions.items():
+            why = ", ".join(f"{k} {v}" for k, v in sorted(d["fallbacks"].items())) or "none"
+            print(f"  {arm:<10} {d['decisions']} decisions, fell back to least-outstanding {d['fallback_share']:.1%} "
+                  f"({why}); decision latency p50 <= {d['decision_p50_s'] * 1e6:.0f} us, p99 <= {d['decision_p99_s'] * 1e6:.0f} us")
     mix = _replica_mix(summary, arms_seen, names)
     if mix:
         print("replica share per arm:")
         print("\n".join(mix))
     print(f"(demo took {time.monotonic() - started:.0f} s; logs in {log_root})")
     if args.json:
-        args.json.write_text(json.dumps({"plan": info, "summary": summary, "ab": ab, "treatment": treatment}, indent=1))
+        args.json.write_text(json.dumps({"plan": info, "summary": summary, "ab": ab, "treatment": treatment, "decisions": decisions}, indent=1))
     errors = sum(s["errors"] for s in summary.values())
     return 0 if errors == 0 else 1

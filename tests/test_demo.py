@@ -113,3 +113,46 @@ def test_ctrl_c_stops_the_fleet(sigint_ignored: bool):
         _kill(proc)
     assert proc.returncode == 130
     assert all(_closed(p) for p in ports), "a process of the demo is still listening"
+
+
+@end_to_end
+def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
+    """Issue 13: the router with the shipped model in front of emulated replicas (the demo's A/B, treatment =
+    learned) lets the model decide; fewer than 5 % of its decisions may fall back to least-outstanding."""
+    import json
+
+    from router.policy.fallback import BUDGET_MIN_SAMPLES
+    from router.policy.registry import DEFAULT_MODEL_PATH
+
+    if not DEFAULT_MODEL_PATH.is_file():
+        pytest.skip("no shipped learned model")
+    proc = _demo("--duration", "30", "--json", str(tmp_path / "demo.json"))
+    try:
+        out, err = proc.communicate(timeout=100)
+    finally:
+        _kill(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "routing decisions per arm" in out, out[-2000:]
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert doc["treatment"] == "learned" and doc["ab"], doc.get("treatment")
+    learned = doc["decisions"]["treatment"]
+    assert learned["decisions"] > 2 * BUDGET_MIN_SAMPLES, learned  # enough for the budget rule to have judged it
+    assert learned["fallback_share"] < 0.05, learned  # before issue 13: 100 % over_budget
+
+
+def test_decision_summary_reads_fallback_share_and_latency_per_arm():
+    from simulator.demo import decision_summary
+
+    text = "\n".join([
+        "# TYPE llm_router_decision_latency_seconds histogram",
+        *(f'llm_router_decision_latency_seconds_bucket{{policy="learned",arm="treatment",le="{le}"}} {n}'
+          for le, n in (("0.0001", 90), ("0.001", 99), ("0.01", 100), ("+Inf", 100))),
+        'llm_router_decision_latency_seconds_count{policy="learned",arm="treatment"} 100',
+        'llm_router_decision_latency_seconds_sum{policy="learned",arm="treatment"} 0.01',
+        "# TYPE llm_router_fallbacks_total counter",
+        'llm_router_fallbacks_total{policy="learned",arm="treatment",reason="over_budget"} 3',
+        'llm_router_fallbacks_total{policy="learned",arm="treatment",reason="stale_stats"} 0',
+    ]) + "\n"
+    d = decision_summary(text)["treatment"]
+    assert d["decisions"] == 100 and d["fallbacks"] == {"over_budget": 3} and d["fallback_share"] == 0.03
+    assert d["decision_p50_s"] == 0.0001 and d["decision_p99_s"] == 0.001

@@ -59,7 +59,7 @@ def label(policy: str, onnx_path: Path | None) -> str:
 
 
 def format_table(doc: dict, onnx_path: Path | None) -> str:
-    head = ("scenario", "policy", "TTFT p50", "TTFT p99", "E2E p99", "goodput", "p99/best")
+    head = ("scenario", "policy", "TTFT p50", "TTFT p99", "E2E p99", "goodput", "p99/best", "fallback")
     rows = [head]
     for r in doc["results"]:
         ratio = r["ttft_p99_vs_best_heuristic"]
@@ -72,6 +72,7 @@ def format_table(doc: dict, onnx_path: Path | None) -> str:
                 _fmt(r["e2e_p99_s"], r["e2e_p99_s_ci95"], "s"),
                 _fmt(r["goodput"], r["goodput_ci95"], ""),
                 "nan" if ratio is None or math.isnan(ratio) else f"{ratio:.2f}",
+                f"{r.get('fallback_share', 0.0):.1%}",
             )
         )
     return render_table(rows)
@@ -113,7 +114,7 @@ def plot(doc: dict, onnx_path: Path | None, scenarios: list[str], seed: int, spl
     import matplotlib.pyplot as plt
     from tqdm import tqdm
 
-    from router.policy.registry import make_served_policy
+    from router.policy.served import served_policy
     from simulator.cluster import simulate
     from simulator.scenario import load_scenario
 
@@ -129,7 +130,7 @@ def plot(doc: dict, onnx_path: Path | None, scenarios: list[str], seed: int, spl
         sc = load_scenario(sc_name, split=split)
         cluster, requests = sc.build(np.random.default_rng(seed))
         for p in policies:
-            recs = simulate(cluster, requests, make_served_policy(p, seed=seed), seed=seed)
+            recs = simulate(cluster, requests, served_policy(p, seed=seed), seed=seed)
             ttft = np.sort([r.ttft_s for r in recs if r.tenant != "warmup" and math.isfinite(r.ttft_s)])
             y = np.arange(1, len(ttft) + 1) / max(1, len(ttft))
             lab = label(p, onnx_path)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from router.policy.baselines import EXPECTED_WAIT_DECODE_WEIGHT
 from trainer.config import NetworkConfig
 
 MASKED_LOGIT = -1e9  # what masked replicas get (the ONNX contract allows a large negative number)
@@ -69,18 +70,13 @@ class CrossReplicaInputs(nn.Module):
         from router.policy.features import FEATURE_NAMES, REPLICA_FEATURES, REQUEST_FEATURES
 
         self.n_rep = len(REPLICA_FEATURES)
-        scales = {n: s for n, _, s in REPLICA_FEATURES}
-        self.i_prompt = FEATURE_NAMES.index("outstanding_prompt_tokens")
-        self.i_decode = FEATURE_NAMES.index("outstanding_decode_tokens")
-        self.i_tpot = FEATURE_NAMES.index("tpot_ema_ms")
-        self.i_awaiting = FEATURE_NAMES.index("awaiting_prompt_tokens")
         self.i_match = FEATURE_NAMES.index("prefix_match_frac")
-        self.i_req_prompt = FEATURE_NAMES.index("req_prompt_tokens_est")
-        self.s_prompt = scales["outstanding_prompt_tokens"]
-        self.s_decode = scales["outstanding_decode_tokens"]
-        self.s_tpot = scales["tpot_ema_ms"]
-        self.s_awaiting = scales["awaiting_prompt_tokens"]
-        self.s_req_prompt = dict((n, s) for n, _, s in REQUEST_FEATURES)["req_prompt_tokens_est"]
+        raw = ("outstanding_prompt_tokens", "outstanding_decode_tokens", "tpot_ema_ms", "awaiting_prompt_tokens",
+               "req_prompt_tokens_est")
+        all_scales = {n: s for n, _, s in REPLICA_FEATURES + REQUEST_FEATURES}
+        # not persistent: derived from the feature contract, never part of a checkpoint
+        self.register_buffer("raw_cols", torch.tensor([FEATURE_NAMES.index(n) for n in raw]), persistent=False)
+        self.register_buffer("raw_scales", torch.tensor([all_scales[n] for n in raw], dtype=torch.float32), persistent=False)
 
     n_derived = 3
 
@@ -90,39 +86,42 @@ class CrossReplicaInputs(nn.Module):
 
     @staticmethod
     def _stats(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = valid.sum(1, keepdim=True).clamp(min=1.0)
-        any_valid = valid.sum(1, keepdim=True) > 0.5
-        lo = torch.where(valid > 0.5, x, torch.full_like(x, 1e4)).min(1, keepdim=True).values
-        hi = torch.where(valid > 0.5, x, torch.full_like(x, -1e4)).max(1, keepdim=True).values
-        mean = (x * valid).sum(1, keepdim=True) / n
-        zero = torch.zeros_like(lo)
-        return torch.where(any_valid, lo, zero), torch.where(any_valid, mean, zero), torch.where(any_valid, hi, zero)
+        """Min, mean and max over valid replicas, per column (zeros when none is valid). Written for a small
+        exported graph: scalar fills, one mask test, and the no-valid-replica case as a multiply by 0/1."""
+        count = valid.sum(1, keepdim=True)
+        any_valid = (count > 0.5).to(x.dtype)
+        is_valid = valid > 0.5
+        lo = torch.where(is_valid, x, 1e4).min(1, keepdim=True).values
+        hi = torch.where(is_valid, x, -1e4).max(1, keepdim=True).values
+        mean = (x * valid).sum(1, keepdim=True) / count.clamp(min=1.0)
+        return lo * any_valid, mean, hi * any_valid
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(derived inputs [B, R, n_extra], the expected-wait score [B, R])."""
         valid = mask.unsqueeze(-1)
         rep = features[..., : self.n_rep]
-        lo, mean, hi = self._stats(rep, valid)
-        prompt = torch.exp(features[..., self.i_prompt : self.i_prompt + 1] * self.s_prompt) - 1.0
-        decode = torch.exp(features[..., self.i_decode : self.i_decode + 1] * self.s_decode) - 1.0
-        load = torch.log(1.0 + prompt + decode) / 10.0  # exp/log, not expm1/log1p: ONNX opset 17 has no expm1
-        tpot_ms = torch.exp(features[..., self.i_tpot : self.i_tpot + 1] * self.s_tpot) - 1.0
-        speed_load = torch.log(1.0 + (prompt + decode) * tpot_ms / 10.0) / 10.0
-        awaiting = torch.exp(features[..., self.i_awaiting : self.i_awaiting + 1] * self.s_awaiting) - 1.0
-        req_prompt = torch.exp(features[..., self.i_req_prompt : self.i_req_prompt + 1] * self.s_req_prompt) - 1.0
+        # the five un-logged columns at once: exp/log, not expm1/log1p: ONNX opset 17 has no expm1
+        raw = torch.exp(features[..., self.raw_cols] * self.raw_scales) - 1.0
+        prompt, decode, tpot_ms, awaiting, req_prompt = torch.split(raw, 1, -1)
+        raw_load = prompt + decode
+        load = torch.log(1.0 + raw_load) / 10.0
+        speed_load = torch.log(1.0 + raw_load * tpot_ms / 10.0) / 10.0
         uncached = req_prompt * (1.0 - features[..., self.i_match : self.i_match + 1])
         measured = (tpot_ms > 0).to(tpot_ms.dtype) * valid
         mean_tpot = (tpot_ms * measured).sum(1, keepdim=True) / measured.sum(1, keepdim=True).clamp(min=1.0)
         rel_speed = torch.where(measured > 0.5, tpot_ms / mean_tpot.clamp(min=1e-6), torch.ones_like(tpot_ms))
-        wait = torch.log(1.0 + (awaiting + uncached + 0.1 * decode) * rel_speed) / 10.0
+        wait = torch.log(1.0 + (awaiting + uncached + EXPECTED_WAIT_DECODE_WEIGHT * decode) * rel_speed) / 10.0
         derived = torch.cat([load, speed_load, wait], -1)
-        d_lo, _, d_hi = self._stats(derived, valid)
-        raw_load = prompt + decode
-        raw_lo, raw_mean, _ = self._stats(raw_load, valid)
+        # one pass of statistics over [replica block | derived | token load]
+        lo_all, mean_all, hi_all = self._stats(torch.cat([rep, derived, raw_load], -1), valid)
+        n, d = self.n_rep, self.n_derived
+        lo, mean, hi = lo_all[..., :n], mean_all[..., :n], hi_all[..., :n]
+        d_lo = lo_all[..., n : n + d]
+        raw_lo, raw_mean = lo_all[..., n + d :], mean_all[..., n + d :]
         both = torch.cat([rep, derived], -1)
         # exact "is the minimum / maximum" indicators: argmin-style heuristics become trivially representable
-        is_min = (both <= torch.cat([lo, d_lo], -1) + 1e-6).to(both.dtype)
-        is_max = (both >= torch.cat([hi, d_hi], -1) - 1e-6).to(both.dtype)
+        is_min = (both <= lo_all[..., : n + d] + 1e-6).to(both.dtype)
+        is_max = (both >= hi_all[..., : n + d] - 1e-6).to(both.dtype)
         rel_load = (raw_load - raw_lo) / (raw_mean + 256.0)  # load excess in units of the mean load
         out = torch.cat([rep - lo, rep - mean, hi - rep, derived, derived - d_lo, is_min, is_max, rel_load], -1)
         return out * valid, wait.squeeze(-1)

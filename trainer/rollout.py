@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from router.policy.base import Policy
-from router.policy.baselines import LeastOutstanding
-from router.policy.fallback import LEARNED_GUARDS, FallbackPolicy
+from router.policy.fallback import FallbackPolicy
+from router.policy.registry import LEARNED
+from router.policy.served import served_policy
 from router.policy.features import N_FEATURES, action_mask, build_features
 from router.policy.registry import make_policy
 from router.policy.types import ClusterView, RequestInfo
@@ -65,8 +66,9 @@ class _FixedScores(Policy):
 
 
 def router_guard() -> FallbackPolicy:
-    """The live router's default guardrails for a learned policy (router/settings.py)."""
-    return FallbackPolicy(_FixedScores(), LeastOutstanding(), **LEARNED_GUARDS)  # type: ignore[arg-type]
+    """The served learned policy's guards and budget (router.policy.served), its primary replaced by
+    scores computed outside (batched)."""
+    return served_policy(LEARNED, primary=_FixedScores())
 
 
 # ----------------------------------------------------------------------------------------------

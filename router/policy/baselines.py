@@ -201,26 +201,33 @@ class SpeedAware(Policy):
         return argmin_random_ties(scores, healthy, self.rng)
 
 
+# The expected-wait score, one definition for this heuristic and the network's in-graph copy
+# (trainer/network.py CrossReplicaInputs, which the shipped model was trained with; tests/trainer/
+# test_latency.py checks they rank alike): work ahead x the replica's TPOT EMA relative to the MEAN
+# TPOT EMA of the measured (tpot > 0) healthy replicas; unmeasured replicas count at relative speed 1.
+EXPECTED_WAIT_DECODE_WEIGHT = 0.1
+
+
 class ExpectedWait(Policy):
     """Least expected wait for the first token: the prefill work queued ahead, scaled by speed.
 
     Work ahead = prompt tokens of requests on the replica that have no first token yet, plus
     this request's prompt minus its cached prefix, plus `decode_weight` x the expected decode
     tokens in flight (decodes share each step's token budget). It is scaled by the replica's
-    TPOT EMA relative to the fleet's median, so slow or slowed-down replicas look longer.
+    TPOT EMA relative to the fleet's mean, so slow or slowed-down replicas look longer.
     """
 
     name = "expected-wait"
 
-    def __init__(self, seed: int | None = None, decode_weight: float = 0.1) -> None:
+    def __init__(self, seed: int | None = None, decode_weight: float = EXPECTED_WAIT_DECODE_WEIGHT) -> None:
         super().__init__(seed)
         self.decode_weight = decode_weight
 
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
         healthy = healthy_or_raise(view)
         reps = view.replicas
-        known = sorted(t for i in healthy if (t := reps[i].tpot_ema_s) is not None and t > 0)
-        median = known[len(known) // 2] if known else 1.0
+        known = [t for i in healthy if (t := reps[i].tpot_ema_s) is not None and t > 0]
+        mean = max(sum(known) / len(known), 1e-9) if known else 1.0
         n_blocks = len(request.prefix_blocks)
         prompt = request.prompt_tokens_est
         scores = []
@@ -229,7 +236,7 @@ class ExpectedWait(Policy):
             uncached = prompt * (1.0 - r.prefix_match_blocks / n_blocks) if n_blocks else prompt
             work = r.awaiting_prompt_tokens + uncached + self.decode_weight * r.outstanding_decode_tokens
             tpot = r.tpot_ema_s
-            scores.append(work * (tpot / median if tpot is not None and tpot > 0 else 1.0))
+            scores.append(work * (tpot / mean if tpot is not None and tpot > 0 else 1.0))
         return argmin_random_ties(scores, healthy, self.rng)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,9 +47,20 @@ class Decision:
 LEARNED_GUARDS: dict[str, float | int] = {"max_stats_age_s": 30.0, "overload_margin": 32, "overload_ratio": 3.0}
 
 
+# Budget: decision times are judged over the last BUDGET_WINDOW decisions (at least BUDGET_MIN_SAMPLES);
+# when more than 1 % of them, and at least two, overran the budget (the rolling p99 is over it), the
+# primary is not called for the next BUDGET_COOLDOWN decisions (least-outstanding decides, reason
+# "over_budget"), then it is measured afresh. One hiccup (a GC pause) never trips it.
+BUDGET_WINDOW = 200
+BUDGET_MIN_SAMPLES = 100
+BUDGET_COOLDOWN = 1000
+
+
 class FallbackPolicy(Policy):
     """Returns the primary's choice unless it raises, returns NaN scores, picks a masked
-    replica, overruns `budget_s` (measured with the injected `clock`), runs on stats older
+    replica, is persistently slow (see BUDGET_WINDOW: the rolling p99 of its decision time,
+    measured with the injected `clock` or given by the deterministic `cost(view)`, over
+    `budget_s`; a computed answer is never discarded for being slow), runs on stats older
     than `max_stats_age_s` (replicas never scraped yet do not count), is less sure than
     `min_confidence`, or picks an overloaded replica: more than `overload_margin` requests above
     max(the least-loaded other healthy replica, `overload_ratio` x the other healthy replicas'
@@ -67,6 +79,7 @@ class FallbackPolicy(Policy):
         *,
         budget_s: float | None = None,
         clock: Callable[[], float] | None = None,
+        cost: Callable[[ClusterView], float] | None = None,
         max_stats_age_s: float | None = None,
         min_confidence: float | None = None,
         overload_margin: int | None = None,
@@ -77,11 +90,17 @@ class FallbackPolicy(Policy):
         self.fallback = fallback
         self.budget_s = budget_s
         self.clock = clock
+        self.cost = cost
         self.max_stats_age_s = max_stats_age_s
         self.min_confidence = min_confidence
         self.overload_margin = overload_margin
         self.overload_ratio = overload_ratio
         self.last_decision: Decision | None = None
+        self.decisions = 0
+        self.fallback_counts: dict[str, int] = {}  # reason -> decisions, since the last reset
+        self._slow: deque[bool] = deque(maxlen=BUDGET_WINDOW)
+        self._n_slow = 0
+        self._cooldown = 0  # decisions left in which the primary is not called
 
     def describe(self) -> dict:
         return {"name": self.primary.name, "fallback": self.fallback.name, "primary": self.primary.describe()}
@@ -122,13 +141,18 @@ class FallbackPolicy(Policy):
         pick: int | None = None
         error: str | None = None
         elapsed: float | None = None
-        if reason is None:
+        if reason is None and self._cooldown > 0:
+            self._cooldown -= 1
+            reason = "over_budget"
+        elif reason is None:
             t0 = self.clock() if self.clock is not None else None
             pick, reason, error = self._primary_pick(view, request)
             if t0 is not None:
                 elapsed = self.clock() - t0  # type: ignore[misc]
-                if reason is None and self.budget_s is not None and elapsed > self.budget_s:
-                    reason = "over_budget"
+            elif self.cost is not None:
+                elapsed = self.cost(view)
+            if elapsed is not None and self.budget_s is not None:
+                self._judge(elapsed > self.budget_s)
         if reason is None and pick is not None:
             if not (0 <= pick < len(reps)) or not reps[pick].healthy:
                 reason = "masked_pick"
@@ -138,8 +162,22 @@ class FallbackPolicy(Policy):
             decision = Decision(pick, pick, None, elapsed)
         else:
             decision = Decision(self.fallback.choose(view, request), pick, reason, elapsed, error)
+            self.fallback_counts[reason or "none"] = self.fallback_counts.get(reason or "none", 0) + 1
+        self.decisions += 1
         self.last_decision = decision
         return decision
+
+    def _judge(self, slow: bool) -> None:
+        """Track the rolling share of slow decisions; over 1 % of the window starts a cool-down."""
+        if len(self._slow) == BUDGET_WINDOW:
+            self._n_slow -= self._slow[0]
+        self._slow.append(slow)
+        self._n_slow += slow
+        n = len(self._slow)
+        if n >= BUDGET_MIN_SAMPLES and self._n_slow >= 2 and self._n_slow * 100 > n:
+            self._cooldown = BUDGET_COOLDOWN
+            self._slow.clear()
+            self._n_slow = 0
 
     def _overloaded(self, reps: tuple[ReplicaSnapshot, ...], pick: int) -> bool:
         others = [r.outstanding for i, r in enumerate(reps) if r.healthy and i != pick]
@@ -153,6 +191,11 @@ class FallbackPolicy(Policy):
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
         return self.decide(view, request).index
 
+    @property
+    def fallback_share(self) -> float:
+        """Share of decisions since the last reset that the fallback made."""
+        return sum(self.fallback_counts.values()) / self.decisions if self.decisions else 0.0
+
     def on_complete(self, replica_id: str, request: RequestInfo, outcome: Outcome) -> None:
         self.primary.on_complete(replica_id, request, outcome)
         self.fallback.on_complete(replica_id, request, outcome)
@@ -162,5 +205,10 @@ class FallbackPolicy(Policy):
         self.primary.reset(seed)
         self.fallback.reset(None if seed is None else seed + 1)
         self.last_decision = None
+        self.decisions = 0
+        self.fallback_counts = {}
+        self._slow.clear()
+        self._n_slow = 0
+        self._cooldown = 0
 
 

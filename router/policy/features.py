@@ -81,10 +81,23 @@ def spec_info() -> dict:
 # Both give the same bits (tests/policy/test_features_fast.py); only their speed differs.
 _ROWWISE_MAX_REPLICAS = 32
 
-# Feature column of each snapshot field as `_field_columns` lists them; the last six may be None
-# (not scraped / measured yet): flagged, then read as 0.
-_FIELD_COLS = np.array([1, 2, 4, 5, 10, 11, 13, 18, 19, 6, 7, 8, 12, 15, 16])
+# Columns addressed by name from the contract's own table, never by position.
+_COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
+_PRESENT, _STATS_MISSING, _LATENCY_MISSING = _COL["present"], _COL["stats_missing"], _COL["latency_missing"]
+_OUT_MINUS_MIN, _AGE = _COL["outstanding_minus_min"], _COL["stats_age_s"]
+_MATCH_FRAC, _MATCH_TOKENS = _COL["prefix_match_frac"], _COL["prefix_match_tokens_est"]
+_LATENCY_MS = [_COL["ttft_ema_ms"], _COL["tpot_ema_ms"]]
+# Feature column of each snapshot field as `_field_columns` lists them (prefix_match_blocks lands in
+# prefix_match_frac and is divided there); the last six may be None (not scraped / measured yet):
+# flagged, then read as 0.
+_FIELD_COLS = np.array([_COL[n] for n in (
+    "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "stats_age_s",
+    "dispatched_since_scrape", "prefix_match_frac", "awaiting_first_token", "awaiting_prompt_tokens",
+    "waiting", "running", "kv_cache_usage", "kv_capacity_tokens", "ttft_ema_ms", "tpot_ema_ms",
+)])
 _NULLABLE_FROM = 9
+_STATS_FIELDS = slice(0, 3)  # of the nullable fields: waiting, running, kv_cache_usage -> stats_missing
+_LATENCY_FIELDS = slice(4, 6)  # ttft, tpot -> latency_missing
 _N_REPLICA = len(REPLICA_FEATURES)
 
 
@@ -180,27 +193,27 @@ def raw_features(view: ClusterView, request: RequestInfo) -> np.ndarray:
         g[_NULLABLE_FROM:][none] = 0.0
     raw = np.empty((n, N_FEATURES), dtype=np.float64)
     raw[:, _FIELD_COLS] = g.T
-    raw[:, 0] = 1.0
+    raw[:, _PRESENT] = 1.0
     if none is None:
-        raw[:, 9] = 0.0
-        raw[:, 17] = 0.0
+        raw[:, _STATS_MISSING] = 0.0
+        raw[:, _LATENCY_MISSING] = 0.0
     else:
-        raw[:, 9] = none[0:3].any(axis=0)
-        raw[:, 17] = none[4:6].any(axis=0)
+        raw[:, _STATS_MISSING] = none[_STATS_FIELDS].any(axis=0)
+        raw[:, _LATENCY_MISSING] = none[_LATENCY_FIELDS].any(axis=0)
     healthy = g[0] != 0.0
     out = g[1]
     healthy_out = out[healthy]
     n_healthy = len(healthy_out)
-    raw[:, 3] = np.where(healthy, out - healthy_out.min(), 0.0) if n_healthy else 0.0
-    age = g[4]
-    raw[:, 10] = np.where(np.isfinite(age), np.minimum(age, STATS_AGE_CAP_S), STATS_AGE_CAP_S)
-    raw[:, 15:17] *= 1000.0
+    raw[:, _OUT_MINUS_MIN] = np.where(healthy, out - healthy_out.min(), 0.0) if n_healthy else 0.0
+    age = raw[:, _AGE]
+    raw[:, _AGE] = np.where(np.isfinite(age), np.minimum(age, STATS_AGE_CAP_S), STATS_AGE_CAP_S)
+    raw[:, _LATENCY_MS] *= 1000.0
     n_blocks = len(request.prefix_blocks)
     if n_blocks:
-        raw[:, 13] /= n_blocks
+        raw[:, _MATCH_FRAC] /= n_blocks
     else:
-        raw[:, 13] = 0.0
-    np.multiply(raw[:, 13], request.prompt_tokens_est, out=raw[:, 14])
+        raw[:, _MATCH_FRAC] = 0.0
+    np.multiply(raw[:, _MATCH_FRAC], request.prompt_tokens_est, out=raw[:, _MATCH_TOKENS])
     max_tok = request.max_tokens
     raw[:, _N_REPLICA:] = (
         request.prompt_tokens_est,

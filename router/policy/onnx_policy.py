@@ -85,6 +85,17 @@ class OnnxPolicy(Policy):
             self._run_options.log_severity_level = 4
         except ModelLoadError as exc:
             self.load_error = exc
+            return
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """onnxruntime's first runs at a width allocate and plan; do them at load, not on a request's time."""
+        for width in (1, 4, 16):
+            try:
+                self._session.run(["logits"], {"features": np.zeros((1, width, N_FEATURES), np.float32),
+                                               "mask": np.ones((1, width), np.float32)}, self._run_options)
+            except Exception:  # noqa: BLE001 - a model that fails here fails per decision, counted there
+                return
 
     def describe(self) -> dict:
         return {

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from router.policy.base import Policy
-from router.policy.baselines import BASELINE_CLASSES, LeastOutstanding
-from router.policy.fallback import LEARNED_GUARDS, FallbackPolicy
+from router.policy.baselines import BASELINE_CLASSES
 
 BASELINES: dict[str, type[Policy]] = {cls.name: cls for cls in BASELINE_CLASSES}
 LEARNED = "learned"
@@ -15,16 +14,6 @@ DEFAULT_MODEL_PATH = Path(__file__).parent / "models" / "default.onnx"
 
 def policy_names(include_learned: bool = True) -> list[str]:
     return list(BASELINES) + ([LEARNED] if include_learned else [])
-
-
-def make_served_policy(name: str, seed: int | None = None) -> Policy:
-    """`name` as `router serve --policy NAME` runs it: a learned policy behind the default guards
-    (LEARNED_GUARDS) with least-outstanding as fallback, a baseline as it is. No wall-clock budget:
-    simulations must not depend on the machine's speed."""
-    policy = make_policy(name, seed=seed)
-    if name in BASELINES:
-        return policy
-    return FallbackPolicy(policy, LeastOutstanding(seed=seed), **LEARNED_GUARDS)  # type: ignore[arg-type]
 
 
 def make_policy(name: str, seed: int | None = None, **kwargs) -> Policy:

@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from router.policy.registry import make_served_policy  # noqa: E402
+from router.policy.served import served_policy  # noqa: E402
 from simulator.cluster import simulate  # noqa: E402
 from simulator.metrics import summarize  # noqa: E402
 from simulator.scenario import load_scenario  # noqa: E402
@@ -33,7 +33,7 @@ def run(job: tuple[str, int, str, int]) -> tuple[str, int, str, int, float]:
     sc = load_scenario(scenario, split="eval")
     cluster, requests = sc.build(np.random.default_rng(seed))
     cluster = cluster.model_copy(update={"routers": routers})
-    records = simulate(cluster, requests, make_served_policy(policy, seed=seed), seed=seed)
+    records = simulate(cluster, requests, served_policy(policy, seed=seed), seed=seed)
     return scenario, seed, policy, routers, summarize(records, sc.slo)["ttft_p99_s"]
 
 

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from router.policy.base import Policy  # noqa: E402
-from router.policy.registry import make_served_policy  # noqa: E402
+from router.policy.served import served_policy  # noqa: E402
 from router.policy.types import ClusterView, RequestInfo  # noqa: E402
 from simulator.cluster import ClusterSim  # noqa: E402
 from simulator.metrics import summarize  # noqa: E402
@@ -108,7 +108,7 @@ def run(job: tuple[str, int, str]) -> tuple[str, int, str, float, float]:
             sim.hold() if pick is None else sim.dispatch(pick)
         s = summarize(sim.finish(), sc.slo)
         return scenario, seed, name, s["ttft_p99_s"], s["goodput"], sim.n_holds / len(sim.requests)
-    policy = TrueStateGreedy(sim) if name == "oracle" else make_served_policy(name, seed=seed)
+    policy = TrueStateGreedy(sim) if name == "oracle" else served_policy(name, seed=seed)
     policy.reset(seed)
     while (d := sim.next_decision()) is not None:
         sim.dispatch(policy.choose(*d))

@@ -156,7 +156,34 @@ def test_fallback_masked_pick_and_overload_guard_and_budget():
     assert (d.fallback_reason, d.index) == ("overload_guard", 1)
     ticks = iter([0.0, 0.01])
     d = FallbackPolicy(Pick(0), LeastOutstanding(), budget_s=0.001, clock=lambda: next(ticks)).decide(VIEW3, REQ)
-    assert (d.fallback_reason, d.index, d.primary_index) == ("over_budget", 1, 0)
+    assert (d.fallback_reason, d.index, d.elapsed_s) == (None, 0, 0.01)  # slow once: the computed answer is used
+
+
+def test_a_persistently_slow_policy_is_skipped_for_a_cooldown_then_measured_again():
+    from router.policy.fallback import BUDGET_COOLDOWN, BUDGET_WINDOW
+
+    class Pick(Policy):
+        calls = 0
+
+        def choose(self, view, request):
+            Pick.calls += 1
+            return 0
+
+    cost = {"s": 0.0}
+    fb = FallbackPolicy(Pick(), LeastOutstanding(), budget_s=0.001, cost=lambda view: cost["s"])
+    slow_every = BUDGET_WINDOW // 100  # one slow decision in any window (a hiccup) never trips it
+    for i in range(3 * BUDGET_WINDOW):
+        cost["s"] = 0.002 if i % BUDGET_WINDOW == BUDGET_WINDOW // 2 + i // BUDGET_WINDOW else 0.0
+        assert fb.decide(VIEW3, REQ).fallback_reason is None
+    cost["s"] = 0.002
+    reasons = [fb.decide(VIEW3, REQ).fallback_reason for _ in range(BUDGET_WINDOW)]
+    tripped = reasons.index("over_budget")
+    assert 0 < tripped <= slow_every + 1 and set(reasons[tripped:]) == {"over_budget"}
+    calls = Pick.calls
+    skipped = [fb.decide(VIEW3, REQ) for _ in range(BUDGET_COOLDOWN - (len(reasons) - tripped))]
+    assert Pick.calls == calls and all(d.fallback_reason == "over_budget" and d.index == 1 for d in skipped)
+    cost["s"] = 0.0
+    assert fb.decide(VIEW3, REQ).fallback_reason is None and Pick.calls == calls + 1  # measured afresh
 
 
 def test_fallback_stale_stats_and_low_confidence():
@@ -251,12 +278,13 @@ def test_expected_wait_weighs_queued_prefill_by_speed_and_discounts_the_cached_p
 
 def test_served_policy_is_a_learned_policy_behind_the_routers_default_guards(tmp_path):
     from router.policy.fallback import LEARNED_GUARDS
-    from router.policy.registry import make_served_policy
+    from router.policy.served import LEARNED_COST, served_policy
 
-    assert type(make_served_policy("least-token-load", seed=0)).__name__ == "LeastTokenLoad"
-    served = make_served_policy(str(tmp_path / "missing.onnx"), seed=0)
+    baseline = served_policy("least-token-load", seed=0)
+    assert type(baseline.primary).__name__ == "LeastTokenLoad" and baseline.max_stats_age_s is None
+    served = served_policy(str(tmp_path / "missing.onnx"), seed=0)
     assert isinstance(served, FallbackPolicy)
-    assert served.max_stats_age_s == LEARNED_GUARDS["max_stats_age_s"] and served.budget_s is None
+    assert served.max_stats_age_s == LEARNED_GUARDS["max_stats_age_s"] and served.cost is LEARNED_COST
     view = ClusterView((snap(0, 3, stats_age_s=1.0), snap(1, 1, stats_age_s=1.0)))
     decision = served.decide(view, REQ)
     assert (decision.index, decision.fallback_reason) == (1, "unavailable")  # LOR serves, saying why

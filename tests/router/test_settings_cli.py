@@ -62,12 +62,12 @@ def test_no_replicas_is_an_error():
     assert "replicas" in format_validation_error(exc.value)
 
 
-def test_sources_priority_and_learned_defaults(tmp_path, monkeypatch):
+def test_sources_priority(tmp_path, monkeypatch):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("replicas: [http://10.0.0.1:8000]\nport: 9001\nscrape_interval_s: 2.0\n")
     s = build_settings(cfg)
     assert s.replicas == ["http://10.0.0.1:8000"] and s.port == 9001 and s.policy == "learned"
-    assert s.max_stats_age_s == 30.0 and s.overload_margin == 32 and s.overload_ratio == 3.0  # learned defaults
+    assert s.max_stats_age_s is None and s.overload_margin is None  # unset: each arm's kind decides (router.policy.served)
     monkeypatch.setenv("ROUTEWISE_PORT", "9002")
     monkeypatch.setenv("ROUTEWISE_REPLICAS", "http://10.0.0.2:8000,http://10.0.0.3:8000")
     s = build_settings(cfg, policy="least-outstanding")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from router.policy import LeastOutstanding, Policy
+from router.policy.fallback import BUDGET_MIN_SAMPLES
 from router.policy.onnx_policy import OnnxPolicy
 
 from .helpers import guarded, make_request, make_view
@@ -51,9 +52,8 @@ def test_attention_model_serves(tmp_path):
         (lambda p: corrupt_file(p, source=linear_model(p.with_name("src.onnx"))), "unavailable"),
         (lambda p: linear_model(p, spec_hash="0123456789abcdef"), "spec_mismatch"),
         (lambda p: nan_model(p), "nan"),
-        (lambda p: slow_model(p), "over_budget"),
     ],
-    ids=["corrupt-bytes", "truncated-model", "other-feature-hash", "nan-logits", "slow-model"],
+    ids=["corrupt-bytes", "truncated-model", "other-feature-hash", "nan-logits"],
 )
 def test_faulty_model_falls_back_to_lor(tmp_path, build, reason):
     policy = guarded(OnnxPolicy(build(tmp_path / "bad.onnx")))
@@ -62,6 +62,21 @@ def test_faulty_model_falls_back_to_lor(tmp_path, build, reason):
         assert d.fallback_reason == reason, d
         assert d.index == lor_index(view)
         assert view.replicas[d.index].healthy
+
+
+def test_slow_model_answers_are_used_until_its_rolling_p99_is_over_budget_then_it_is_skipped(tmp_path):
+    primary = OnnxPolicy(slow_model(tmp_path / "slow.onnx"))
+    policy = guarded(primary, budget_s=1e-6)
+    calls = []
+    scores = primary.scores
+    primary.scores = lambda view, request: calls.append(1) or scores(view, request)
+    view = make_view([3, 1, 4, 2])
+    decisions = [policy.decide(view, make_request(i)) for i in range(BUDGET_MIN_SAMPLES + 10)]
+    used = decisions[:BUDGET_MIN_SAMPLES]
+    assert all(d.fallback_reason is None and d.elapsed_s > 1e-6 and d.index == 1 for d in used)  # slow, not discarded
+    skipped = decisions[BUDGET_MIN_SAMPLES:]
+    assert all(d.fallback_reason == "over_budget" and d.primary_index is None and d.index == 1 for d in skipped)
+    assert len(calls) == BUDGET_MIN_SAMPLES  # no request pays for a model whose answer would be discarded
 
 
 def test_onnxruntime_error_at_run_time_falls_back(tmp_path):

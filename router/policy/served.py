@@ -1,0 +1,91 @@
+"""The served policy: a named policy behind FallbackPolicy(least-outstanding) with its guards and
+decision budget. The one builder used by the router (every arm and the shadow), the simulator and
+the trainer, so every figure describes the policy the router runs.
+
+Guards default per policy, not per router: a learned policy gets LEARNED_GUARDS, a baseline none;
+an explicit setting (`guards`) applies to every arm. The budget is judged on a wall clock live
+(`clock`) and on a deterministic cost model offline (`DecisionCost`), so simulations stay
+reproducible on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.policy.base import Policy
+from router.policy.baselines import LeastOutstanding
+from router.policy.fallback import LEARNED_GUARDS, FallbackPolicy
+from router.policy.registry import LEARNED, make_policy
+from router.policy.types import ClusterView
+
+GUARD_FIELDS = ("max_stats_age_s", "overload_margin", "overload_ratio", "min_confidence")
+DEFAULT_BUDGET_S = 0.0005  # router/settings.py decision_budget_s
+
+
+def is_learned(name: str) -> bool:
+    return name == LEARNED or name.endswith(".onnx")
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionCost:
+    """Deterministic decision time for simulations: `base_s + per_replica_s x replicas`.
+
+    The learned figures fit the decide p50s of tests/bench/decision_latency_learned.py (features +
+    onnxruntime + guards: 312 us at 16 replicas, 1,217 us at 128) on the shared 2-core development
+    machine (load average ~14), so they err on the slow side; the baseline's is least-outstanding's."""
+
+    base_s: float
+    per_replica_s: float
+
+    def __call__(self, view: ClusterView) -> float:
+        return self.base_s + self.per_replica_s * len(view.replicas)
+
+
+LEARNED_COST = DecisionCost(185e-6, 8.1e-6)  # over a 0.5 ms budget from 39 replicas on
+BASELINE_COST = DecisionCost(20e-6, 0.7e-6)
+
+
+def guard_settings(name: str, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The guards `name` runs with: its kind's defaults, overridden by `explicit` (None = guard off)."""
+    guards: dict[str, Any] = dict.fromkeys(GUARD_FIELDS)
+    if is_learned(name):
+        guards.update(LEARNED_GUARDS)
+    for key, value in (explicit or {}).items():
+        if key not in GUARD_FIELDS:
+            raise ValueError(f"unknown guard {key!r}; known: {', '.join(GUARD_FIELDS)}")
+        guards[key] = value
+    return guards
+
+
+def served_policy(
+    name: str,
+    *,
+    seed: int | None = None,
+    guards: Mapping[str, Any] | None = None,
+    budget_s: float | None = DEFAULT_BUDGET_S,
+    clock: Callable[[], float] | None = None,
+    cost: Callable[[ClusterView], float] | None = None,
+    primary: Policy | None = None,
+) -> FallbackPolicy:
+    """`name` (a baseline, `learned`, or an .onnx path) as it is served.
+
+    Live: pass `clock` (time.perf_counter). Offline: leave it out and the deterministic cost model
+    for the policy's kind (LEARNED_COST / BASELINE_COST, or `cost`) times each decision.
+    `primary` stands in for the policy `name` would load (the trainer's batched scores).
+    """
+    g = guard_settings(name, guards)
+    if clock is None and cost is None:
+        cost = LEARNED_COST if is_learned(name) else BASELINE_COST
+    return FallbackPolicy(
+        make_policy(name, seed=seed) if primary is None else primary,
+        LeastOutstanding(seed=None if seed is None else seed + 1),
+        budget_s=budget_s,
+        clock=clock,
+        cost=cost,
+        max_stats_age_s=g["max_stats_age_s"],
+        min_confidence=g["min_confidence"],
+        overload_margin=g["overload_margin"],
+        overload_ratio=g["overload_ratio"] or 0.0,
+    )
