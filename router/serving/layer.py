@@ -78,11 +78,11 @@ class ServingLayer:
                 settings.shadow_policy, lambda p: setattr(shadow.policy, "primary", p), seed=settings.seed, metrics=m,
                 label="shadow", current=lambda: shadow.policy.primary.describe(),
             )
-        self.promotion = self._promotion(settings, registry)
+        self.promotion = self._promotion(settings)
         self.watchers = [PolicyFileWatcher(r, settings.policy_watch_interval_s) for r in self.reloaders.values()] \
             if settings.policy_watch_interval_s else []
 
-    def _promotion(self, settings, registry: CollectorRegistry) -> PromotionController | None:
+    def _promotion(self, settings) -> PromotionController | None:
         """With ab_auto_promote, a model reloaded into the treatment arm is a candidate (promotion.py)."""
         if self.ab is None or not getattr(settings, "ab_auto_promote", False):
             return None
@@ -96,7 +96,7 @@ class ServingLayer:
             return None if treat.path is None else str(treat.path)
 
         controller = PromotionController(self.ab.guard, promote, lambda: None if treat.path is None else str(treat.path),
-                                         registry, PromotionConfig(min_samples=settings.ab_min_samples))
+                                         self.metrics, PromotionConfig(min_samples=settings.ab_min_samples))
         install = treat.install
 
         def install_candidate(policy) -> None:

@@ -17,12 +17,13 @@ Nothing here blocks: it runs on the event loop inside `on_release`, a few compar
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from pathlib import Path
 
 from router.serving.arms import RollbackGuard
 
@@ -44,13 +45,25 @@ class PromotionConfig:
             raise ValueError(f"promotion: min_samples, confirm_checks, check_every >= 1 and max_p99_ratio > 0, got {self}")
 
 
+def read_card(model_path: str | None) -> dict:
+    """The `finetune` section of a model's card, or {} (no card, unreadable: the candidate still runs)."""
+    if model_path is None:
+        return {}
+    try:
+        doc = json.loads(Path(model_path).with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return {}
+    ft = doc.get("finetune") if isinstance(doc, dict) else None
+    return ft if isinstance(ft, dict) else {}
+
+
 class PromotionController:
     def __init__(
         self,
         guard: RollbackGuard,
         promote: Callable[[], str | None],  # swap control's policy for the treatment's; returns the candidate's path
         candidate_path: Callable[[], str | None],
-        registry: CollectorRegistry,
+        metrics,  # router.serving.metrics.ServingMetrics
         config: PromotionConfig = PromotionConfig(),
     ) -> None:
         self.guard = guard
@@ -62,15 +75,9 @@ class PromotionController:
         self.history: deque[dict] = deque(maxlen=20)
         self._since_check = 0
         self._good_checks = 0
-        self.verdicts = Counter(
-            "llm_router_policy_promotions", "Candidate models promoted to primary or rolled back by the A/B guard.",
-            ["result"], registry=registry,
-        )
-        self.state_gauge = Gauge(
-            "llm_router_policy_candidate_state", "1 for the promotion controller's current state.", ["state"], registry=registry,
-        )
-        for r in RESULTS:
-            self.verdicts.labels(r)
+        self.verdicts = metrics.promotions
+        self.state_gauge = metrics.candidate_state
+        self.candidate_error = metrics.candidate_error
         self._export()
 
     def _export(self) -> None:
@@ -80,11 +87,23 @@ class PromotionController:
     def on_candidate(self, now_s: float) -> None:
         """A new treatment model is serving: judge it from scratch."""
         self.candidate = self.candidate_path()
+        self._export_card()
         self.guard.reset()
         self.state = "evaluating"
         self._since_check = self._good_checks = 0
         self._export()
         log.info("candidate %s: now the A/B treatment, evaluating against the primary", self.candidate)
+
+    def _export_card(self) -> None:
+        """Prediction errors from the candidate's model card (`trainer finetune` writes NAME.json beside NAME.onnx)."""
+        card = read_card(self.candidate)
+        for stage in ("before", "after"):
+            value = card.get(f"validation_{stage}", {}).get("mae_log_ttft")
+            if isinstance(value, (int, float)):
+                self.candidate_error.labels(stage).set(value)
+            else:
+                with contextlib.suppress(KeyError):  # a candidate without a card: no stale figure
+                    self.candidate_error.remove(stage)
 
     def on_outcome(self, now_s: float, tripped: bool) -> str | None:
         """After each guard record; returns a verdict when one was reached now."""

@@ -4,6 +4,8 @@ on /metrics; every request succeeds throughout."""
 
 from __future__ import annotations
 
+import json
+
 from .conftest import AUTH
 from .onnx_models import prefer_replica_model
 from .test_live_serving import EXACT, load, metrics, send, total
@@ -30,7 +32,13 @@ async def hand_over(client, path) -> dict:
 async def test_better_candidate_is_promoted_to_primary(tmp_path, fakes, router_client):
     client = await start(tmp_path, fakes, router_client)
     candidate = prefer_replica_model(tmp_path / "cand-1.onnx", 0, version="cand-fast")
+    card = {"finetune": {"validation_before": {"mae_log_ttft": 0.61}, "validation_after": {"mae_log_ttft": 0.25}}}
+    (tmp_path / "cand-1.json").write_text(json.dumps(card))  # what trainer finetune writes beside the model
     await hand_over(client, candidate)
+    m = await metrics(client)
+    assert total(m, "llm_router_policy_candidate_mae_log_ttft", stage="before") == 0.61
+    assert total(m, "llm_router_policy_candidate_mae_log_ttft", stage="after") == 0.25
+    assert total(m, "llm_router_policy_candidate_state", state="evaluating") == 1
     state = (await (await client.get("/admin/ab", headers=AUTH)).json())["promotion"]
     assert state["state"] == "evaluating" and state["candidate"] == str(candidate)
     responses = await load(client, 320, concurrency=16, key=lambda i: f"user-{i}")
@@ -67,6 +75,7 @@ async def test_worse_candidate_is_rolled_back_and_never_promoted(tmp_path, fakes
     m = await metrics(client)
     assert total(m, "llm_router_policy_promotions_total", result="rolled_back") == 1
     assert total(m, "llm_router_policy_promotions_total", result="promoted") == 0
+    assert ("llm_router_policy_candidate_mae_log_ttft", (("stage", "after"),)) not in m  # no card, no figure
     # the next candidate lifts the latch and is judged from empty windows
     await hand_over(client, prefer_replica_model(tmp_path / "cand-2.onnx", 0, version="cand-2"))
     ab = await (await client.get("/admin/ab", headers=AUTH)).json()
