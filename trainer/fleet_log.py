@@ -29,6 +29,7 @@ import numpy as np
 
 from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
 from simulator.replay import DecisionLogError, log_paths
+from simulator.replay import _field as _get  # the replay's field check: one wording for both readers
 
 FORMAT_VERSION = 1
 
@@ -63,17 +64,6 @@ class FleetData:
             return {"from_unix_s": None, "to_unix_s": None, "duration_s": 0.0}
         t0, t1 = float(self.time_s[0]), float(self.time_s[-1])
         return {"from_unix_s": round(t0, 3), "to_unix_s": round(t1, 3), "duration_s": round(t1 - t0, 3)}
-
-
-def _get(rec: dict, name: str, types: tuple[type, ...], where: str, optional: bool = False):
-    if name not in rec:
-        raise FleetLogError(f"{where}: field {name!r} is missing")
-    v = rec[name]
-    if v is None and optional:
-        return None
-    if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-        raise FleetLogError(f"{where}: field {name!r} = {v!r:.60} is not {' or '.join(t.__name__ for t in types)}")
-    return v
 
 
 def parse_sample(rec: object, where: str) -> tuple[str | None, tuple | None]:
@@ -145,7 +135,10 @@ def read_fleet_log(path: str | Path, max_records: int | None = None) -> FleetDat
             except json.JSONDecodeError as exc:
                 raise FleetLogError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             records += 1
-            reason, sample = parse_sample(rec, where)
+            try:
+                reason, sample = parse_sample(rec, where)
+            except DecisionLogError as exc:
+                raise FleetLogError(str(exc)) from None
             if reason is not None:
                 skipped[reason] = skipped.get(reason, 0) + 1
             else:
