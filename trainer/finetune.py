@@ -15,7 +15,7 @@ same regression continues on what the live fleet really did, starting from the s
   difference, in log-TTFT units), so replicas the log says nothing about keep the prior's
   prediction instead of drifting wherever the shared weights pull them. Fresh evidence about other
   replicas comes from the decisions LOR made (fallbacks), the control arm during A/B, and the
-  treatment arm's exploration share (`explore_share` in the router's promotion settings).
+  treatment arm's bounded exploration share (router setting `ab_explore_share`, router/serving/promotion.py).
   The card counts how many samples each replica position and each decision source contributed.
 
 The result is exported atomically (written beside the target, checked by onnxruntime, renamed)

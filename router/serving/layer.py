@@ -24,7 +24,7 @@ from router.policy.types import ClusterView, Outcome
 from router.serving.arms import ABSplit, GuardConfig, RollbackGuard
 from router.serving.decision_log import DecisionLogWriter, PendingRecord
 from router.serving.metrics import ServingMetrics
-from router.serving.promotion import PromotionConfig, PromotionController
+from router.serving.promotion import ExploringPolicy, PromotionConfig, PromotionController
 from router.serving.reload import PolicyFileWatcher, PolicyReloader, is_reloadable
 from router.serving.shadow import ShadowEvaluator
 
@@ -91,16 +91,24 @@ class ServingLayer:
         treat, ctrl = self.reloaders["treatment"], self.reloaders["control"]
 
         def promote() -> str | None:
-            self.runners["control"].swap_primary(self.runners["treatment"].policy.primary)
+            primary = self.runners["treatment"].policy.primary
+            self.runners["control"].swap_primary(primary.inner if isinstance(primary, ExploringPolicy) else primary)
             ctrl.path = treat.path  # later reloads/watching of control follow the promoted file
             return None if treat.path is None else str(treat.path)
 
         controller = PromotionController(self.ab.guard, promote, lambda: None if treat.path is None else str(treat.path),
                                          self.metrics, PromotionConfig(min_samples=settings.ab_min_samples))
         install = treat.install
+        share = getattr(settings, "ab_explore_share", 0.0)
+
+        def explore(policy):
+            return ExploringPolicy(policy, share, self.metrics.explorations, settings.seed) if share > 0 else policy
+
+        runner = self.runners["treatment"]
+        runner.policy.primary = explore(runner.policy.primary)
 
         def install_candidate(policy) -> None:
-            install(policy)
+            install(explore(policy))
             # after the reloader has recorded the new path (same task, before it yields)
             asyncio.get_running_loop().call_soon(self._new_candidate)
 
@@ -131,10 +139,12 @@ class ServingLayer:
 
     def on_release(self, route, outcome: Outcome | None) -> None:
         """The attempt ended (completed, failed or cancelled); called once per attempt."""
+        explorer = route.runner.policy.primary
+        explored = isinstance(explorer, ExploringPolicy) and explorer.release(route.request.request_id)
         if outcome is not None:
             if self.shadow is not None:
                 self.shadow.on_complete(route.replica.id, route.request, outcome)
-            if self.ab is not None:
+            if self.ab is not None and not explored:
                 ttfb = outcome.ttft_s if outcome.ttft_s is not None else outcome.e2e_s
                 was_active = self.ab.guard.active
                 tripped = self.ab.guard.record(route.runner.arm, self.clock(), ttfb, outcome.ok)

@@ -72,6 +72,10 @@ class ServingMetrics:
             "The current candidate's held-out mean absolute error of log TTFT from its model card, before (the model "
             "it started from) and after fine-tuning.", ["stage"], registry=r,
         )
+        self.explorations = Counter(
+            "llm_router_exploration_decisions", "Treatment-arm decisions sent to a random healthy replica (ab_explore_share).",
+            registry=r,
+        )
         for result in ("promoted", "rolled_back"):
             self.promotions.labels(result)
         for state in ("idle", "evaluating", "promoted", "rolled_back"):

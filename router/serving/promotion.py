@@ -25,11 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from router.serving.arms import RollbackGuard
 
 log = logging.getLogger("router.promotion")
 
 RESULTS = ("promoted", "rolled_back")
+MAX_EXPLORE_SHARE = 0.2  # of the treatment arm's decisions: exploration costs latency, so it stays bounded
 STATES = ("idle", "evaluating", "promoted", "rolled_back")
 
 
@@ -150,3 +153,52 @@ class PromotionController:
                        "confirm_checks": cfg.confirm_checks, "check_every": cfg.check_every},
             "history": list(self.history),
         }
+
+
+class ExploringPolicy:
+    """The treatment arm's bounded exploration (bandit feedback): with probability `share`, the policy's
+    scores are changed so a uniformly random healthy replica ranks first. The decision still passes
+    the FallbackPolicy's guards (an overloaded pick still falls back). The decision log then holds
+    outcomes of replicas the policy would not have picked, which `trainer finetune` needs to correct
+    the prior where it is wrong. Counted in `llm_router_exploration_decisions_total`.
+    Explored outcomes are kept out of the A/B guard's windows (the candidate is judged on its own picks).
+    Everything else (describe, last_input, on_complete, ...) is the wrapped policy's."""
+
+    def __init__(self, inner, share: float, counter, seed: int | None = None) -> None:
+        if not 0.0 <= share <= MAX_EXPLORE_SHARE:
+            raise ValueError(f"ab_explore_share={share}: must be within [0, {MAX_EXPLORE_SHARE}]")
+        self.inner = inner
+        self.share = share
+        self.counter = counter
+        self.explored = 0
+        self.pending: set[str] = set()  # request ids explored and not yet released (kept out of the A/B guard)
+        self._rng = np.random.default_rng(seed)
+
+    def scores(self, view, request):
+        s = np.array(self.inner.scores(view, request), dtype=np.float64)
+        if self.share > 0 and self._rng.random() < self.share:
+            healthy = np.flatnonzero([r.healthy for r in view.replicas])
+            if len(healthy) > 1 and np.isfinite(s[healthy]).all():
+                s[int(self._rng.choice(healthy))] = s[healthy].max() + 1.0
+                self.explored += 1
+                self.pending.add(request.request_id)
+                self.counter.inc()
+        return s
+
+    def release(self, request_id: str) -> bool:
+        """True (once) if this request was an exploration: its outcome is not the policy's, so the A/B guard skips it."""
+        if request_id in self.pending:
+            self.pending.discard(request_id)
+            return True
+        return False
+
+    def choose(self, view, request) -> int:
+        s = self.scores(view, request)
+        healthy = np.array([r.healthy for r in view.replicas])
+        return int(np.where(healthy, s, -np.inf).argmax())
+
+    def describe(self) -> dict:
+        return {**self.inner.describe(), "explore_share": self.share, "explored": self.explored}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from pydantic import ValidationError
+
+from router.settings import RouterSettings
+
 from .conftest import AUTH
 from .onnx_models import prefer_replica_model
 from .test_live_serving import EXACT, load, metrics, send, total
@@ -81,3 +86,26 @@ async def test_worse_candidate_is_rolled_back_and_never_promoted(tmp_path, fakes
     ab = await (await client.get("/admin/ab", headers=AUTH)).json()
     assert not ab["rollback_active"] and ab["promotion"]["state"] == "evaluating"
     assert ab["window"]["treatment"]["requests"] == 0
+
+
+async def test_exploration_share_is_bounded_counted_and_kept_out_of_the_guard(tmp_path, fakes, router_client):
+    fast, slow = await fakes(2)
+    slow.token_delay_s = 0.1
+    control = prefer_replica_model(tmp_path / "control.onnx", 0, version="primary-fast")
+    client = await router_client([fast.url, slow.url], policy=str(control), ab_explore_share=0.2,
+                                 ab_treatment=str(prefer_replica_model(tmp_path / "t.onnx", 0, version="cand-fast")), **GUARD)
+    responses = await load(client, 300, concurrency=16, key=lambda i: f"user-{i}")
+    assert [r.status for r in responses] == [200] * 300
+    treated = [r for r in responses if r.headers["x-routewise-arm"] == "treatment"]
+    on_slow = sum(r.headers["x-routewise-replica"] == slow.url.split("//")[1] for r in treated)
+    m = await metrics(client)
+    explored = total(m, "llm_router_exploration_decisions_total")
+    assert 0.08 * len(treated) < explored < 0.35 * len(treated), (explored, len(treated))
+    assert 0 < on_slow <= explored  # the policy itself never picks the slow replica; only exploration does
+    ab = await (await client.get("/admin/ab", headers=AUTH)).json()
+    # explored requests (100 ms slower) are not the candidate's doing: the guard never saw them, so it did not trip
+    assert not ab["rollback_active"], ab
+    control_arm = [r for r in responses if r.headers["x-routewise-arm"] == "control"]
+    assert all(r.headers["x-routewise-replica"] == fast.url.split("//")[1] for r in control_arm)
+    with pytest.raises(ValidationError, match="ab_explore_share"):
+        RouterSettings(ab_explore_share=0.5)
