@@ -6,15 +6,16 @@ Two real vLLM servers (tiny model, one core each), heterogeneous as the e2e flee
 (tests/e2e/vllm_servers.py FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues
 and preempts), ROOMY 16 slots and 16 MB. The shipped policy's simulator prior knows H100/A100-class
 replicas with hundreds of slots, not a replica that saturates at 4.
-1. Segment A (earlier traffic) goes through the router with the shipped learned policy and the
-   decision log on; `trainer finetune` fits on that log (its newest 20 % held out).
+1. Segment A (earlier traffic) goes through the router with the shipped learned policy, the
+   decision log on and a bounded exploration share (`ab_explore_share`, default 0.2: the router's
+   answer to bandit feedback); `trainer finetune` fits on that log (its newest 20 % held out).
 2. Segment B (later traffic: the same generator, another seed) is replayed, with the same arrivals,
    prompts and lengths, through a fresh router for each policy: least-outstanding, expected-wait,
    the shipped learned policy, and the fine-tuned one. Printed: p50/p99 TTFT per policy (client side,
    streamed, first SSE event), and the prediction error on segment B's own decision log (unseen by
    the fit) before (shipped) and after (fine-tuned).
-Requests: streamed completions with `ignore_eos`, Poisson arrivals, prompts of 20-400 words
-(lognormal), 16-160 output tokens.
+Requests: streamed completions with `ignore_eos`, Poisson arrivals, prompts of 10-150 words
+(lognormal; the longest with 160 output tokens still fit the servers' 1024-token context), 16-160 output tokens.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def segment(seed: int, duration_s: float, rate: float) -> list[dict]:
         t += float(rng.exponential(1.0 / rate))
         if t >= duration_s:
             return out
-        n_words = int(np.clip(rng.lognormal(np.log(90), 0.8), 20, 400))
+        n_words = int(np.clip(rng.lognormal(np.log(60), 0.7), 10, 150))  # < max-model-len 1024 with the output
         prompt = " ".join(rng.choice(WORDS, n_words))
         out.append({"at_s": t, "prompt": prompt, "max_tokens": int(rng.integers(16, 161)), "key": f"u{len(out)}"})
 
@@ -80,8 +81,12 @@ async def replay(base_url: str, requests: list[dict]) -> list[float | None]:
         return await asyncio.gather(*(one(session, r) for r in requests))
 
 
-def run_policy(urls: list[str], policy: str, requests: list[dict], work: Path, log_dir: Path | None) -> list[float | None]:
+def run_policy(urls: list[str], policy: str, requests: list[dict], work: Path, log_dir: Path | None,
+               explore_share: float = 0.0) -> list[float | None]:
     env = {"ROUTEWISE_DECISION_LOG_DIR": str(log_dir)} if log_dir is not None else {}
+    if explore_share > 0:  # every request in the treatment arm (the same model), a bounded share explored
+        env |= {"ROUTEWISE_AB_TREATMENT": policy, "ROUTEWISE_AB_SHARE": "1.0", "ROUTEWISE_AB_AUTO_PROMOTE": "true",
+                "ROUTEWISE_AB_EXPLORE_SHARE": str(explore_share)}
     router = start_router(urls, policy, work / "router-logs", scrape_interval_s=0.2, env=env)
     try:
         return asyncio.run(replay(router.base_url, requests))
@@ -111,9 +116,11 @@ def pct(xs: list[float | None], q: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--segment-s", type=float, default=60.0, help="length of each traffic segment (default 60 s)")
-    ap.add_argument("--rate", type=float, default=6.0, help="Poisson arrival rate, requests/s (default 6)")
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--segment-s", type=float, default=60.0, help="length of the replayed segment B (default 60 s)")
+    ap.add_argument("--train-s", type=float, default=120.0, help="length of the earlier segment A (default 120 s)")
+    ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s (default 4)")
+    ap.add_argument("--explore", type=float, default=0.2, help="exploration share while segment A is logged (default 0.2)")
+    ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     python = vllm_python()
@@ -124,14 +131,15 @@ def main() -> int:
 
     shipped = REPO / "router" / "policy" / "models" / "default.onnx"
     work = Path(tempfile.mkdtemp(prefix="routewise-fleet-ft-"))
-    seg_a = segment(1, args.segment_s, args.rate)
+    seg_a = segment(1, args.train_s, args.rate)
     seg_b = segment(2, args.segment_s, args.rate)
     servers = start_servers(2, ensure_tiny_model(work / "model", python), python, work, extra_args=FLEET_ARGS)
     try:
         urls = [s.base_url for s in servers]
         t = time.perf_counter()
-        ttft_a = run_policy(urls, str(shipped), seg_a, work, work / "log-a")
-        print(f"segment A: {len(seg_a)} requests through the shipped policy in {time.perf_counter() - t:.0f}s "
+        ttft_a = run_policy(urls, str(shipped), seg_a, work, work / "log-a", args.explore)
+        print(f"segment A: {len(seg_a)} requests through the shipped policy ({args.explore:.0%} explored) "
+              f"in {time.perf_counter() - t:.0f}s "
               f"({sum(x is None for x in ttft_a)} failed)", flush=True)
         report = finetune(work / "log-a", shipped, work / "finetuned.onnx", FinetuneConfig(epochs=args.epochs))
         print(report.summary(), flush=True)
