@@ -18,6 +18,9 @@ same regression continues on what the live fleet really did, starting from the s
   treatment arm's bounded exploration share (router setting `ab_explore_share`, router/serving/promotion.py).
   The card counts how many samples each replica position and each decision source contributed.
 
+Early stopping: the newest 15 % of the training part picks the epoch kept (the initial weights
+count as epoch 0), so a log too small or too noisy to learn from does not make the model worse there.
+
 The result is exported atomically (written beside the target, checked by onnxruntime, renamed)
 with a model card `NEW.json`: data span, record counts and skip reasons, errors before/after,
 the feature hash.
@@ -25,6 +28,7 @@ the feature hash.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -53,11 +57,14 @@ class FinetuneConfig:
     batch_size: int = 512
     lr: float = 1e-3
     anchor: float = 0.1  # weight of the unchosen replicas' pull towards the initial model's logits
+    early_stop: float = 0.15  # newest share of the training part scored per epoch to pick the epoch kept
     pair_window_s: float = 0.5  # decisions this close in time count as "at the same moment"
     max_records: int | None = None  # newest samples to use (None: all)
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.early_stop < 1.0:
+            raise FinetuneError(f"early_stop={self.early_stop}: must be within [0, 1)")
         if not 0.0 < self.holdout < 1.0:
             raise FinetuneError(f"holdout={self.holdout}: must be within (0, 1)")
         if self.epochs < 0 or self.batch_size < 1 or not self.lr > 0 or self.anchor < 0:
@@ -211,7 +218,35 @@ def prediction_errors(logits: np.ndarray, c: float, data: FleetData, pair_window
 
 # ------------------------------------------------------------------ the fit
 def fit(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float) -> list[dict]:
-    """Continue the latency regression on `data` (in place); returns per-epoch stats."""
+    """Continue the latency regression on `data` (in place); returns per-epoch stats.
+
+    Early stopping: the newest `early_stop` share of `data` is not fitted but scored after every epoch
+    (MAE of log TTFT, c re-fitted on the rest); the weights of the best epoch are kept, the initial
+    weights included (epoch 0), so a log too small or too noisy to learn from leaves the model as it was.
+    """
+    if cfg.early_stop > 0 and len(data) >= 20:
+        fit_part, stop_part = split(data, cfg.early_stop)
+    else:
+        fit_part, stop_part = data, None
+
+    def score() -> float:
+        c = calibrate(all_logits(net, fit_part), fit_part)
+        return prediction_errors(all_logits(net, stop_part), c, stop_part, cfg.pair_window_s)["mae_log_ttft"]
+
+    best = (score(), 0, copy.deepcopy(net.state_dict())) if stop_part is not None else None
+    history = _epochs(net, fit_part, cfg, c0, score if stop_part is not None else None)
+    if best is not None:
+        for k, h in enumerate(history, 1):
+            if h["early_stop_mae_log_ttft"] < best[0]:
+                best = (h["early_stop_mae_log_ttft"], k, h.pop("_state"))
+            h.pop("_state", None)
+        net.load_state_dict(best[2])
+        history.append({"kept_epoch": best[1], "early_stop_mae_log_ttft": best[0]})
+    net.eval()
+    return history
+
+
+def _epochs(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float, score) -> list[dict]:
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     f = torch.from_numpy(data.features)
@@ -242,7 +277,12 @@ def fit(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float) -> lis
             nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
             tot += loss.item() * len(idx)
-        history.append({"loss": round(tot / n, 5)})
+        stats: dict = {"loss": round(tot / n, 5)}
+        if score is not None:
+            net.eval()
+            stats |= {"early_stop_mae_log_ttft": score(), "_state": copy.deepcopy(net.state_dict())}
+            net.train()
+        history.append(stats)
     net.eval()
     return history
 

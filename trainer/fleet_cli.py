@@ -17,6 +17,8 @@ def _finetune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--anchor", type=float, default=0.1,
                    help="pull of unchosen replicas' predictions towards the initial model's (bandit feedback; default 0.1)")
+    p.add_argument("--early-stop", type=float, default=0.15,
+                   help="newest share of the training part scored each epoch; the best epoch is kept (0 = off; default 0.15)")
     p.add_argument("--max-records", type=int, help="use only the newest N usable records")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -26,7 +28,8 @@ def _finetune(args: argparse.Namespace) -> int:
 
     from trainer.finetune import FinetuneConfig, finetune
 
-    cfg = FinetuneConfig(holdout=args.holdout, epochs=args.epochs, lr=args.lr, anchor=args.anchor, max_records=args.max_records)
+    cfg = FinetuneConfig(holdout=args.holdout, epochs=args.epochs, lr=args.lr, anchor=args.anchor, max_records=args.max_records,
+                         early_stop=args.early_stop)
     report = finetune(args.decision_log, args.init, args.out, cfg)
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0
