@@ -229,9 +229,9 @@ def fit(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float) -> lis
     else:
         fit_part, stop_part = data, None
 
-    def score() -> float:
-        c = calibrate(all_logits(net, fit_part), fit_part)
-        return prediction_errors(all_logits(net, stop_part), c, stop_part, cfg.pair_window_s)["mae_log_ttft"]
+    def score() -> float:  # c from the scored part itself: one constant, and no extra pass over the fitted part
+        logits = all_logits(net, stop_part)
+        return prediction_errors(logits, calibrate(logits, stop_part), stop_part, cfg.pair_window_s)["mae_log_ttft"]
 
     best = (score(), 0, copy.deepcopy(net.state_dict())) if stop_part is not None else None
     history = _epochs(net, fit_part, cfg, c0, score if stop_part is not None else None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -53,8 +54,11 @@ def main() -> int:
         cmd = [sys.executable, "-m", "trainer", "finetune", "--decision-log", str(log), "--init",
                str(REPO / "router/policy/models/default.onnx"), "-o", str(out), "--max-records", str(args.records), "--json"]
         start = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if r.returncode != 0:
             print(r.stderr, file=sys.stderr)
             return 1
@@ -62,6 +66,8 @@ def main() -> int:
     print(f"log: {have} records ({args.scenario}); used {doc['train_samples'] + doc['val_samples']} samples")
     print(f"finetune wall time: {wall:.1f}s (whole process, torch 2 threads; target < 120 s) "
           f"{'OK' if wall < 120 else 'MISSED'}")
+    print(f"CPU time: {cpu:.1f}s user+sys (on 2 otherwise idle cores wall is about half of it; the wall figure includes "
+          f"waiting for cores another job holds: load average {os.getloadavg()[0]:.1f})")
     print(f"held-out MAE of log TTFT {doc['before']['mae_log_ttft']:.4f} -> {doc['after']['mae_log_ttft']:.4f}; "
           f"pair order accuracy {doc['before']['pair_order_accuracy']} -> {doc['after']['pair_order_accuracy']}")
     return 0
