@@ -134,6 +134,14 @@ class RouterSettings(BaseSettings):
     ab_min_samples: int = Field(500, ge=1, description="rollback guard: outcomes per arm before a verdict")
     ab_max_p99_ratio: float = Field(1.2, gt=0, description="roll back when treatment p99 TTFT / control p99 exceeds this")
     ab_max_error_rate_delta: float = Field(0.01, ge=0, le=1, description="... or its error rate exceeds control's by this")
+    ab_auto_promote: bool = Field(
+        False, description="a model reloaded into the treatment arm is a candidate: promoted to control when the guard's "
+        "window finds it no worse, rolled back otherwise (router/serving/promotion.py; `trainer follow`)"
+    )
+    ab_explore_share: float = Field(
+        0.0, ge=0.0, le=0.2, description="with ab_auto_promote: share of treatment decisions sent to a random healthy "
+        "replica, so the decision log shows outcomes the policy would not pick (counted)"
+    )
     decision_log_dir: Path | None = None
     decision_log_max_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="start a new file past this size")
     decision_log_keep: int = Field(10, ge=1, description="decision log files kept (oldest deleted)")

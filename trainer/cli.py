@@ -3,6 +3,8 @@
   trainer train    --config trainer/configs/default.yaml [--set ppo.updates=80] [--resume]
   trainer evaluate --policy runs/default/best.pt [--scenarios all] [--seeds 3] [--json]
   trainer export   --checkpoint runs/default/best.pt --out router/policy/models/default.onnx
+  trainer finetune --decision-log DIR --init router/policy/models/default.onnx -o new.onnx
+  trainer follow   --decision-log DIR --models DIR [--router URL]
 """
 
 from __future__ import annotations
@@ -217,6 +219,9 @@ COMMANDS = {
     "evaluate": ("the learned policy and every baseline on the same seeds: table with 95%% CIs, plots", _evaluate_arguments, _evaluate),
     "export": ("export a checkpoint to ONNX (normalisation folded in) and check parity with torch", _export_arguments, _export),
 }
+from trainer.fleet_cli import FLEET_COMMANDS  # noqa: E402 - finetune/follow (issue 12) live in their own module
+
+COMMANDS |= FLEET_COMMANDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,13 +239,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.export import ExportError
+    from trainer.finetune import FinetuneError
+    from trainer.fleet_log import FleetLogError
 
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "traces_dir", None):
             use_traces_dir(args.traces_dir)
         return COMMANDS[args.command][2](args)
-    except (UsageError, ConfigError, CheckpointError, ExportError, TraceError) as exc:
+    except (UsageError, ConfigError, CheckpointError, ExportError, FinetuneError, FleetLogError, TraceError) as exc:
         print(f"trainer {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -155,6 +155,18 @@ def build() -> dict:
     panels.append(panel(layout, "Requests by arm", [
         (f"sum by (arm) (rate(llm_router_requests_total[{RATE}]))", "{{arm}}")], "reqps"))
 
+    panels.append(layout.row("Learning from the fleet"))
+    panels.append(panel(layout, "Candidate prediction error (held-out MAE of log TTFT)", [
+        ('max by (stage) (llm_router_policy_candidate_mae_log_ttft)', "{{stage}} fine-tuning")], "none",
+        description="From the current candidate's model card (trainer finetune/follow): the error of the model it "
+                    "started from and its own, on the newest part of the decision log it was not fitted on."))
+    panels.append(panel(layout, "Candidate promotions and rollbacks", [
+        (f"sum by (result) (increase(llm_router_policy_promotions_total[{RATE}]))", "{{result}}")], "none",
+        description="A candidate is promoted to primary when its A/B window is no worse than the primary's, "
+                    "rolled back when the guard trips. Reasons: router log and GET /admin/ab."))
+    panels.append(panel(layout, "Candidate state", [
+        ('max by (state) (llm_router_policy_candidate_state) == 1', "{{state}}")], "none", kind="table", w=4))
+
     panels.append(layout.row("Replicas"))
     for title, metric, unit in (
         ("Outstanding requests (router-side)", "llm_router_outstanding_requests", "none"),

@@ -24,6 +24,7 @@ from router.policy.types import ClusterView, Outcome
 from router.serving.arms import ABSplit, GuardConfig, RollbackGuard
 from router.serving.decision_log import DecisionLogWriter, PendingRecord
 from router.serving.metrics import ServingMetrics
+from router.serving.promotion import ExploringPolicy, PromotionConfig, PromotionController
 from router.serving.reload import PolicyFileWatcher, PolicyReloader, is_reloadable
 from router.serving.shadow import ShadowEvaluator
 
@@ -77,8 +78,46 @@ class ServingLayer:
                 settings.shadow_policy, lambda p: setattr(shadow.policy, "primary", p), seed=settings.seed, metrics=m,
                 label="shadow", current=lambda: shadow.policy.primary.describe(),
             )
+        self.promotion = self._promotion(settings)
         self.watchers = [PolicyFileWatcher(r, settings.policy_watch_interval_s) for r in self.reloaders.values()] \
             if settings.policy_watch_interval_s else []
+
+    def _promotion(self, settings) -> PromotionController | None:
+        """With ab_auto_promote, a model reloaded into the treatment arm is a candidate (promotion.py)."""
+        if self.ab is None or not getattr(settings, "ab_auto_promote", False):
+            return None
+        if "treatment" not in self.reloaders or "control" not in self.reloaders:
+            raise ValueError("ab_auto_promote needs learned policies (.onnx or `learned`) in both --policy and --ab-treatment")
+        treat, ctrl = self.reloaders["treatment"], self.reloaders["control"]
+
+        def promote() -> str | None:
+            primary = self.runners["treatment"].policy.primary
+            self.runners["control"].swap_primary(primary.inner if isinstance(primary, ExploringPolicy) else primary)
+            ctrl.path = treat.path  # later reloads/watching of control follow the promoted file
+            return None if treat.path is None else str(treat.path)
+
+        controller = PromotionController(self.ab.guard, promote, lambda: None if treat.path is None else str(treat.path),
+                                         self.metrics, PromotionConfig(min_samples=settings.ab_min_samples))
+        install = treat.install
+        share = getattr(settings, "ab_explore_share", 0.0)
+
+        def explore(policy):
+            return ExploringPolicy(policy, share, self.metrics.explorations, settings.seed) if share > 0 else policy
+
+        runner = self.runners["treatment"]
+        runner.policy.primary = explore(runner.policy.primary)
+
+        def install_candidate(policy) -> None:
+            install(explore(policy))
+            # after the reloader has recorded the new path (same task, before it yields)
+            asyncio.get_running_loop().call_soon(self._new_candidate)
+
+        treat.install = install_candidate
+        return controller
+
+    def _new_candidate(self) -> None:
+        self.promotion.on_candidate(self.clock())
+        self._export_ab_state()
 
     # --- request path --------------------------------------------------------------------------
 
@@ -100,16 +139,21 @@ class ServingLayer:
 
     def on_release(self, route, outcome: Outcome | None) -> None:
         """The attempt ended (completed, failed or cancelled); called once per attempt."""
+        explorer = route.runner.policy.primary
+        explored = isinstance(explorer, ExploringPolicy) and explorer.release(route.request.request_id)
         if outcome is not None:
             if self.shadow is not None:
                 self.shadow.on_complete(route.replica.id, route.request, outcome)
-            if self.ab is not None:
+            if self.ab is not None and not explored:
                 ttfb = outcome.ttft_s if outcome.ttft_s is not None else outcome.e2e_s
                 was_active = self.ab.guard.active
-                if self.ab.guard.record(route.runner.arm, self.clock(), ttfb, outcome.ok) and not was_active:
+                tripped = self.ab.guard.record(route.runner.arm, self.clock(), ttfb, outcome.ok)
+                if tripped and not was_active:
                     g = self.ab.guard
                     self.metrics.ab_rollbacks.labels(g.cause).inc()
                     log.warning("A/B rollback: all traffic to control: %s", g.reason)
+                if self.promotion is not None:
+                    self.promotion.on_outcome(self.clock(), tripped)
                 self._export_ab_state()
         if self.decision_log is not None:
             self.decision_log.submit(self._record(route, outcome))
@@ -160,6 +204,7 @@ class ServingLayer:
             "configured_share": self.ab.share,
             "effective_share": self.ab.effective_share,
             **self.ab.guard.describe(),
+            "promotion": None if self.promotion is None else self.promotion.describe(),
         }
 
     def reset_ab(self) -> dict:

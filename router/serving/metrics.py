@@ -58,3 +58,25 @@ class ServingMetrics:
             "llm_router_policy_reload", "Policy reload attempts by result (ok, or why the new file was refused).",
             ["result"], registry=r,
         )
+        # candidate promotion (promotion.py); exported from the start so dashboards and alerts see zeros
+        self.promotions = Counter(
+            "llm_router_policy_promotions", "Candidate models promoted to primary or rolled back by the A/B guard.",
+            ["result"], registry=r,
+        )
+        self.candidate_state = Gauge(
+            "llm_router_policy_candidate_state", "1 for the promotion controller's current state (idle without auto-promotion).",
+            ["state"], registry=r,
+        )
+        self.candidate_error = Gauge(
+            "llm_router_policy_candidate_mae_log_ttft",
+            "The current candidate's held-out mean absolute error of log TTFT from its model card, before (the model "
+            "it started from) and after fine-tuning.", ["stage"], registry=r,
+        )
+        self.explorations = Counter(
+            "llm_router_exploration_decisions", "Treatment-arm decisions sent to a random healthy replica (ab_explore_share).",
+            registry=r,
+        )
+        for result in ("promoted", "rolled_back"):
+            self.promotions.labels(result)
+        for state in ("idle", "evaluating", "promoted", "rolled_back"):
+            self.candidate_state.labels(state).set(1 if state == "idle" else 0)

@@ -267,6 +267,8 @@ def has_finite_sample(result: list[dict]) -> bool:
 def skip_unless_supported(q: Query, stack: Stack) -> None:
     if q.needs_ab and not stack.ab:
         pytest.skip("router serve has no --ab-treatment yet: A/B metrics not produced")
+    if q.needs_candidate:
+        pytest.skip("no fine-tuned candidate in this stack: tests/serving/test_promotion.py checks the gauge")
     if q.needs_shadow and not stack.shadow:
         pytest.skip("router serve has no --shadow-policy yet: shadow metrics not produced")
 

@@ -1,0 +1,180 @@
+"""Learning from the fleet on real vLLM CPU servers: fine-tuned vs shipped learned vs heuristics.
+
+    flock /work/wt/vllm.lock .venv/bin/python tests/bench/fleet_finetune.py [--segment-s 60] [--rate 6]
+
+Two real vLLM servers (tiny model, one core each), heterogeneous as the e2e fleet
+(tests/e2e/vllm_servers.py FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues
+and preempts), ROOMY 16 slots and 16 MB. The shipped policy's simulator prior knows H100/A100-class
+replicas with hundreds of slots, not a replica that saturates at 4.
+1. Segment A (earlier traffic) goes through the router with the shipped learned policy, the
+   decision log on and a bounded exploration share (`ab_explore_share`, default 0.2: the router's
+   answer to bandit feedback); `trainer finetune` fits on that log (its newest 20 % held out).
+2. Segment B (later traffic: the same generator, another seed) is replayed, with the same arrivals,
+   prompts and lengths, through a fresh router for each policy: least-outstanding, expected-wait,
+   the shipped learned policy, and the fine-tuned one. Printed: p50/p99 TTFT per policy (client side,
+   streamed, first SSE event), and the prediction error on segment B's own decision log (unseen by
+   the fit) before (shipped) and after (fine-tuned).
+Requests: streamed completions with `ignore_eos`, Poisson arrivals, prompts of 10-150 words
+(lognormal; the longest with 160 output tokens still fit the servers' 1024-token context), 16-160 output tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.e2e.router_process import start_router  # noqa: E402
+from tests.e2e.vllm_servers import (  # noqa: E402
+    FLEET_ARGS, SERVED_MODEL_NAME, ensure_tiny_model, start_servers, stop_servers, vllm_python,
+)
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
+
+
+def segment(seed: int, duration_s: float, rate: float) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    t, out = 0.0, []
+    while True:
+        t += float(rng.exponential(1.0 / rate))
+        if t >= duration_s:
+            return out
+        n_words = int(np.clip(rng.lognormal(np.log(60), 0.7), 10, 150))  # < max-model-len 1024 with the output
+        prompt = " ".join(rng.choice(WORDS, n_words))
+        out.append({"at_s": t, "prompt": prompt, "max_tokens": int(rng.integers(16, 161)), "key": f"u{len(out)}"})
+
+
+async def replay(base_url: str, requests: list[dict]) -> list[float | None]:
+    import aiohttp
+
+    async def one(session, r) -> float | None:
+        await asyncio.sleep(max(0.0, r["at_s"] - (time.monotonic() - t0)))
+        start = time.monotonic()
+        body = {"model": SERVED_MODEL_NAME, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "stream": True,
+                "ignore_eos": True}
+        try:
+            async with session.post(f"{base_url}/v1/completions", json=body, headers={"x-routewise-key": r["key"]}) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    return None
+                ttft = None
+                async for line in resp.content:
+                    if ttft is None and line.startswith(b"data:"):
+                        ttft = time.monotonic() - start
+                return ttft
+        except aiohttp.ClientError:
+            return None
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.monotonic()
+        return await asyncio.gather(*(one(session, r) for r in requests))
+
+
+def run_policy(urls: list[str], policy: str, requests: list[dict], work: Path, log_dir: Path | None,
+               explore_share: float = 0.0) -> list[float | None]:
+    env = {"ROUTEWISE_DECISION_LOG_DIR": str(log_dir)} if log_dir is not None else {}
+    if explore_share > 0:  # every request in the treatment arm (the same model), a bounded share explored
+        env |= {"ROUTEWISE_AB_TREATMENT": policy, "ROUTEWISE_AB_SHARE": "1.0", "ROUTEWISE_AB_AUTO_PROMOTE": "true",
+                "ROUTEWISE_AB_EXPLORE_SHARE": str(explore_share)}
+    router = start_router(urls, policy, work / "router-logs", scrape_interval_s=0.2, env=env)
+    try:
+        return asyncio.run(replay(router.base_url, requests))
+    finally:
+        router.stop()
+
+
+def errors_on(log_dir: Path, models: dict[str, Path], pair_window_s: float = 0.5) -> dict[str, dict]:
+    """Prediction error of each model on a decision log it was not fitted on (c from the first half)."""
+    from trainer.finetune import all_logits, calibrate, load_init_model, prediction_errors, split
+    from trainer.fleet_log import read_fleet_log
+
+    data = read_fleet_log(log_dir)
+    fit_c, held = split(data, 0.5)
+    out = {}
+    for name, path in models.items():
+        net, _ = load_init_model(path)
+        c = calibrate(all_logits(net, fit_c), fit_c)
+        out[name] = prediction_errors(all_logits(net, held), c, held, pair_window_s)
+    return out
+
+
+def pct(xs: list[float | None], q: float) -> float:
+    ok = [x for x in xs if x is not None]
+    return float(np.percentile(ok, q)) if ok else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--segment-s", type=float, default=60.0, help="length of the replayed segment B (default 60 s)")
+    ap.add_argument("--train-s", type=float, default=120.0, help="length of the earlier segment A (default 120 s)")
+    ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s (default 4)")
+    ap.add_argument("--explore", type=float, default=0.2, help="exploration share while segment A is logged (default 0.2)")
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    python = vllm_python()
+    if python is None:
+        print("no vLLM venv (.venv-vllm or ROUTEWISE_VLLM_PYTHON)", file=sys.stderr)
+        return 2
+    from trainer.finetune import FinetuneConfig, finetune
+
+    shipped = REPO / "router" / "policy" / "models" / "default.onnx"
+    work = Path(tempfile.mkdtemp(prefix="routewise-fleet-ft-"))
+    seg_a = segment(1, args.train_s, args.rate)
+    seg_b = segment(2, args.segment_s, args.rate)
+    servers = start_servers(2, ensure_tiny_model(work / "model", python), python, work, extra_args=FLEET_ARGS)
+    try:
+        urls = [s.base_url for s in servers]
+        t = time.perf_counter()
+        ttft_a = run_policy(urls, str(shipped), seg_a, work, work / "log-a", args.explore)
+        print(f"segment A: {len(seg_a)} requests through the shipped policy ({args.explore:.0%} explored) "
+              f"in {time.perf_counter() - t:.0f}s "
+              f"({sum(x is None for x in ttft_a)} failed)", flush=True)
+        report = finetune(work / "log-a", shipped, work / "finetuned.onnx", FinetuneConfig(epochs=args.epochs))
+        print(report.summary(), flush=True)
+        results = {}
+        policies = {"least-outstanding": "least-outstanding", "expected-wait": "expected-wait",
+                    "learned (shipped)": str(shipped), "learned (fine-tuned)": str(work / "finetuned.onnx")}
+        for name, policy in policies.items():
+            log_dir = work / "log-b-shipped" if name == "learned (shipped)" else None
+            ttfts = run_policy(urls, policy, seg_b, work, log_dir)
+            results[name] = {"p50_s": pct(ttfts, 50), "p99_s": pct(ttfts, 99), "failed": sum(x is None for x in ttfts)}
+            print(f"  {name:22s} p50 {results[name]['p50_s'] * 1e3:7.1f} ms  p99 {results[name]['p99_s'] * 1e3:7.1f} ms  "
+                  f"failed {results[name]['failed']}", flush=True)
+        unseen = errors_on(work / "log-b-shipped", {"shipped": shipped, "fine-tuned": work / "finetuned.onnx"})
+    finally:
+        stop_servers(servers)
+    best_h = min(results["least-outstanding"]["p99_s"], results["expected-wait"]["p99_s"])
+    ft, sh = results["learned (fine-tuned)"]["p99_s"], results["learned (shipped)"]["p99_s"]
+    print(f"\nsegment B ({len(seg_b)} requests, {args.rate}/s for {args.segment_s:.0f}s), TTFT per policy:")
+    for name, r in results.items():
+        print(f"  {name:22s} p50 {r['p50_s'] * 1e3:7.1f} ms   p99 {r['p99_s'] * 1e3:7.1f} ms   failed {r['failed']}")
+    print(f"fine-tuned p99 < shipped p99: {ft < sh} ({ft * 1e3:.1f} vs {sh * 1e3:.1f} ms); "
+          f"<= best heuristic p99: {ft <= best_h} ({best_h * 1e3:.1f} ms)")
+    print(f"prediction error, segment A held-out 20 %: MAE log TTFT {report.before['mae_log_ttft']:.4f} -> "
+          f"{report.after['mae_log_ttft']:.4f}")
+    for name, e in unseen.items():
+        print(f"prediction error on segment B's log (unseen), {name}: MAE log TTFT {e['mae_log_ttft']:.4f}, "
+              f"pair order accuracy {e['pair_order_accuracy']} ({e['pairs']} pairs)")
+    ratio = unseen["fine-tuned"]["mae_log_ttft"] / unseen["shipped"]["mae_log_ttft"]
+    print(f"error ratio fine-tuned / shipped on unseen traffic: {ratio:.2f} (target <= 0.5)")
+    if args.json:
+        print(json.dumps({"results": results, "finetune": {"before": report.before, "after": report.after},
+                          "unseen": unseen}, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""`trainer finetune` on decision logs written by a simulated fleet (the router's own encoder):
+the fit moves the shipped policy toward one trained on the fleet's true profiles, bad input is
+refused with file, line and field, and no half-written model is ever left behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from router.policy.features import FEATURE_SPEC_HASH
+from router.policy.registry import DEFAULT_MODEL_PATH
+from trainer.cli import main
+from trainer.finetune import FinetuneConfig, FinetuneError, all_logits, finetune, load_init_model
+from trainer.fleet_log import FleetLogError, read_fleet_log
+from trainer.simlog import simulate_log
+
+MISFIT = str(Path(__file__).resolve().parents[1] / "data" / "fleet-misfit.yaml")
+FAST = FinetuneConfig(epochs=2)
+
+
+@pytest.fixture(scope="module")
+def small_log(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("log")
+    simulate_log(MISFIT, d, episodes=1, max_requests=300, epsilon=0.2, seed=3)
+    return d
+
+
+def copy_log(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst / "decisions-000001.jsonl"
+
+
+def test_shipped_onnx_weights_are_recovered_exactly():
+    net, meta = load_init_model(DEFAULT_MODEL_PATH)  # raises unless torch reproduces onnxruntime's logits
+    assert meta["policy_version"] and "network" in meta["training_config"]
+
+
+def test_finetune_moves_the_policy_toward_the_one_trained_on_the_true_profiles(tmp_path):
+    # The fleet in fleet-misfit.yaml has a replica throttled 4x for the whole run: not what the prior saw.
+    # "Trained on the true profiles": the regression fitted on a large, heavily explored log of that fleet.
+    simulate_log(MISFIT, tmp_path / "truth", episodes=6, epsilon=0.5, seed=11)
+    simulate_log(MISFIT, tmp_path / "fleet", episodes=4, epsilon=0.2, seed=5)
+    simulate_log(MISFIT, tmp_path / "eval", episodes=1, epsilon=0.0, seed=23)
+    finetune(tmp_path / "truth", DEFAULT_MODEL_PATH, tmp_path / "true.onnx", FinetuneConfig(epochs=4, anchor=0.0))
+    report = finetune(tmp_path / "fleet", DEFAULT_MODEL_PATH, tmp_path / "ft.onnx", FinetuneConfig(epochs=4))
+    assert report.after["mae_log_ttft"] < 0.8 * report.before["mae_log_ttft"], report
+    decisions = read_fleet_log(tmp_path / "eval")
+    picks = {name: all_logits(load_init_model(p)[0], decisions).argmax(1)
+             for name, p in [("shipped", DEFAULT_MODEL_PATH), ("true", tmp_path / "true.onnx"), ("ft", tmp_path / "ft.onnx")]}
+    before = float(np.mean(picks["shipped"] == picks["true"]))
+    after = float(np.mean(picks["ft"] == picks["true"]))
+    assert after > before + 0.1, (before, after)
+
+
+def test_card_and_metadata(small_log, tmp_path):
+    out = tmp_path / "m" / "new.onnx"
+    report = finetune(small_log, DEFAULT_MODEL_PATH, out, FAST)
+    card = json.loads(out.with_suffix(".json").read_text())
+    assert card["feature_spec_hash"] == FEATURE_SPEC_HASH
+    data = card["finetune"]["data"]
+    assert data["records"] == 300 and data["train_samples"] + data["validation_samples"] == data["samples"] == report.train_samples + report.val_samples
+    assert data["duration_s"] > 0 and data["validation_from_unix_s"] > data["from_unix_s"]
+    assert card["finetune"]["validation_before"]["mae_log_ttft"] == report.before["mae_log_ttft"]
+    # the fine-tuned model is itself a valid --init (follow chains candidates)
+    net, meta = load_init_model(out)
+    assert meta["policy_version"] == report.policy_version and "finetune" in meta["training_config"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["new.json", "new.onnx"]  # no temporary files left
+
+
+def test_records_without_ttft_are_skipped_and_counted(small_log, tmp_path):
+    f = copy_log(small_log, tmp_path / "log")
+    lines = f.read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    recs[0] |= {"stream": False, "ttft_s": None}
+    recs[1] |= {"ok": False, "ttft_s": None, "status": 503}
+    recs[2] |= {"attempt": 1}
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs) + lines[3][:40])  # + a line the writer never finished
+    data = read_fleet_log(tmp_path / "log")
+    assert data.skipped == {"no_ttft": 1, "failed": 1, "retry": 1, "truncated": 1}
+    assert len(data) == 297 and data.records == 300
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda lines: lines.__setitem__(5, lines[5][:50]), ":6: not valid JSON"),
+    (lambda lines: lines.__setitem__(7, lines[7].replace('"feature_hash":"', '"feature_hash":"x')),
+     ":8: field 'feature_hash' = 'x"),
+    (lambda lines: lines.__setitem__(9, lines[9].replace('"ttft_s":', '"ttft_s":"soon","was":')), ":10: field 'ttft_s' = 'soon'"),
+    (lambda lines: lines.__setitem__(11, lines[11].replace('"features":"', '"features":"AAAA')), ":12: field 'features' holds"),
+], ids=["corrupt-line", "other-contract", "bad-ttft", "bad-features"])
+def test_bad_log_lines_name_file_line_and_field(small_log, tmp_path, edit, message):
+    f = copy_log(small_log, tmp_path / "log")
+    lines = f.read_text().splitlines()
+    edit(lines)
+    f.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.onnx"
+    out.write_bytes(b"previous model")
+    with pytest.raises(FleetLogError) as exc:
+        finetune(tmp_path / "log", DEFAULT_MODEL_PATH, out, FAST)
+    assert str(f) + message in str(exc.value)
+    assert out.read_bytes() == b"previous model"  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log", "out.onnx"]
+
+
+def test_other_contract_is_named(small_log, tmp_path):
+    f = copy_log(small_log, tmp_path / "log")
+    f.write_text(f.read_text().replace('"feature_hash":"', '"feature_hash":"0ld'))
+    with pytest.raises(FleetLogError, match="written under another feature contract"):
+        read_fleet_log(tmp_path / "log")
+
+
+def test_no_usable_ttft(small_log, tmp_path):
+    f = copy_log(small_log, tmp_path / "log")
+    recs = [json.loads(x) | {"stream": False, "ttft_s": None} for x in f.read_text().splitlines()]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(FleetLogError, match=r"no usable records \(read 300; skipped \{'no_ttft': 300\}\)"):
+        read_fleet_log(tmp_path / "log")
+
+
+def test_model_that_does_not_load(small_log, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(DEFAULT_MODEL_PATH.read_bytes()[:5000])
+    with pytest.raises(FinetuneError, match=f"{bad}: not a loadable ONNX model"):
+        finetune(small_log, bad, tmp_path / "out.onnx", FAST)
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_cli_reports_errors_without_traceback(small_log, tmp_path, capsys):
+    rc = main(["finetune", "--decision-log", str(tmp_path / "nowhere"), "--init", str(DEFAULT_MODEL_PATH), "-o", str(tmp_path / "o.onnx")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "trainer finetune: error: decision log" in err and "Traceback" not in err
+    rc = main(["finetune", "--decision-log", str(small_log), "--init", str(DEFAULT_MODEL_PATH), "-o", str(tmp_path / "o.onnx"),
+               "--epochs", "1", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["records"] == 300 and (tmp_path / "o.onnx").is_file()
