@@ -1,0 +1,366 @@
+"""Sim-to-real fidelity: one trace segment through the live router to a real vLLM fleet, and the same arrivals and
+lengths through the simulator on profiles calibrated from that fleet (`simulator fidelity`).
+
+    simulator fidelity --duration 40 --load 0.7            # launches the heterogeneous CPU fleet (fleet/vllm.py)
+    simulator fidelity --server URL --server URL --json    # an already running fleet
+
+Per policy: start the router on the fleet, replay the segment open loop (time-scaled to `--load` of the fleet's
+calibrated capacity), record each request's TTFT/TPOT/E2E client-side; tokenise every prompt on the server so the
+simulation gets the true prompt lengths; simulate exactly those arrivals and lengths with the same policy on a
+cluster built from the calibrated profiles (their KV sizes, block size, max_num_seqs, request overhead; the router's
+chars/4 estimate as a bias against the measured chars per token). Report real vs simulated p50/p90/p99 with relative
+errors, the ranking by p99 TTFT, and the learned policy's gain over least-outstanding real vs predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+METRICS = ("ttft_s", "tpot_s", "e2e_s")
+LEARNED, BASELINE = "learned", "least-outstanding"
+DEFAULT_POLICIES = ("least-outstanding", "expected-wait", "learned")
+ROUTER_ESTIMATE_CHARS_PER_TOKEN = 4.0  # router.policy.estimate.DEFAULT_CHARS_PER_TOKEN
+
+
+class FidelityError(Exception):
+    pass
+
+
+@dataclass
+class Served:
+    """One request as the real fleet served it (times from the start of the replay)."""
+
+    arrival_s: float
+    prompt_tokens: int  # the server's tokenisation of the prompt sent
+    output_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+
+
+def pcts(values: list[float]) -> dict[str, float | None]:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return {f"p{p}": None for p in PERCENTILES}
+    return {f"p{p}": float(v) for p, v in zip(PERCENTILES, np.percentile(vals, PERCENTILES))}
+
+
+def rel_err(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return (sim - real) / real
+
+
+# ---------------------------------------------------------------- the fleet side
+
+
+def _tokenize(url: str, model: str, prompts: list[str]) -> list[int]:
+    """The server's own prompt lengths (vLLM's /tokenize), so the simulation gets the tokens really prefilled."""
+    out = []
+    for text in prompts:
+        req = urllib.request.Request(
+            url.rstrip("/") + "/tokenize", data=json.dumps({"model": model, "prompt": text}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                out.append(int(json.loads(resp.read())["count"]))
+        except (OSError, ValueError, KeyError) as e:
+            raise FidelityError(f"{url}/tokenize: probe 'tokenize': {e}") from None
+    return out
+
+
+def _wait_idle(urls: list[str], timeout_s: float = 60.0) -> None:
+    from simulator.calibrate import _total, parse_metrics
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = 0.0
+        for u in urls:
+            with urllib.request.urlopen(u.rstrip("/") + "/metrics", timeout=5) as resp:
+                s = parse_metrics(resp.read().decode())
+            busy += _total(s, "vllm:num_requests_running") + _total(s, "vllm:num_requests_waiting")
+        if busy == 0:
+            return
+        time.sleep(0.5)
+    raise FidelityError(f"fleet {urls} still busy {timeout_s:g} s after the replay")
+
+
+def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scrape_interval_s: float,
+                progress: bool) -> tuple[list[Served], list]:
+    """The plan through a fresh router with `policy`; returns what each request saw, in plan order."""
+    from fleet.router_process import start_router
+    from simulator.loadgen import ClientSpec, run_load
+
+    _wait_idle(urls)
+    router = start_router(urls, policy, work / "router", scrape_interval_s=scrape_interval_s)
+    try:
+        results, _ = asyncio.run(run_load(plan, ClientSpec(url=router.base_url, model=model, timeout_s=120.0), progress))
+    finally:
+        router.stop()
+    tokens = _tokenize(urls[0], model, [r.prompt for r in plan])
+    served = []
+    for req, res, n in zip(plan, results, tokens):
+        if not res.ok:
+            raise FidelityError(f"policy {policy}: request sent at {req.send_s:.2f} s failed on the real fleet: {res.error}")
+        served.append(Served(req.send_s, n, res.output_tokens, res.ttft_s, res.tpot_s, res.e2e_s))
+    return served, results
+
+
+# ---------------------------------------------------------------- the simulator side
+
+
+def cluster_from_profiles(profile_paths: list[Path], scrape_interval_s: float, max_num_batched_tokens: int):
+    """A ClusterConfig of one replica per calibrated profile, with the server settings the profile measured."""
+    import yaml
+
+    from simulator.config import ClusterConfig, ReplicaGroup, ScrapeConfig
+
+    groups = []
+    for path in profile_paths:
+        srv = yaml.safe_load(path.read_text())["server"]
+        seqs = srv.get("max_num_seqs") or 256  # never saw a request wait: vLLM's default
+        groups.append(ReplicaGroup(
+            profile=str(path), count=1, max_num_seqs=seqs, block_size=int(srv["block_size"]),
+            max_num_batched_tokens=max(max_num_batched_tokens, seqs), enable_prefix_caching=bool(srv["enable_prefix_caching"]),
+        ))
+    return ClusterConfig(replicas=groups, scrape=ScrapeConfig(interval_s=scrape_interval_s, jitter_s=0.0),
+                         estimator_sigma=0.0)
+
+
+def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: float, seed: int = 0) -> list[Served]:
+    from router.policy.registry import make_served_policy
+    from simulator.cluster import simulate
+    from simulator.types import SimRequest
+
+    reqs = [SimRequest(i, s.arrival_s, s.prompt_tokens, s.output_tokens, max_tokens=s.output_tokens)
+            for i, s in enumerate(served)]
+    cfg = cluster.model_copy(update={"estimator_scale": estimate_scale})
+    records = simulate(cfg, reqs, make_served_policy(policy, seed=seed), seed=seed)
+    return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s) for r in records]
+
+
+# ---------------------------------------------------------------- the report
+
+
+def compare(real: dict[str, list[Served]], sim: dict[str, list[Served]]) -> dict:
+    policies = list(real)
+    rows = {}
+    for p in policies:
+        row = {}
+        for m in METRICS:
+            r, s = pcts([getattr(x, m) for x in real[p]]), pcts([getattr(x, m) for x in sim[p]])
+            row[m] = {k: {"real": r[k], "sim": s[k], "rel_err": rel_err(s[k], r[k])} for k in r}
+        row["requests"] = len(real[p])
+        rows[p] = row
+    rank = {src: sorted(policies, key=lambda p: rows[p]["ttft_s"]["p99"][src]) for src in ("real", "sim")}
+    report: dict = {"policies": rows, "ranking_by_ttft_p99": {**rank, "same": rank["real"] == rank["sim"]}}
+    if LEARNED in rows and BASELINE in rows:
+        gain = {}
+        for src in ("real", "sim"):
+            base, learned = rows[BASELINE]["ttft_s"]["p99"][src], rows[LEARNED]["ttft_s"]["p99"][src]
+            gain[src] = 1.0 - learned / base if base else None
+        ratio = gain["real"] / gain["sim"] if gain["real"] is not None and gain["sim"] else None
+        report["learned_gain_ttft_p99"] = {"real": gain["real"], "predicted": gain["sim"], "ratio": ratio}
+    errs = [abs(v["rel_err"]) for p in rows.values() for m in ("ttft_s", "e2e_s") for k, v in p[m].items()
+            if v["rel_err"] is not None]
+    report["max_abs_rel_err_ttft_e2e"] = max(errs) if errs else None
+    return report
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:+.1f}%"
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{'policy':18s} {'metric':6s} {'pct':>4s} {'real ms':>9s} {'sim ms':>9s} {'error':>8s}"]
+    for p, row in report["policies"].items():
+        for m in METRICS:
+            for k, v in row[m].items():
+                lines.append(f"{p:18s} {m[:-2].upper():6s} {k:>4s} {_ms(v['real']):>9s} {_ms(v['sim']):>9s} "
+                             f"{_pct(v['rel_err']):>8s}")
+    rk = report["ranking_by_ttft_p99"]
+    lines.append(f"ranking by p99 TTFT: real {' < '.join(rk['real'])}; sim {' < '.join(rk['sim'])} "
+                 f"({'same' if rk['same'] else 'DIFFERENT'})")
+    g = report.get("learned_gain_ttft_p99")
+    if g:
+        lines.append(f"learned gain over least-outstanding (p99 TTFT): real {_pct(g['real'])}, predicted "
+                     f"{_pct(g['predicted'])}, ratio {'-' if g['ratio'] is None else format(g['ratio'], '.2f')}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- capacity and the command
+
+
+def capacity_rps(profile_paths: list[Path], mean_prompt: float, mean_output: float) -> float:
+    """Requests/s the fleet sustains at full batches (from the calibrated cost model): the time scale's target."""
+    import yaml
+
+    from simulator.costmodel import load_profile
+
+    total = 0.0
+    for path in profile_paths:
+        prof = load_profile(str(path))
+        srv = yaml.safe_load(path.read_text())["server"]
+        seqs = min(srv.get("max_num_seqs") or 16, max(1, int(prof.kv_cache_tokens or 1e9) // int(mean_prompt + mean_output)))
+        step = prof.iteration_time(0, seqs, int(seqs * (mean_prompt + mean_output / 2)))
+        per_req = mean_output * step / seqs + prof.iteration_time(int(mean_prompt), 0, int(mean_prompt)) / seqs
+        total += 1.0 / per_req
+    return total
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", action="append", default=[], help="base URL of a running vLLM server (repeat); "
+                   "none: launch the heterogeneous CPU fleet of fleet/vllm.py (needs .venv-vllm)")
+    p.add_argument("--servers", type=int, default=2, choices=(1, 2), help="servers to launch without --server (default 2)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma list (default: %(default)s)")
+    p.add_argument("--trace", default="azure-conv")
+    p.add_argument("--window", default="eval", help="trace window (default eval: held out from training)")
+    p.add_argument("--start", type=float, default=0.0, help="offset into the window, trace seconds")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of replay per policy (default 40)")
+    p.add_argument("--load", type=float, default=0.7, help="offered load as a fraction of calibrated capacity")
+    p.add_argument("--token-scale", type=float, default=0.25, help="shrink trace lengths for CPU servers")
+    p.add_argument("--max-tokens-cap", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=600, help="clip prompts (real tokens; fleet max_model_len 1024)")
+    p.add_argument("--scrape-interval", type=float, default=0.2)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the servers' (vLLM CPU default 2048)")
+    p.add_argument("--calibrate-budget", type=float, default=90.0)
+    p.add_argument("--profiles", nargs="*", help="calibrated profiles to reuse (one per server) instead of calibrating")
+    p.add_argument("--out", help="directory for profiles and raw results (default: a temporary one, removed)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quiet", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except FidelityError as e:
+        print(f"simulator fidelity: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
+    from router.policy.registry import DEFAULT_MODEL_PATH
+    from simulator.calibrate import CalibrationError, SweepSpec, calibrate, profile_document, write_atomically
+    from simulator.loadgen import PlanSpec, PromptSynth, build_plan
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if LEARNED in policies and not DEFAULT_MODEL_PATH.is_file():
+        raise FidelityError(f"policy 'learned': no model at {DEFAULT_MODEL_PATH}")
+    work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="routewise-fidelity-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log = (lambda m: None) if args.quiet and args.json else (lambda m: print(m, file=sys.stderr))
+    servers = []
+    t_start = time.monotonic()
+    try:
+        urls = list(args.server)
+        known_seqs: list[int | None] = [None] * len(urls)
+        if not urls:
+            from fleet import vllm
+
+            python = vllm.vllm_python()
+            if python is None:
+                raise FidelityError(f"no vLLM interpreter: set {vllm.VLLM_PYTHON_ENV} or run scripts/install-vllm.sh")
+            model_dir = vllm.ensure_tiny_model(work / "model", python)
+            fleet_args = vllm.FLEET_ARGS[: args.servers]
+            log(f"fidelity: starting {len(fleet_args)} vLLM CPU servers: {fleet_args}")
+            servers = vllm.start_servers(len(fleet_args), model_dir, python, work / "fleet", extra_args=fleet_args)
+            urls = [s.base_url for s in servers]
+            known_seqs = [int(a[a.index("--max-num-seqs") + 1]) for a in fleet_args]
+        model = vllm_model(urls[0])
+        if args.profiles:
+            if len(args.profiles) != len(urls):
+                raise FidelityError(f"--profiles: {len(args.profiles)} files for {len(urls)} servers")
+            profiles = [Path(p) for p in args.profiles]
+        else:
+            import yaml
+
+            profiles = []
+            for i, url in enumerate(urls):
+                t0 = time.monotonic()
+                try:
+                    res = calibrate(url, model, SweepSpec(budget_s=args.calibrate_budget), announce=log,
+                                    progress=not args.quiet)
+                except CalibrationError as e:
+                    raise FidelityError(str(e)) from None
+                path = work / f"profile-{i}.yaml"
+                write_atomically(path, yaml.safe_dump(profile_document(res, f"fleet-{i}", known_seqs[i]), sort_keys=False))
+                log(f"fidelity: calibrated {url} in {time.monotonic() - t0:.0f} s -> {path} "
+                    f"(residual {res.residuals['linear']:.3f})")
+                profiles.append(path)
+        import yaml
+
+        cpt = float(np.mean([yaml.safe_load(p.read_text())["server"]["chars_per_token"] for p in profiles]))
+        estimate_scale = cpt / ROUTER_ESTIMATE_CHARS_PER_TOKEN
+        # the plan's token counts are the router's estimate (4 chars/token): ask for what the server will count
+        base = PlanSpec(trace=args.trace, window=args.window, start_s=args.start, duration_s=args.duration,
+                        token_scale=args.token_scale * estimate_scale, max_tokens_cap=args.max_tokens_cap,
+                        max_prompt_tokens=int(args.max_prompt_tokens * estimate_scale), rate=1.0)
+        probe_plan, _ = build_plan(base)
+        mean_p = float(np.mean([r.prompt_tokens for r in probe_plan])) / estimate_scale
+        mean_o = float(np.mean([r.max_tokens for r in probe_plan]))
+        cap = capacity_rps(profiles, mean_p, mean_o)
+        rate = args.load * cap
+        log(f"fidelity: capacity {cap:.2f} req/s (mean prompt {mean_p:.0f}, output {mean_o:.0f} tokens); "
+            f"replaying {args.trace} at {rate:.2f} req/s for {args.duration:g} s per policy")
+        cluster = cluster_from_profiles(profiles, args.scrape_interval, args.max_num_batched_tokens)
+        real: dict[str, list[Served]] = {}
+        sim: dict[str, list[Served]] = {}
+        for k, policy in enumerate(policies):
+            plan, info = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
+            # fresh prompt text per policy (same lengths and arrivals) so no run hits another's prefix cache
+            synth = PromptSynth(seed=1000 + k)
+            plan = [type(r)(r.send_s, synth.prompt(r.prompt_tokens), r.prompt_tokens, r.max_tokens) for r in plan]
+            log(f"fidelity: {policy}: {len(plan)} requests through the router")
+            real[policy], _ = replay_real(urls, policy, plan, model, work, args.scrape_interval, not args.quiet)
+            sim[policy] = simulate_same(real[policy], cluster, policy, estimate_scale)
+        report = compare(real, sim)
+        report.update(
+            trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
+            servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
+            wall_s=time.monotonic() - t_start,
+        )
+        if args.out:
+            (work / "raw.json").write_text(json.dumps(
+                {p: {"real": [s.__dict__ for s in real[p]], "sim": [s.__dict__ for s in sim[p]]} for p in real}))
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print(format_report(report))
+            la = report["load_average"]
+            print(f"offered {rate:.2f} req/s ({args.load:g} of calibrated capacity {cap:.2f}); load average "
+                  f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {report['wall_s']:.0f} s")
+        return 0
+    finally:
+        if servers:
+            from fleet import vllm
+
+            vllm.stop_servers(servers)
+        if not args.out:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def vllm_model(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as resp:
+            return str(json.loads(resp.read())["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise FidelityError(f"{url}/v1/models: probe 'models': {e}") from None
