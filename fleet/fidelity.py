@@ -222,7 +222,9 @@ def capacity_rps(profile_paths: list[Path], mean_prompt: float, mean_output: flo
         srv = yaml.safe_load(path.read_text())["server"]
         seqs = min(srv.get("max_num_seqs") or 16, max(1, int(prof.kv_cache_tokens or 1e9) // int(mean_prompt + mean_output)))
         step = prof.iteration_time(0, seqs, int(seqs * (mean_prompt + mean_output / 2)))
-        per_req = mean_output * step / seqs + prof.iteration_time(int(mean_prompt), 0, int(mean_prompt)) / seqs
+        # decode shares an iteration with the batch; a prefill's tokens are the request's own work
+        prefill = prof.coefficients().iteration_time(int(mean_prompt), 0, int(mean_prompt), prefill_seqs=1) - prof.overhead_s
+        per_req = mean_output * step / seqs + prefill
         total += 1.0 / per_req
     return total
 
@@ -310,12 +312,11 @@ def _main(args: argparse.Namespace) -> int:
 
         cpt = float(np.mean([yaml.safe_load(p.read_text())["server"]["chars_per_token"] for p in profiles]))
         estimate_scale = cpt / ROUTER_ESTIMATE_CHARS_PER_TOKEN
-        # the plan's token counts are the router's estimate (4 chars/token): ask for what the server will count
         base = PlanSpec(trace=args.trace, window=args.window, start_s=args.start, duration_s=args.duration,
-                        token_scale=args.token_scale * estimate_scale, max_tokens_cap=args.max_tokens_cap,
-                        max_prompt_tokens=int(args.max_prompt_tokens * estimate_scale), rate=1.0)
+                        token_scale=args.token_scale, max_tokens_cap=args.max_tokens_cap,
+                        max_prompt_tokens=args.max_prompt_tokens, rate=1.0)
         probe_plan, _ = build_plan(base)
-        mean_p = float(np.mean([r.prompt_tokens for r in probe_plan])) / estimate_scale
+        mean_p = float(np.mean([r.prompt_tokens for r in probe_plan]))
         mean_o = float(np.mean([r.max_tokens for r in probe_plan]))
         cap = capacity_rps(profiles, mean_p, mean_o)
         rate = args.load * cap
@@ -326,9 +327,12 @@ def _main(args: argparse.Namespace) -> int:
         sim: dict[str, list[Served]] = {}
         for k, policy in enumerate(policies):
             plan, info = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
-            # fresh prompt text per policy (same lengths and arrivals) so no run hits another's prefix cache
+            # Fresh prompt text per policy (same lengths and arrivals) so no run hits another's prefix cache. The
+            # synthesiser writes 4 characters per token, the router's rule; the server's tokenizer packs
+            # chars_per_token: write the text that the server counts as the trace's length.
             synth = PromptSynth(seed=1000 + k)
-            plan = [type(r)(r.send_s, synth.prompt(r.prompt_tokens), r.prompt_tokens, r.max_tokens) for r in plan]
+            plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
+                            r.max_tokens) for r in plan]
             log(f"fidelity: {policy}: {len(plan)} requests through the router")
             real[policy], _ = replay_real(urls, policy, plan, model, work, args.scrape_interval, not args.quiet)
             sim[policy] = simulate_same(real[policy], cluster, policy, estimate_scale)
