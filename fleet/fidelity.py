@@ -229,6 +229,21 @@ def capacity_rps(profile_paths: list[Path], mean_prompt: float, mean_output: flo
     return total
 
 
+def check_fits(plan, profile_paths: list[Path], urls: list[str]) -> None:
+    """Every request of the segment must fit every server's max_model_len (vLLM would refuse it: HTTP 400)."""
+    import yaml
+
+    for path, url in zip(profile_paths, urls):
+        limit = int(yaml.safe_load(path.read_text())["model"]["max_model_len"])
+        for i, r in enumerate(plan):
+            if r.prompt_tokens + r.max_tokens > limit:
+                raise FidelityError(
+                    f"{url}: trace segment request {i} (sent at {r.send_s:.2f} s) needs {r.prompt_tokens} prompt + "
+                    f"{r.max_tokens} output tokens, over the server's max_model_len {limit} (lower --max-prompt-tokens "
+                    f"or --max-tokens-cap)"
+                )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", action="append", default=[], help="base URL of a running vLLM server (repeat); "
                    "none: launch the heterogeneous CPU fleet of fleet/vllm.py (needs .venv-vllm)")
@@ -322,6 +337,7 @@ def _main(args: argparse.Namespace) -> int:
         rate = args.load * cap
         log(f"fidelity: capacity {cap:.2f} req/s (mean prompt {mean_p:.0f}, output {mean_o:.0f} tokens); "
             f"replaying {args.trace} at {rate:.2f} req/s for {args.duration:g} s per policy")
+        check_fits(probe_plan, profiles, urls)
         cluster = cluster_from_profiles(profiles, args.scrape_interval, args.max_num_batched_tokens)
         real: dict[str, list[Served]] = {}
         sim: dict[str, list[Served]] = {}

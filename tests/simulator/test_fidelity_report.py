@@ -37,3 +37,18 @@ def test_different_ranking_is_reported():
     rep = compare(real, sim)
     assert rep["ranking_by_ttft_p99"]["same"] is False and "learned_gain_ttft_p99" not in rep
     assert "DIFFERENT" in format_report(rep)
+
+
+def test_a_request_over_max_model_len_names_server_request_and_value(tmp_path):
+    import yaml
+
+    from fleet.fidelity import FidelityError, check_fits
+    from simulator.loadgen import PlannedRequest
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"model": {"max_model_len": 1024}}))
+    plan = [PlannedRequest(0.0, "x", 100, 10), PlannedRequest(1.5, "y", 1000, 64)]
+    with pytest.raises(FidelityError, match=r"http://s:1: trace segment request 1 \(sent at 1.50 s\) needs 1000 prompt "
+                                            r"\+ 64 output tokens, over the server's max_model_len 1024"):
+        check_fits(plan, [path], ["http://s:1"])
+    check_fits(plan[:1], [path], ["http://s:1"])
