@@ -218,7 +218,10 @@ class _Text:
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
-        self.chars_per_token = 4.0
+        # A token covers at least one character of this ASCII text, so until the first probe measures the real
+        # ratio, n characters never make more than n tokens: the load stays within what was announced.
+        self.chars_per_token = 1.0
+        self.measured = math.nan
         self.n = 0
 
     def prompt(self, tokens: int) -> str:
@@ -231,7 +234,8 @@ class _Text:
 
     def learn(self, prompt: str, tokens: int) -> None:
         if tokens > 8:
-            self.chars_per_token = len(prompt) / tokens
+            self.measured = len(prompt) / tokens
+            self.chars_per_token = 0.95 * self.measured  # a margin keeps later prompts within the announced tokens
 
 
 @dataclass
@@ -386,7 +390,8 @@ async def _calibrate(url: str, model: str | None, spec: SweepSpec, base: costmod
         announce(
             f"calibrate: {info.url} ({info.model}, max_model_len {info.max_model_len}, KV {info.kv_cache_tokens} tokens, "
             f"block {info.block_size}): {len(plan.probes)} probes, {plan.requests} requests, at most "
-            f"{plan.max_concurrency} at once, {plan.tokens} tokens in all, budget {spec.budget_s:g} s"
+            f"{plan.max_concurrency} at once, at most {plan.tokens} tokens in all (+ /metrics scrapes, every 50 ms "
+            f"during concurrent probes), budget {spec.budget_s:g} s"
         )
         from tqdm import tqdm
 
@@ -424,7 +429,7 @@ async def _calibrate(url: str, model: str | None, spec: SweepSpec, base: costmod
     return Result(
         info=info, probes=probes, linear=linear, residuals=residuals, chosen=chosen, roofline=roof,
         request_overhead_s=overhead, max_num_seqs=int(max(waited)) if waited else None,
-        chars_per_token=text.chars_per_token, plan=plan, duration_s=time.monotonic() - t0,
+        chars_per_token=text.measured, plan=plan, duration_s=time.monotonic() - t0,
     )
 
 
