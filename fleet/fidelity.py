@@ -50,6 +50,7 @@ class Served:
     ttft_s: float
     tpot_s: float
     e2e_s: float
+    replica: int = -1  # simulated: index of the replica that served it
 
 
 def pcts(values: list[float]) -> dict[str, float | None]:
@@ -100,25 +101,50 @@ def _wait_idle(urls: list[str], timeout_s: float = 60.0) -> None:
     raise FidelityError(f"fleet {urls} still busy {timeout_s:g} s after the replay")
 
 
+def _engine_itl(urls: list[str]) -> list[tuple[float, float]]:
+    """Per server, (sum, count) of vllm:inter_token_latency_seconds."""
+    from simulator.calibrate import _total, parse_metrics
+
+    out = []
+    for u in urls:
+        with urllib.request.urlopen(u.rstrip("/") + "/metrics", timeout=5) as resp:
+            s = parse_metrics(resp.read().decode())
+        out.append((_total(s, "vllm:inter_token_latency_seconds_sum"), _total(s, "vllm:inter_token_latency_seconds_count")))
+    return out
+
+
 def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scrape_interval_s: float,
-                progress: bool) -> tuple[list[Served], list]:
-    """The plan through a fresh router with `policy`; returns what each request saw, in plan order."""
+                progress: bool) -> tuple[list[Served], list[tuple[float, float]]]:
+    """The plan through a fresh router with `policy`: what each request saw, in plan order, and the engines' own
+    mean inter-token latency over the replay (server-side, to tell engine speed from HTTP and queueing)."""
     from fleet.router_process import start_router
     from simulator.loadgen import ClientSpec, run_load
 
     _wait_idle(urls)
+    itl0 = _engine_itl(urls)
     router = start_router(urls, policy, work / "router", scrape_interval_s=scrape_interval_s)
     try:
         results, _ = asyncio.run(run_load(plan, ClientSpec(url=router.base_url, model=model, timeout_s=120.0), progress))
     finally:
         router.stop()
+    itl1 = _engine_itl(urls)
+    engine_itl = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(itl0, itl1)]  # per server (sum, count) over the replay
     tokens = _tokenize(urls[0], model, [r.prompt for r in plan])
     served = []
     for req, res, n in zip(plan, results, tokens):
         if not res.ok:
             raise FidelityError(f"policy {policy}: request sent at {req.send_s:.2f} s failed on the real fleet: {res.error}")
         served.append(Served(req.send_s, n, res.output_tokens, res.ttft_s, res.tpot_s, res.e2e_s))
-    return served, results
+    return served, engine_itl
+
+
+def mean_itl(served: list[Served], replica: int | None = None) -> float:
+    """Token-weighted mean time between output tokens (what the engines' ITL histogram averages)."""
+    if replica is not None:
+        served = [s for s in served if s.replica == replica]
+    gaps = sum(s.tpot_s * (s.output_tokens - 1) for s in served if s.output_tokens > 1)
+    n = sum(s.output_tokens - 1 for s in served if s.output_tokens > 1)
+    return gaps / n if n else math.nan
 
 
 # ---------------------------------------------------------------- the simulator side
@@ -151,7 +177,8 @@ def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: fl
             for i, s in enumerate(served)]
     cfg = cluster.model_copy(update={"estimator_scale": estimate_scale})
     records = simulate(cfg, reqs, make_served_policy(policy, seed=seed), seed=seed)
-    return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s) for r in records]
+    return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
+                   int(r.replica_id[1:].split("-", 1)[0])) for r in records]
 
 
 # ---------------------------------------------------------------- the report
@@ -229,6 +256,36 @@ def capacity_rps(profile_paths: list[Path], mean_prompt: float, mean_output: flo
     return total
 
 
+def _mean(deltas: list[tuple[float, float]]) -> float:
+    total, count = sum(d[0] for d in deltas), sum(d[1] for d in deltas)
+    return total / count if count else math.nan
+
+
+def fit_speed_factors(args, base, rate: float, estimate_scale: float, urls: list[str], model: str, work: Path,
+                      cluster, log):
+    """How much slower each engine runs inside the loaded fleet than alone during calibration (CPU contention with
+    the other server, the router and the load generator, other tenants of the machine): replay a segment of the
+    trace's TRAIN window (never the evaluated one) through the router, and set each replica's `speed_factor` to its
+    engine's real mean inter-token latency over the simulated one. Returns the cluster and the factors."""
+    from simulator.loadgen import PlanSpec, PromptSynth, build_plan
+
+    plan, _ = build_plan(PlanSpec(**{**base.__dict__, "window": "train", "duration_s": args.warmup, "rate": rate}))
+    synth = PromptSynth(seed=999)
+    plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
+                    r.max_tokens) for r in plan]
+    log(f"fidelity: warm-up: {len(plan)} requests of the train window to measure each engine's speed under load")
+    served, itl = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
+    sim = simulate_same(served, cluster, BASELINE, estimate_scale)
+    factors = []
+    for i, delta in enumerate(itl):
+        real_itl, sim_itl = _mean([delta]), mean_itl(sim, i)
+        f = real_itl / sim_itl if real_itl > 0 and sim_itl > 0 else 1.0
+        factors.append(float(min(10.0, max(0.5, f))))
+    groups = [g.model_copy(update={"speed_factor": f}) for g, f in zip(cluster.replicas, factors)]
+    log(f"fidelity: engine speed factors under load: {', '.join(f'{f:.2f}' for f in factors)}")
+    return cluster.model_copy(update={"replicas": groups}), factors
+
+
 def check_fits(plan, profile_paths: list[Path], urls: list[str]) -> None:
     """Every request of the segment must fit every server's max_model_len (vLLM would refuse it: HTTP 400)."""
     import yaml
@@ -260,6 +317,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrape-interval", type=float, default=0.2)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the servers' (vLLM CPU default 2048)")
     p.add_argument("--calibrate-budget", type=float, default=90.0)
+    p.add_argument("--warmup", type=float, default=20.0, help="seconds of a TRAIN-window segment replayed first to "
+                   "measure each engine's slow-down under load (replica speed_factor); 0 = none")
     p.add_argument("--profiles", nargs="*", help="calibrated profiles to reuse (one per server) instead of calibrating")
     p.add_argument("--out", help="directory for profiles and raw results (default: a temporary one, removed)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -339,8 +398,12 @@ def _main(args: argparse.Namespace) -> int:
             f"replaying {args.trace} at {rate:.2f} req/s for {args.duration:g} s per policy")
         check_fits(probe_plan, profiles, urls)
         cluster = cluster_from_profiles(profiles, args.scrape_interval, args.max_num_batched_tokens)
+        factors = [1.0] * len(urls)
+        if args.warmup > 0:
+            cluster, factors = fit_speed_factors(args, base, rate, estimate_scale, urls, model, work, cluster, log)
         real: dict[str, list[Served]] = {}
         sim: dict[str, list[Served]] = {}
+        engine: dict[str, dict[str, float]] = {}
         for k, policy in enumerate(policies):
             plan, info = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
             # Fresh prompt text per policy (same lengths and arrivals) so no run hits another's prefix cache. The
@@ -350,11 +413,14 @@ def _main(args: argparse.Namespace) -> int:
             plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
                             r.max_tokens) for r in plan]
             log(f"fidelity: {policy}: {len(plan)} requests through the router")
-            real[policy], _ = replay_real(urls, policy, plan, model, work, args.scrape_interval, not args.quiet)
+            real[policy], itl = replay_real(urls, policy, plan, model, work, args.scrape_interval, not args.quiet)
             sim[policy] = simulate_same(real[policy], cluster, policy, estimate_scale)
+            engine[policy] = {"real_server_side_s": _mean(itl), "sim_s": mean_itl(sim[policy]),
+                              "real_client_side_s": mean_itl(real[policy])}
         report = compare(real, sim)
+        report["mean_inter_token_latency"] = engine
         report.update(
-            trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
+            speed_factors=factors, warmup_s=args.warmup, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
             servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
             wall_s=time.monotonic() - t_start,
         )
@@ -365,6 +431,9 @@ def _main(args: argparse.Namespace) -> int:
             print(json.dumps(report, indent=2))
         else:
             print(format_report(report))
+            for p, e in engine.items():
+                print(f"{p}: mean inter-token latency real {e['real_server_side_s'] * 1e3:.1f} ms in the engines "
+                      f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms")
             la = report["load_average"]
             print(f"offered {rate:.2f} req/s ({args.load:g} of calibrated capacity {cap:.2f}); load average "
                   f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {report['wall_s']:.0f} s")
