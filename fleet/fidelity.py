@@ -261,12 +261,13 @@ def _mean(deltas: list[tuple[float, float]]) -> float:
     return total / count if count else math.nan
 
 
-def fit_speed_factors(args, base, rate: float, estimate_scale: float, urls: list[str], model: str, work: Path,
-                      cluster, log):
+def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str], model: str, work: Path,
+                 cluster, log):
     """How much slower each engine runs inside the loaded fleet than alone during calibration (CPU contention with
     the other server, the router and the load generator, other tenants of the machine): replay a segment of the
     trace's TRAIN window (never the evaluated one) through the router, and set each replica's `speed_factor` to its
-    engine's real mean inter-token latency over the simulated one. Returns the cluster and the factors."""
+    engine's real mean inter-token latency over the simulated one. Returns the cluster, the factors and the extra
+    request overhead."""
     from simulator.loadgen import PlanSpec, PromptSynth, build_plan
 
     plan, _ = build_plan(PlanSpec(**{**base.__dict__, "window": "train", "duration_s": args.warmup, "rate": rate}))
@@ -282,8 +283,26 @@ def fit_speed_factors(args, base, rate: float, estimate_scale: float, urls: list
         f = real_itl / sim_itl if real_itl > 0 and sim_itl > 0 else 1.0
         factors.append(float(min(10.0, max(0.5, f))))
     groups = [g.model_copy(update={"speed_factor": f}) for g, f in zip(cluster.replicas, factors)]
-    log(f"fidelity: engine speed factors under load: {', '.join(f'{f:.2f}' for f in factors)}")
-    return cluster.model_copy(update={"replicas": groups}), factors
+    cluster = cluster.model_copy(update={"replicas": groups})
+    # What the loaded path adds before a first token beyond the calibrated request overhead (the router's hop, the
+    # client and the servers' API processes sharing the cores): the median gap of real and simulated TTFT at the
+    # measured speeds, added to each profile's request_overhead_s (in-fleet copies of the profiles).
+    sim = simulate_same(served, cluster, BASELINE, estimate_scale)
+    extra = max(0.0, float(np.median([r.ttft_s - s.ttft_s for r, s in zip(served, sim)])))
+    import yaml
+
+    groups = []
+    for i, g in enumerate(cluster.replicas):
+        doc = yaml.safe_load(Path(g.profile).read_text())
+        doc["request_overhead_s"] = round(float(doc.get("request_overhead_s", 0.0)) + extra, 6)
+        doc["in_fleet"] = {"speed_factor": factors[i], "extra_request_overhead_s": round(extra, 6),
+                           "measured_on": f"{args.trace} train window, {args.warmup:g} s, {BASELINE}"}
+        path = work / f"profile-{i}-in-fleet.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        groups.append(g.model_copy(update={"profile": str(path)}))
+    log(f"fidelity: engine speed factors under load: {', '.join(f'{f:.2f}' for f in factors)}; "
+        f"extra request overhead {extra * 1e3:.1f} ms")
+    return cluster.model_copy(update={"replicas": groups}), factors, extra
 
 
 def check_fits(plan, profile_paths: list[Path], urls: list[str]) -> None:
@@ -398,9 +417,9 @@ def _main(args: argparse.Namespace) -> int:
             f"replaying {args.trace} at {rate:.2f} req/s for {args.duration:g} s per policy")
         check_fits(probe_plan, profiles, urls)
         cluster = cluster_from_profiles(profiles, args.scrape_interval, args.max_num_batched_tokens)
-        factors = [1.0] * len(urls)
+        factors, extra = [1.0] * len(urls), 0.0
         if args.warmup > 0:
-            cluster, factors = fit_speed_factors(args, base, rate, estimate_scale, urls, model, work, cluster, log)
+            cluster, factors, extra = fit_in_fleet(args, base, rate, estimate_scale, urls, model, work, cluster, log)
         real: dict[str, list[Served]] = {}
         sim: dict[str, list[Served]] = {}
         engine: dict[str, dict[str, float]] = {}
@@ -420,7 +439,7 @@ def _main(args: argparse.Namespace) -> int:
         report = compare(real, sim)
         report["mean_inter_token_latency"] = engine
         report.update(
-            speed_factors=factors, warmup_s=args.warmup, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
+            speed_factors=factors, extra_request_overhead_s=extra, warmup_s=args.warmup, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
             servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
             wall_s=time.monotonic() - t_start,
         )
