@@ -23,13 +23,15 @@ POLICIES = ("least-outstanding", "expected-wait")
 @pytest.mark.timeout(600)
 def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, capsys):
     args = ["fidelity", "--policies", ",".join(POLICIES), "--duration", "8", "--load", "0.5",
-            "--calibrate-budget", "90", "--out", str(tmp_path), "--json", "--quiet"]
+            "--calibrate-budget", "90", "--warmup", "4", "--out", str(tmp_path), "--json", "--quiet"]
     for url in vllm_servers:
         args += ["--server", url]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
 
     assert report["servers"] == vllm_servers
+    assert len(report["speed_factors"]) == len(vllm_servers) and all(f > 0 for f in report["speed_factors"])
+    assert report["extra_request_overhead_s"] >= 0
     for path in report["profiles"]:
         doc = yaml.safe_load(open(path))
         assert doc["fit"]["chosen"] == "linear" and doc["fit"]["rms_relative_residual"]["linear"] >= 0
