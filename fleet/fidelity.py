@@ -385,6 +385,14 @@ def _main(args: argparse.Namespace) -> int:
             if len(args.profiles) != len(urls):
                 raise FidelityError(f"--profiles: {len(args.profiles)} files for {len(urls)} servers")
             profiles = [Path(p) for p in args.profiles]
+            for path in profiles:
+                try:
+                    doc = yaml_load(path)
+                    srv = doc["server"]
+                    srv["block_size"], srv["chars_per_token"], doc["model"]["max_model_len"]  # noqa: B018
+                except (OSError, KeyError, TypeError, ValueError) as e:
+                    raise FidelityError(f"--profiles {path}: not a measured profile of `simulator calibrate --server` "
+                                        f"({type(e).__name__}: {e})") from None
         else:
             import yaml
 
@@ -464,6 +472,15 @@ def _main(args: argparse.Namespace) -> int:
             vllm.stop_servers(servers)
         if not args.out:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def yaml_load(path: Path) -> dict:
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    if not isinstance(doc, dict):
+        raise ValueError("not a mapping")
+    return doc
 
 
 def vllm_model(url: str) -> str:

@@ -52,3 +52,16 @@ def test_a_request_over_max_model_len_names_server_request_and_value(tmp_path):
                                             r"\+ 64 output tokens, over the server's max_model_len 1024"):
         check_fits(plan, [path], ["http://s:1"])
     check_fits(plan[:1], [path], ["http://s:1"])
+
+
+def test_unreachable_fleet_is_one_line(capsys):
+    import socket
+
+    from simulator.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["fidelity", "--server", f"http://127.0.0.1:{port}", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{port}/v1/models: probe 'models'" in err[0]
