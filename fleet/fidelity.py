@@ -330,6 +330,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start", type=float, default=0.0, help="offset into the window, trace seconds")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of replay per policy (default 40)")
     p.add_argument("--load", type=float, default=0.7, help="offered load as a fraction of calibrated capacity")
+    p.add_argument("--rate", type=float, help="offered requests/s instead of --load (runs comparable across calibrations)")
     p.add_argument("--token-scale", type=float, default=0.25, help="shrink trace lengths for CPU servers")
     p.add_argument("--max-tokens-cap", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=600, help="clip prompts (real tokens; fleet max_model_len 1024)")
@@ -420,7 +421,7 @@ def _main(args: argparse.Namespace) -> int:
         mean_p = float(np.mean([r.prompt_tokens for r in probe_plan]))
         mean_o = float(np.mean([r.max_tokens for r in probe_plan]))
         cap = capacity_rps(profiles, mean_p, mean_o)
-        rate = args.load * cap
+        rate = args.rate if args.rate else args.load * cap
         log(f"fidelity: capacity {cap:.2f} req/s (mean prompt {mean_p:.0f}, output {mean_o:.0f} tokens); "
             f"replaying {args.trace} at {rate:.2f} req/s for {args.duration:g} s per policy")
         check_fits(probe_plan, profiles, urls)
@@ -462,7 +463,7 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"{p}: mean inter-token latency real {e['real_server_side_s'] * 1e3:.1f} ms in the engines "
                       f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms")
             la = report["load_average"]
-            print(f"offered {rate:.2f} req/s ({args.load:g} of calibrated capacity {cap:.2f}); load average "
+            print(f"offered {rate:.2f} req/s ({rate / cap:.2f} of calibrated capacity {cap:.2f}); load average "
                   f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {report['wall_s']:.0f} s")
         return 0
     finally:
