@@ -148,3 +148,40 @@ def test_probe_timeout_names_probe_and_limit(fake_vllm, tmp_path, capsys):
 def test_wrong_model_names_what_is_served(fake_vllm, tmp_path, capsys):
     assert _calibrate(fake_vllm.url, tmp_path / "p.yaml", "--model", "llama") == 1
     assert "model 'llama' not served (served: ['tiny'])" in _one_line_error(capsys)
+
+
+# ---------------------------------------------------------------- what measured profiles change in the cluster
+
+
+def _cluster(path, **over):
+    from simulator.config import ClusterConfig, ScrapeConfig
+
+    return ClusterConfig(replicas=[ReplicaGroup(profile=str(path), max_num_seqs=4, block_size=32)],
+                         scrape=ScrapeConfig(jitter_s=0.0), estimator_sigma=0.0, **over)
+
+
+def test_request_overhead_of_a_measured_profile_adds_to_ttft_and_e2e(tmp_path):
+    from router.policy.registry import make_served_policy
+    from simulator.cluster import simulate
+
+    runs = {}
+    for overhead in (0.0, 0.05):
+        path = tmp_path / f"p{overhead}.yaml"
+        path.write_text(yaml.safe_dump(measured_doc(request_overhead_s=overhead)))
+        [rec] = simulate(_cluster(path), [SimRequest(0, 0.0, 100, 5)], make_served_policy("least-outstanding"), seed=0)
+        runs[overhead] = rec
+    alone = LINEAR.iteration_time(100, 0, 100, 1)  # one prefill iteration, then 4 decode steps
+    assert runs[0.0].ttft_s == pytest.approx(alone)
+    assert runs[0.05].ttft_s == pytest.approx(alone + 0.05)
+    assert runs[0.05].e2e_s == pytest.approx(runs[0.0].e2e_s + 0.05)
+
+
+def test_estimator_scale_biases_what_the_policy_sees(tmp_path):
+    from simulator.cluster import ClusterSim
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(measured_doc()))
+    for scale, want in ((1.0, 400), (0.34, 136)):
+        sim = ClusterSim(_cluster(path, estimator_scale=scale), [SimRequest(0, 0.0, 400, 5)], seed=0)
+        _, info = sim.next_decision()
+        assert info.prompt_tokens_est == want
