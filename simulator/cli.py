@@ -373,14 +373,25 @@ CALIBRATION_COLUMNS = ("prefill_tokens", "decode_seqs", "context_tokens", "secon
 
 
 def _calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--server", help="base URL of a running vLLM server to profile (e.g. http://127.0.0.1:8000)")
+    src.add_argument(
         "--measurements",
-        required=True,
         help="CSV of single-iteration timings of a real vLLM server, header " + ",".join(CALIBRATION_COLUMNS),
     )
-    p.add_argument("--profile", required=True, help="profile to start from: a name in simulator/profiles/ or a YAML path")
+    p.add_argument("--model", help="--server: the served model to profile (default: the first the server lists)")
+    p.add_argument(
+        "--profile",
+        help="profile to start from (a name in simulator/profiles/ or a YAML path); required with --measurements, "
+        "with --server it adds a roofline fit that wins if its residual is smaller",
+    )
     p.add_argument("-o", "--output", required=True, help="where to write the fitted profile YAML")
-    p.add_argument("--name", help="name of the fitted profile (default: <profile>-calibrated)")
+    p.add_argument("--name", help="name of the fitted profile (default: <profile>-calibrated, or one from the server)")
+    p.add_argument("--budget", type=float, default=150.0, help="--server: seconds the sweep may take (default 150)")
+    p.add_argument("--probe-timeout", type=float, default=30.0, help="--server: seconds one probe may take (default 30)")
+    p.add_argument("--max-concurrency", type=int, default=16, help="--server: most requests sent at once (default 16)")
+    p.add_argument("--max-num-seqs", type=int, help="--server: the server's --max-num-seqs when known (else inferred)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def read_measurements(path: str) -> list[tuple[float, float, float, float]]:
@@ -418,6 +429,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from simulator import costmodel
 
+    if args.server:
+        return _calibrate_server(args)
+    if not args.profile:
+        raise UsageError("--measurements needs --profile (the profile to refit)")
     try:
         base = costmodel.load_profile(args.profile)
     except ValueError as e:
@@ -438,6 +453,49 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"wrote {args.output}: overhead {fitted.overhead_s * 1e3:.2f} ms (was {base.overhead_s * 1e3:.2f}), "
         f"prefill MFU {fitted.prefill_mfu:.3f} (was {base.prefill_mfu:.3f}), "
         f"decode bandwidth utilisation {fitted.decode_bw_util:.3f} (was {base.decode_bw_util:.3f}) from {len(rows)} rows"
+    )
+    return 0
+
+
+def _calibrate_server(args: argparse.Namespace) -> int:
+    import yaml
+
+    from simulator import calibrate, costmodel
+
+    if args.max_concurrency < 1 or args.budget <= 0 or args.probe_timeout <= 0:
+        raise UsageError("--max-concurrency, --budget and --probe-timeout must be positive")
+    base = None
+    if args.profile:
+        try:
+            base = costmodel.load_profile(args.profile)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    default = calibrate.SweepSpec()
+    spec = calibrate.SweepSpec(
+        concurrencies=tuple(c for c in default.concurrencies if c < args.max_concurrency) + (args.max_concurrency,),
+        probe_timeout_s=args.probe_timeout,
+        budget_s=args.budget,
+    )
+    try:
+        res = calibrate.calibrate(
+            args.server, args.model, spec, base, announce=lambda m: print(m, file=sys.stderr), progress=not args.quiet
+        )
+    except calibrate.CalibrationError as e:
+        print(f"simulator calibrate: error: {e}", file=sys.stderr)
+        return 1
+    name = args.name or f"measured-{res.info.model}-{args.server.split('//')[-1].replace(':', '-').strip('/')}"
+    doc = calibrate.profile_document(res, name, args.max_num_seqs)
+    calibrate.write_atomically(args.output, yaml.safe_dump(doc, sort_keys=False))
+    lin = res.linear
+    print(
+        f"wrote {args.output} in {res.duration_s:.0f} s: {res.chosen} cost model (RMS relative residual "
+        f"linear {res.residuals['linear']:.3f}, roofline "
+        f"{'-' if res.residuals['roofline'] is None else format(res.residuals['roofline'], '.3f')}); "
+        f"iteration = {lin.a_s * 1e3:.2f} ms + {lin.b_s_per_prefill_token * 1e6:.1f} us/prefill token + "
+        f"{lin.c_s_per_decode_seq * 1e6:.1f} us/decode seq + {lin.d_s_per_context_token * 1e9:.1f} ns/context token + "
+        f"{lin.e_s_per_prefill_seq * 1e3:.2f} ms/prefill seq; "
+        f"request overhead {res.request_overhead_s * 1e3:.1f} ms; KV {res.info.kv_cache_tokens} tokens; "
+        f"max_num_seqs {doc['server']['max_num_seqs']}"
     )
     return 0
 
@@ -466,6 +524,11 @@ COMMANDS["demo"] = Command(
     "CPU demo: emulated fleet + router (A/B: least-outstanding vs learned) + trace replay",
     "simulator.demo:add_arguments",
     "simulator.demo:main",
+)
+COMMANDS["fidelity"] = Command(
+    "sim-to-real: a trace segment through the live router to a real vLLM fleet vs the simulator on calibrated profiles",
+    "fleet.fidelity:add_arguments",
+    "fleet.fidelity:main",
 )
 COMMANDS["replay"] = Command(
     "a live router's decision log as a workload: summary, replay scenario YAML, simulated policies",

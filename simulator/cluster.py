@@ -368,7 +368,10 @@ class ClusterSim:
         tracker = routers[0].trackers[i]
         records = self.records
         hook = self.on_complete_hook
+        overhead = rep.profile.request_overhead_s  # HTTP + tokenisation a real server adds (measured profiles)
         for kind, st, t in rep.outputs:
+            if overhead:
+                t += overhead
             idx = st.idx
             rec = records[idx]
             if n_routers > 1:
@@ -417,9 +420,12 @@ class ClusterSim:
             self._int_t = t
         self._waiting_ft += 1
         self._waiting_arrivals[idx] = req.arrival_s
+        estimate = self.estimator.from_true_tokens(req.prompt_tokens, self.rng)
+        if self.config.estimator_scale != 1.0:
+            estimate = max(1, round(estimate * self.config.estimator_scale))
         self._infos[idx] = make_request_info(
             str(req.request_id),
-            self.estimator.from_true_tokens(req.prompt_tokens, self.rng),
+            estimate,
             req.max_tokens,
             self._prefix_blocks(req.block_ids) if req.block_ids else (),
             None,

@@ -5,7 +5,13 @@ decode tokens while attending over `context_tokens` cached tokens. Its time is
 
     overhead + max(FLOPs / (peak * mfu), (weight bytes + KV bytes read) / (bandwidth * util))
 
-Profiles live in `simulator/profiles/<name>.yaml`; the numbers and their sources are
+or, for a profile measured from a live server whose hardware the roofline does not describe (a CPU
+server with a tiny model), the measured linear form (`cost_model: {form: linear, ...}`)
+
+    a + b * prefill tokens + c * decode sequences + d * context tokens + e * prefill sequences
+
+(e: a fixed cost per request whose prefill runs in the iteration; on a CPU server it is most of a short
+prompt's prefill.) Profiles live in `simulator/profiles/<name>.yaml`; the numbers and their sources are
 documented in `simulator/PROFILES.md`. `fit()` refits overhead and efficiencies from
 measurements of a real server (`simulator calibrate`).
 """
@@ -46,6 +52,10 @@ class Profile:
     overhead_s: float
     activation_reserve_bytes: float  # whole replica
     sources: tuple[str, ...] = ()
+    # Measured profiles (`simulator calibrate --server`); None/0 keep the roofline profiles unchanged.
+    linear: "LinearCost | None" = None  # replaces the roofline when set
+    kv_cache_tokens: int | None = None  # the server's measured KV capacity, instead of the memory budget
+    request_overhead_s: float = 0.0  # HTTP + tokenisation before the engine sees a request (adds to TTFT)
 
     @property
     def weight_bytes(self) -> float:
@@ -57,6 +67,8 @@ class Profile:
 
     def num_kv_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9) -> int:
         """KV blocks vLLM would allocate: what is left of the memory budget after weights and activations."""
+        if self.kv_cache_tokens is not None:
+            return max(1, self.kv_cache_tokens // block_size)
         free = self.memory_bytes * gpu_memory_utilization - self.weight_bytes - self.activation_reserve_bytes
         n = int(free // (block_size * self.kv_bytes_per_token))
         if n <= 0:
@@ -67,6 +79,8 @@ class Profile:
         return n
 
     def coefficients(self) -> "IterationCoefficients":
+        if self.linear is not None:
+            return self.linear.coefficients()
         return IterationCoefficients(
             overhead_s=self.overhead_s,
             s_per_flop=1.0 / (self.peak_flops * self.prefill_mfu),
@@ -94,16 +108,58 @@ class IterationCoefficients:
     attn_flops_per_token_pair: float  # 4 * layers * hidden (QK^T and AV per query/key pair)
     weight_bytes: float
     kv_bytes_per_token: float
+    # Linear (measured) profiles only, 0 for the roofline: extra seconds per decode sequence and per context token.
+    decode_extra_s: float = 0.0
+    context_s: float = 0.0
+    prefill_seq_s: float = 0.0
 
     def iteration_time(
-        self, prefill_tokens: int, decode_seqs: int, context_tokens: int, attn_pairs: float = 0.0
+        self, prefill_tokens: int, decode_seqs: int, context_tokens: int, attn_pairs: float = 0.0, prefill_seqs: int = 0
     ) -> float:
         """Seconds for one iteration. `attn_pairs` = sum over prefill chunks of n * (past + n/2)."""
         compute = (
             self.flops_per_token * (prefill_tokens + decode_seqs) + self.attn_flops_per_token_pair * attn_pairs
         ) * self.s_per_flop
+        if self.decode_extra_s or self.context_s or self.prefill_seq_s:
+            compute += self.decode_extra_s * decode_seqs + self.context_s * context_tokens + self.prefill_seq_s * prefill_seqs
         memory = (self.weight_bytes + self.kv_bytes_per_token * context_tokens) * self.s_per_byte
         return self.overhead_s + (compute if compute > memory else memory)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCost:
+    """Measured iteration time a + b * prefill tokens + c * decode seqs + d * context tokens + e * prefill seqs."""
+
+    a_s: float
+    b_s_per_prefill_token: float
+    c_s_per_decode_seq: float
+    d_s_per_context_token: float
+    e_s_per_prefill_seq: float = 0.0
+
+    def iteration_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_seqs: int = 0) -> float:
+        return (
+            self.a_s
+            + self.b_s_per_prefill_token * prefill_tokens
+            + self.c_s_per_decode_seq * decode_seqs
+            + self.d_s_per_context_token * context_tokens
+            + self.e_s_per_prefill_seq * prefill_seqs
+        )
+
+    def coefficients(self) -> "IterationCoefficients":
+        """The linear form as roofline constants whose compute side always wins (the replica's closed form
+        handles that case): overhead a, 'FLOPs' b * prefill + c * decode + d * context, no memory side."""
+        return IterationCoefficients(
+            overhead_s=self.a_s,
+            s_per_flop=1.0,
+            s_per_byte=0.0,
+            flops_per_token=self.b_s_per_prefill_token,
+            attn_flops_per_token_pair=0.0,
+            weight_bytes=0.0,
+            kv_bytes_per_token=0.0,
+            decode_extra_s=self.c_s_per_decode_seq - self.b_s_per_prefill_token,
+            context_s=self.d_s_per_context_token,
+            prefill_seq_s=self.e_s_per_prefill_seq,
+        )
 
 
 _REQUIRED = {
@@ -132,6 +188,8 @@ def profile_from_file(path: str | Path) -> Profile:
     doc = yaml.safe_load(path.read_text())
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
+    if isinstance(doc.get("cost_model"), dict) and doc["cost_model"].get("form") == "linear":
+        return _measured_profile(path, doc)
     for section, fields in _REQUIRED.items():
         sec = doc.get(section)
         if not isinstance(sec, dict):
@@ -170,6 +228,59 @@ def profile_from_file(path: str | Path) -> Profile:
         overhead_s=overhead,
         activation_reserve_bytes=float(doc["activation_reserve_gib"]) * GIB * count,
         sources=tuple(str(s) for s in doc.get("sources", ())),
+    )
+
+
+LINEAR_FIELDS = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_context_token", "e_s_per_prefill_seq")
+
+
+def _nonnegative(path: Path, field: str, value: object) -> float:
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: field {field!r} must be a number, got {value!r}") from None
+    if not v >= 0 or not math.isfinite(v):
+        raise ValueError(f"{path}: field {field!r} must be >= 0 and finite, got {value!r}")
+    return v
+
+
+def _measured_profile(path: Path, doc: dict) -> Profile:
+    """A profile measured from a live server (`simulator calibrate --server`): the linear cost form, the
+    server's KV capacity and request overhead; the hardware it ran on is not described, so the roofline
+    fields are NaN (nothing reads them when `linear` is set)."""
+    cm, m, srv = doc["cost_model"], doc.get("model"), doc.get("server")
+    if not isinstance(m, dict) or "max_model_len" not in m:
+        raise ValueError(f"{path}: missing field model.max_model_len")
+    if not isinstance(srv, dict) or "kv_cache_tokens" not in srv:
+        raise ValueError(f"{path}: missing field server.kv_cache_tokens")
+    for f in LINEAR_FIELDS[:4]:  # e is optional (0)
+        if f not in cm:
+            raise ValueError(f"{path}: missing field cost_model.{f}")
+    linear = LinearCost(*(_nonnegative(path, f"cost_model.{f}", cm.get(f, 0.0)) for f in LINEAR_FIELDS))
+    nan = math.nan
+    return Profile(
+        name=str(doc.get("name", path.stem)),
+        gpu_name=str(doc.get("hardware", "measured")),
+        gpu_count=1,
+        peak_flops=nan,
+        hbm_bandwidth=nan,
+        memory_bytes=nan,
+        model_name=str(m.get("name", "")),
+        params=nan,
+        layers=0,
+        hidden=0,
+        kv_heads=0,
+        head_dim=0,
+        bytes_per_param=nan,
+        max_model_len=int(_positive(path, "model.max_model_len", m["max_model_len"])),
+        prefill_mfu=nan,
+        decode_bw_util=nan,
+        overhead_s=linear.a_s,
+        activation_reserve_bytes=0.0,
+        sources=tuple(str(s) for s in doc.get("sources", ())),
+        linear=linear,
+        kv_cache_tokens=int(_positive(path, "server.kv_cache_tokens", srv["kv_cache_tokens"])),
+        request_overhead_s=_nonnegative(path, "request_overhead_s", doc.get("request_overhead_s", 0.0)),
     )
 
 

@@ -301,6 +301,9 @@ class Replica:
         c = f * (co.overhead_s + co.flops_per_token * D * co.s_per_flop)
         a = f * (co.overhead_s + (co.weight_bytes + co.kv_bytes_per_token * ctx0) * co.s_per_byte)
         b = f * co.kv_bytes_per_token * D * co.s_per_byte
+        if co.decode_extra_s or co.context_s:  # measured linear form: step j takes a + b * j, nothing to cross
+            a = c + f * (co.decode_extra_s * D + co.context_s * ctx0)
+            b, c = f * co.context_s * D, 0.0
         if a >= c:
             jstar = 0
         elif b <= 0:
@@ -455,7 +458,7 @@ class Replica:
             attn += n * (c + 0.5 * n)
         self._plan = plan
         self.mode = ITER
-        self.event_s = now + self.factor * self.co.iteration_time(prefill, D, ctx, attn)
+        self.event_s = now + self.factor * self.co.iteration_time(prefill, D, ctx, attn, len(plan))
 
     def _finish_iteration(self, now: float) -> None:
         self.step = step = self.step + 1

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from .vllm_servers import (
+from fleet.vllm import (
     FLEET_ARGS,
     VLLM_PYTHON_ENV,
     VllmServer,

@@ -30,8 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.policy.registry import DEFAULT_MODEL_PATH
 from router.settings import replica_id
 
-from .router_process import RouterProcess, start_router
-from .vllm_servers import (
+from fleet.router_process import RouterProcess, start_router
+from fleet.vllm import (
     FLEET_ARGS,
     ROOMY,
     SERVED_MODEL_NAME,

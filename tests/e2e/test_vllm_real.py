@@ -22,7 +22,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from .vllm_servers import FLEET_ARGS, ROOMY, SERVED_MODEL_NAME, SMALL
+from fleet.vllm import FLEET_ARGS, ROOMY, SERVED_MODEL_NAME, SMALL
 
 RECORDED_PAGE = Path(__file__).resolve().parents[1] / "data" / "vllm_metrics_0.32.0.txt"
 SMALL_MAX_NUM_SEQS = int(FLEET_ARGS[SMALL][FLEET_ARGS[SMALL].index("--max-num-seqs") + 1])

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .vllm_servers import REPO_ROOT, free_ports
+from fleet.vllm import REPO_ROOT, free_ports
 
-ADMIN_TOKEN = "e2e-admin-token"
+ADMIN_TOKEN = "fleet-admin-token"
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""Real vLLM CPU servers for the end-to-end tests: a tiny local model and server process management.
+"""Real vLLM CPU servers (fidelity runs, end-to-end tests): a tiny local model and server process management.
 
 Two halves with different interpreters:
 - `write_tiny_model(dir)` needs `tokenizers` and `transformers`, which live in the vLLM venv only. Run it there:
-  `.venv-vllm/bin/python tests/e2e/vllm_servers.py write-model DIR` (that is what `ensure_tiny_model` does).
+  `.venv-vllm/bin/python fleet/vllm.py write-model DIR` (that is what `ensure_tiny_model` does).
 - Everything else is stdlib only and runs in the test venv: it starts `python -m vllm.entrypoints...` with the
   vLLM venv's interpreter, each server in its own process group, and stops the whole group.
 
-Recipe and the reasons behind every flag: ../shared/vllm-cpu.md. Loopback only; nothing leaves the machine.
+Recipe and the reasons behind every flag: /work/shared/vllm-cpu.md. Loopback only; nothing leaves the machine.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON_ENV = "ROUTEWISE_VLLM_PYTHON"
 SERVED_MODEL_NAME = "tiny"
 # `vllm serve` fails with vllm-cpu (PackageNotFoundError: vllm); the module entry point works.
@@ -392,7 +392,7 @@ def _main(argv: list[str]) -> int:
         finally:
             stop_servers(servers)
         return 0
-    print(__doc__ + "\nusage: vllm_servers.py write-model DIR | serve N [-- extra vLLM args]", file=sys.stderr)
+    print(__doc__ + "\nusage: fleet/vllm.py write-model DIR | serve N [-- extra vLLM args]", file=sys.stderr)
     return 2
 
 

@@ -1,0 +1,492 @@
+"""Sim-to-real fidelity: one trace segment through the live router to a real vLLM fleet, and the same arrivals and
+lengths through the simulator on profiles calibrated from that fleet (`simulator fidelity`).
+
+    simulator fidelity --duration 40 --load 0.7            # launches the heterogeneous CPU fleet (fleet/vllm.py)
+    simulator fidelity --server URL --server URL --json    # an already running fleet
+
+Per policy: start the router on the fleet, replay the segment open loop (time-scaled to `--load` of the fleet's
+calibrated capacity), record each request's TTFT/TPOT/E2E client-side; tokenise every prompt on the server so the
+simulation gets the true prompt lengths; simulate exactly those arrivals and lengths with the same policy on a
+cluster built from the calibrated profiles (their KV sizes, block size, max_num_seqs, request overhead; the router's
+chars/4 estimate as a bias against the measured chars per token). Report real vs simulated p50/p90/p99 with relative
+errors, the ranking by p99 TTFT, and the learned policy's gain over least-outstanding real vs predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+METRICS = ("ttft_s", "tpot_s", "e2e_s")
+LEARNED, BASELINE = "learned", "least-outstanding"
+DEFAULT_POLICIES = ("least-outstanding", "expected-wait", "learned")
+ROUTER_ESTIMATE_CHARS_PER_TOKEN = 4.0  # router.policy.estimate.DEFAULT_CHARS_PER_TOKEN
+
+
+class FidelityError(Exception):
+    pass
+
+
+@dataclass
+class Served:
+    """One request as the real fleet served it (times from the start of the replay)."""
+
+    arrival_s: float
+    prompt_tokens: int  # the server's tokenisation of the prompt sent
+    output_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    replica: int = -1  # simulated: index of the replica that served it
+
+
+def pcts(values: list[float]) -> dict[str, float | None]:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return {f"p{p}": None for p in PERCENTILES}
+    return {f"p{p}": float(v) for p, v in zip(PERCENTILES, np.percentile(vals, PERCENTILES))}
+
+
+def rel_err(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return (sim - real) / real
+
+
+# ---------------------------------------------------------------- the fleet side
+
+
+def _tokenize(url: str, model: str, prompts: list[str]) -> list[int]:
+    """The server's own prompt lengths (vLLM's /tokenize), so the simulation gets the tokens really prefilled."""
+    out = []
+    for text in prompts:
+        req = urllib.request.Request(
+            url.rstrip("/") + "/tokenize", data=json.dumps({"model": model, "prompt": text}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                out.append(int(json.loads(resp.read())["count"]))
+        except (OSError, ValueError, KeyError) as e:
+            raise FidelityError(f"{url}/tokenize: probe 'tokenize': {e}") from None
+    return out
+
+
+def _wait_idle(urls: list[str], timeout_s: float = 60.0) -> None:
+    from simulator.calibrate import _total, parse_metrics
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = 0.0
+        for u in urls:
+            with urllib.request.urlopen(u.rstrip("/") + "/metrics", timeout=5) as resp:
+                s = parse_metrics(resp.read().decode())
+            busy += _total(s, "vllm:num_requests_running") + _total(s, "vllm:num_requests_waiting")
+        if busy == 0:
+            return
+        time.sleep(0.5)
+    raise FidelityError(f"fleet {urls} still busy {timeout_s:g} s after the replay")
+
+
+def _engine_itl(urls: list[str]) -> list[tuple[float, float]]:
+    """Per server, (sum, count) of vllm:inter_token_latency_seconds."""
+    from simulator.calibrate import _total, parse_metrics
+
+    out = []
+    for u in urls:
+        with urllib.request.urlopen(u.rstrip("/") + "/metrics", timeout=5) as resp:
+            s = parse_metrics(resp.read().decode())
+        out.append((_total(s, "vllm:inter_token_latency_seconds_sum"), _total(s, "vllm:inter_token_latency_seconds_count")))
+    return out
+
+
+def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scrape_interval_s: float,
+                progress: bool) -> tuple[list[Served], list[tuple[float, float]]]:
+    """The plan through a fresh router with `policy`: what each request saw, in plan order, and the engines' own
+    mean inter-token latency over the replay (server-side, to tell engine speed from HTTP and queueing)."""
+    from fleet.router_process import start_router
+    from simulator.loadgen import ClientSpec, run_load
+
+    _wait_idle(urls)
+    itl0 = _engine_itl(urls)
+    router = start_router(urls, policy, work / "router", scrape_interval_s=scrape_interval_s)
+    try:
+        results, _ = asyncio.run(run_load(plan, ClientSpec(url=router.base_url, model=model, timeout_s=120.0), progress))
+    finally:
+        router.stop()
+    itl1 = _engine_itl(urls)
+    engine_itl = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(itl0, itl1)]  # per server (sum, count) over the replay
+    tokens = _tokenize(urls[0], model, [r.prompt for r in plan])
+    served = []
+    for req, res, n in zip(plan, results, tokens):
+        if not res.ok:
+            raise FidelityError(f"policy {policy}: request sent at {req.send_s:.2f} s failed on the real fleet: {res.error}")
+        served.append(Served(req.send_s, n, res.output_tokens, res.ttft_s, res.tpot_s, res.e2e_s))
+    return served, engine_itl
+
+
+def mean_itl(served: list[Served], replica: int | None = None) -> float:
+    """Token-weighted mean time between output tokens (what the engines' ITL histogram averages)."""
+    if replica is not None:
+        served = [s for s in served if s.replica == replica]
+    gaps = sum(s.tpot_s * (s.output_tokens - 1) for s in served if s.output_tokens > 1)
+    n = sum(s.output_tokens - 1 for s in served if s.output_tokens > 1)
+    return gaps / n if n else math.nan
+
+
+# ---------------------------------------------------------------- the simulator side
+
+
+def cluster_from_profiles(profile_paths: list[Path], scrape_interval_s: float, max_num_batched_tokens: int):
+    """A ClusterConfig of one replica per calibrated profile, with the server settings the profile measured."""
+    import yaml
+
+    from simulator.config import ClusterConfig, ReplicaGroup, ScrapeConfig
+
+    groups = []
+    for path in profile_paths:
+        srv = yaml.safe_load(path.read_text())["server"]
+        seqs = srv.get("max_num_seqs") or 256  # never saw a request wait: vLLM's default
+        groups.append(ReplicaGroup(
+            profile=str(path), count=1, max_num_seqs=seqs, block_size=int(srv["block_size"]),
+            max_num_batched_tokens=max(max_num_batched_tokens, seqs), enable_prefix_caching=bool(srv["enable_prefix_caching"]),
+        ))
+    return ClusterConfig(replicas=groups, scrape=ScrapeConfig(interval_s=scrape_interval_s, jitter_s=0.0),
+                         estimator_sigma=0.0)
+
+
+def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: float, seed: int = 0) -> list[Served]:
+    from router.policy.registry import make_served_policy
+    from simulator.cluster import simulate
+    from simulator.types import SimRequest
+
+    reqs = [SimRequest(i, s.arrival_s, s.prompt_tokens, s.output_tokens, max_tokens=s.output_tokens)
+            for i, s in enumerate(served)]
+    cfg = cluster.model_copy(update={"estimator_scale": estimate_scale})
+    records = simulate(cfg, reqs, make_served_policy(policy, seed=seed), seed=seed)
+    return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
+                   int(r.replica_id[1:].split("-", 1)[0])) for r in records]
+
+
+# ---------------------------------------------------------------- the report
+
+
+def compare(real: dict[str, list[Served]], sim: dict[str, list[Served]]) -> dict:
+    policies = list(real)
+    rows = {}
+    for p in policies:
+        row = {}
+        for m in METRICS:
+            r, s = pcts([getattr(x, m) for x in real[p]]), pcts([getattr(x, m) for x in sim[p]])
+            row[m] = {k: {"real": r[k], "sim": s[k], "rel_err": rel_err(s[k], r[k])} for k in r}
+        row["requests"] = len(real[p])
+        rows[p] = row
+    rank = {src: sorted(policies, key=lambda p: rows[p]["ttft_s"]["p99"][src]) for src in ("real", "sim")}
+    report: dict = {"policies": rows, "ranking_by_ttft_p99": {**rank, "same": rank["real"] == rank["sim"]}}
+    if LEARNED in rows and BASELINE in rows:
+        gain = {}
+        for src in ("real", "sim"):
+            base, learned = rows[BASELINE]["ttft_s"]["p99"][src], rows[LEARNED]["ttft_s"]["p99"][src]
+            gain[src] = 1.0 - learned / base if base else None
+        ratio = gain["real"] / gain["sim"] if gain["real"] is not None and gain["sim"] else None
+        report["learned_gain_ttft_p99"] = {"real": gain["real"], "predicted": gain["sim"], "ratio": ratio}
+    errs = [abs(v["rel_err"]) for p in rows.values() for m in ("ttft_s", "e2e_s") for k, v in p[m].items()
+            if v["rel_err"] is not None]
+    report["max_abs_rel_err_ttft_e2e"] = max(errs) if errs else None
+    return report
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:+.1f}%"
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{'policy':18s} {'metric':6s} {'pct':>4s} {'real ms':>9s} {'sim ms':>9s} {'error':>8s}"]
+    for p, row in report["policies"].items():
+        for m in METRICS:
+            for k, v in row[m].items():
+                lines.append(f"{p:18s} {m[:-2].upper():6s} {k:>4s} {_ms(v['real']):>9s} {_ms(v['sim']):>9s} "
+                             f"{_pct(v['rel_err']):>8s}")
+    rk = report["ranking_by_ttft_p99"]
+    lines.append(f"ranking by p99 TTFT: real {' < '.join(rk['real'])}; sim {' < '.join(rk['sim'])} "
+                 f"({'same' if rk['same'] else 'DIFFERENT'})")
+    g = report.get("learned_gain_ttft_p99")
+    if g:
+        lines.append(f"learned gain over least-outstanding (p99 TTFT): real {_pct(g['real'])}, predicted "
+                     f"{_pct(g['predicted'])}, ratio {'-' if g['ratio'] is None else format(g['ratio'], '.2f')}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- capacity and the command
+
+
+def capacity_rps(profile_paths: list[Path], mean_prompt: float, mean_output: float) -> float:
+    """Requests/s the fleet sustains at full batches (from the calibrated cost model): the time scale's target."""
+    import yaml
+
+    from simulator.costmodel import load_profile
+
+    total = 0.0
+    for path in profile_paths:
+        prof = load_profile(str(path))
+        srv = yaml.safe_load(path.read_text())["server"]
+        seqs = min(srv.get("max_num_seqs") or 16, max(1, int(prof.kv_cache_tokens or 1e9) // int(mean_prompt + mean_output)))
+        step = prof.iteration_time(0, seqs, int(seqs * (mean_prompt + mean_output / 2)))
+        # decode shares an iteration with the batch; a prefill's tokens are the request's own work
+        prefill = prof.coefficients().iteration_time(int(mean_prompt), 0, int(mean_prompt), prefill_seqs=1) - prof.overhead_s
+        per_req = mean_output * step / seqs + prefill
+        total += 1.0 / per_req
+    return total
+
+
+def _mean(deltas: list[tuple[float, float]]) -> float:
+    total, count = sum(d[0] for d in deltas), sum(d[1] for d in deltas)
+    return total / count if count else math.nan
+
+
+def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str], model: str, work: Path,
+                 cluster, log):
+    """How much slower each engine runs inside the loaded fleet than alone during calibration (CPU contention with
+    the other server, the router and the load generator, other tenants of the machine): replay a segment of the
+    trace's TRAIN window (never the evaluated one) through the router, and set each replica's `speed_factor` to its
+    engine's real mean inter-token latency over the simulated one. Returns the cluster, the factors and the extra
+    request overhead."""
+    from simulator.loadgen import PlanSpec, PromptSynth, build_plan
+
+    plan, _ = build_plan(PlanSpec(**{**base.__dict__, "window": "train", "duration_s": args.warmup, "rate": rate}))
+    synth = PromptSynth(seed=999)
+    plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
+                    r.max_tokens) for r in plan]
+    log(f"fidelity: warm-up: {len(plan)} requests of the train window to measure each engine's speed under load")
+    served, itl = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
+    sim = simulate_same(served, cluster, BASELINE, estimate_scale)
+    factors = []
+    for i, delta in enumerate(itl):
+        real_itl, sim_itl = _mean([delta]), mean_itl(sim, i)
+        f = real_itl / sim_itl if real_itl > 0 and sim_itl > 0 else 1.0
+        factors.append(float(min(10.0, max(0.5, f))))
+    groups = [g.model_copy(update={"speed_factor": f}) for g, f in zip(cluster.replicas, factors)]
+    cluster = cluster.model_copy(update={"replicas": groups})
+    # What the loaded path adds before a first token beyond the calibrated request overhead (the router's hop, the
+    # client and the servers' API processes sharing the cores): the median gap of real and simulated TTFT at the
+    # measured speeds, added to each profile's request_overhead_s (in-fleet copies of the profiles).
+    sim = simulate_same(served, cluster, BASELINE, estimate_scale)
+    extra = max(0.0, float(np.median([r.ttft_s - s.ttft_s for r, s in zip(served, sim)])))
+    import yaml
+
+    groups = []
+    for i, g in enumerate(cluster.replicas):
+        doc = yaml.safe_load(Path(g.profile).read_text())
+        doc["request_overhead_s"] = round(float(doc.get("request_overhead_s", 0.0)) + extra, 6)
+        doc["in_fleet"] = {"speed_factor": factors[i], "extra_request_overhead_s": round(extra, 6),
+                           "measured_on": f"{args.trace} train window, {args.warmup:g} s, {BASELINE}"}
+        path = work / f"profile-{i}-in-fleet.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        groups.append(g.model_copy(update={"profile": str(path)}))
+    log(f"fidelity: engine speed factors under load: {', '.join(f'{f:.2f}' for f in factors)}; "
+        f"extra request overhead {extra * 1e3:.1f} ms")
+    return cluster.model_copy(update={"replicas": groups}), factors, extra
+
+
+def check_fits(plan, profile_paths: list[Path], urls: list[str]) -> None:
+    """Every request of the segment must fit every server's max_model_len (vLLM would refuse it: HTTP 400)."""
+    import yaml
+
+    for path, url in zip(profile_paths, urls):
+        limit = int(yaml.safe_load(path.read_text())["model"]["max_model_len"])
+        for i, r in enumerate(plan):
+            if r.prompt_tokens + r.max_tokens > limit:
+                raise FidelityError(
+                    f"{url}: trace segment request {i} (sent at {r.send_s:.2f} s) needs {r.prompt_tokens} prompt + "
+                    f"{r.max_tokens} output tokens, over the server's max_model_len {limit} (lower --max-prompt-tokens "
+                    f"or --max-tokens-cap)"
+                )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", action="append", default=[], help="base URL of a running vLLM server (repeat); "
+                   "none: launch the heterogeneous CPU fleet of fleet/vllm.py (needs .venv-vllm)")
+    p.add_argument("--servers", type=int, default=2, choices=(1, 2), help="servers to launch without --server (default 2)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma list (default: %(default)s)")
+    p.add_argument("--trace", default="azure-conv")
+    p.add_argument("--window", default="eval", help="trace window (default eval: held out from training)")
+    p.add_argument("--start", type=float, default=0.0, help="offset into the window, trace seconds")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of replay per policy (default 40)")
+    p.add_argument("--load", type=float, default=0.7, help="offered load as a fraction of calibrated capacity")
+    p.add_argument("--rate", type=float, help="offered requests/s instead of --load (runs comparable across calibrations)")
+    p.add_argument("--token-scale", type=float, default=0.25, help="shrink trace lengths for CPU servers")
+    p.add_argument("--max-tokens-cap", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=600, help="clip prompts (real tokens; fleet max_model_len 1024)")
+    p.add_argument("--scrape-interval", type=float, default=0.2)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the servers' (vLLM CPU default 2048)")
+    p.add_argument("--calibrate-budget", type=float, default=90.0)
+    p.add_argument("--warmup", type=float, default=20.0, help="seconds of a TRAIN-window segment replayed first to "
+                   "measure each engine's slow-down under load (replica speed_factor); 0 = none")
+    p.add_argument("--profiles", nargs="*", help="calibrated profiles to reuse (one per server) instead of calibrating")
+    p.add_argument("--out", help="directory for profiles and raw results (default: a temporary one, removed)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quiet", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except FidelityError as e:
+        print(f"simulator fidelity: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
+    from router.policy.registry import DEFAULT_MODEL_PATH
+    from simulator.calibrate import CalibrationError, SweepSpec, calibrate, profile_document, write_atomically
+    from simulator.loadgen import PlanSpec, PromptSynth, build_plan
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if LEARNED in policies and not DEFAULT_MODEL_PATH.is_file():
+        raise FidelityError(f"policy 'learned': no model at {DEFAULT_MODEL_PATH}")
+    work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="routewise-fidelity-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log = (lambda m: None) if args.quiet and args.json else (lambda m: print(m, file=sys.stderr))
+    servers = []
+    t_start = time.monotonic()
+    try:
+        urls = list(args.server)
+        known_seqs: list[int | None] = [None] * len(urls)
+        if not urls:
+            from fleet import vllm
+
+            python = vllm.vllm_python()
+            if python is None:
+                raise FidelityError(f"no vLLM interpreter: set {vllm.VLLM_PYTHON_ENV} or run scripts/install-vllm.sh")
+            model_dir = vllm.ensure_tiny_model(work / "model", python)
+            fleet_args = vllm.FLEET_ARGS[: args.servers]
+            log(f"fidelity: starting {len(fleet_args)} vLLM CPU servers: {fleet_args}")
+            servers = vllm.start_servers(len(fleet_args), model_dir, python, work / "fleet", extra_args=fleet_args)
+            urls = [s.base_url for s in servers]
+            known_seqs = [int(a[a.index("--max-num-seqs") + 1]) for a in fleet_args]
+        model = vllm_model(urls[0])
+        if args.profiles:
+            if len(args.profiles) != len(urls):
+                raise FidelityError(f"--profiles: {len(args.profiles)} files for {len(urls)} servers")
+            profiles = [Path(p) for p in args.profiles]
+            for path in profiles:
+                try:
+                    doc = yaml_load(path)
+                    srv = doc["server"]
+                    srv["block_size"], srv["chars_per_token"], doc["model"]["max_model_len"]  # noqa: B018
+                except (OSError, KeyError, TypeError, ValueError) as e:
+                    raise FidelityError(f"--profiles {path}: not a measured profile of `simulator calibrate --server` "
+                                        f"({type(e).__name__}: {e})") from None
+        else:
+            import yaml
+
+            profiles = []
+            for i, url in enumerate(urls):
+                t0 = time.monotonic()
+                try:
+                    res = calibrate(url, model, SweepSpec(budget_s=args.calibrate_budget), announce=log,
+                                    progress=not args.quiet)
+                except CalibrationError as e:
+                    raise FidelityError(str(e)) from None
+                path = work / f"profile-{i}.yaml"
+                write_atomically(path, yaml.safe_dump(profile_document(res, f"fleet-{i}", known_seqs[i]), sort_keys=False))
+                log(f"fidelity: calibrated {url} in {time.monotonic() - t0:.0f} s -> {path} "
+                    f"(residual {res.residuals['linear']:.3f})")
+                profiles.append(path)
+        import yaml
+
+        cpt = float(np.mean([yaml.safe_load(p.read_text())["server"]["chars_per_token"] for p in profiles]))
+        estimate_scale = cpt / ROUTER_ESTIMATE_CHARS_PER_TOKEN
+        base = PlanSpec(trace=args.trace, window=args.window, start_s=args.start, duration_s=args.duration,
+                        token_scale=args.token_scale, max_tokens_cap=args.max_tokens_cap,
+                        max_prompt_tokens=args.max_prompt_tokens, rate=1.0)
+        probe_plan, _ = build_plan(base)
+        mean_p = float(np.mean([r.prompt_tokens for r in probe_plan]))
+        mean_o = float(np.mean([r.max_tokens for r in probe_plan]))
+        cap = capacity_rps(profiles, mean_p, mean_o)
+        rate = args.rate if args.rate else args.load * cap
+        log(f"fidelity: capacity {cap:.2f} req/s (mean prompt {mean_p:.0f}, output {mean_o:.0f} tokens); "
+            f"replaying {args.trace} at {rate:.2f} req/s for {args.duration:g} s per policy")
+        check_fits(probe_plan, profiles, urls)
+        cluster = cluster_from_profiles(profiles, args.scrape_interval, args.max_num_batched_tokens)
+        factors, extra = [1.0] * len(urls), 0.0
+        if args.warmup > 0:
+            cluster, factors, extra = fit_in_fleet(args, base, rate, estimate_scale, urls, model, work, cluster, log)
+        real: dict[str, list[Served]] = {}
+        sim: dict[str, list[Served]] = {}
+        engine: dict[str, dict[str, float]] = {}
+        for k, policy in enumerate(policies):
+            plan, info = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
+            # Fresh prompt text per policy (same lengths and arrivals) so no run hits another's prefix cache. The
+            # synthesiser writes 4 characters per token, the router's rule; the server's tokenizer packs
+            # chars_per_token: write the text that the server counts as the trace's length.
+            synth = PromptSynth(seed=1000 + k)
+            plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
+                            r.max_tokens) for r in plan]
+            log(f"fidelity: {policy}: {len(plan)} requests through the router")
+            real[policy], itl = replay_real(urls, policy, plan, model, work, args.scrape_interval, not args.quiet)
+            sim[policy] = simulate_same(real[policy], cluster, policy, estimate_scale)
+            engine[policy] = {"real_server_side_s": _mean(itl), "sim_s": mean_itl(sim[policy]),
+                              "real_client_side_s": mean_itl(real[policy])}
+        report = compare(real, sim)
+        report["mean_inter_token_latency"] = engine
+        report.update(
+            speed_factors=factors, extra_request_overhead_s=extra, warmup_s=args.warmup, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
+            servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
+            wall_s=time.monotonic() - t_start,
+        )
+        if args.out:
+            (work / "raw.json").write_text(json.dumps(
+                {p: {"real": [s.__dict__ for s in real[p]], "sim": [s.__dict__ for s in sim[p]]} for p in real}))
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print(format_report(report))
+            for p, e in engine.items():
+                print(f"{p}: mean inter-token latency real {e['real_server_side_s'] * 1e3:.1f} ms in the engines "
+                      f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms")
+            la = report["load_average"]
+            print(f"offered {rate:.2f} req/s ({rate / cap:.2f} of calibrated capacity {cap:.2f}); load average "
+                  f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {report['wall_s']:.0f} s")
+        return 0
+    finally:
+        if servers:
+            from fleet import vllm
+
+            vllm.stop_servers(servers)
+        if not args.out:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def yaml_load(path: Path) -> dict:
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    if not isinstance(doc, dict):
+        raise ValueError("not a mapping")
+    return doc
+
+
+def vllm_model(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as resp:
+            return str(json.loads(resp.read())["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise FidelityError(f"{url}/v1/models: probe 'models': {e}") from None

@@ -1,0 +1,61 @@
+"""`simulator fidelity` against the two real vLLM CPU servers of the session: a short segment, two policies.
+
+Bounded (about a minute): it checks that calibration writes loadable measured profiles and that the report is
+produced and internally consistent. Accuracy figures are not asserted: they come from the benchmark command
+(`simulator fidelity`, see its module docstring) and vary with the machine's load.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from fleet.fidelity import METRICS, PERCENTILES
+from simulator.cli import main
+from simulator.costmodel import load_profile
+
+POLICIES = ("least-outstanding", "expected-wait")
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, capsys):
+    args = ["fidelity", "--policies", ",".join(POLICIES), "--duration", "8", "--load", "0.5",
+            "--calibrate-budget", "90", "--warmup", "4", "--out", str(tmp_path), "--json", "--quiet"]
+    for url in vllm_servers:
+        args += ["--server", url]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+
+    assert report["servers"] == vllm_servers
+    assert len(report["speed_factors"]) == len(vllm_servers) and all(f > 0 for f in report["speed_factors"])
+    assert report["extra_request_overhead_s"] >= 0
+    for path in report["profiles"]:
+        doc = yaml.safe_load(open(path))
+        assert doc["fit"]["chosen"] == "linear" and doc["fit"]["rms_relative_residual"]["linear"] >= 0
+        assert doc["calibration"]["measurements"] and doc["server"]["kv_cache_tokens"] > 0
+        assert load_profile(path).linear is not None
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert set(report["policies"]) == set(POLICIES) == set(raw)
+    for policy, row in report["policies"].items():
+        real, sim = raw[policy]["real"], raw[policy]["sim"]
+        assert row["requests"] == len(real) == len(sim) > 0
+        # the simulation got exactly the real arrivals and lengths
+        assert [(r["arrival_s"], r["prompt_tokens"]) for r in real] == [(s["arrival_s"], s["prompt_tokens"]) for s in sim]
+        for m in METRICS:
+            for src in ("real", "sim"):
+                values = [row[m][f"p{p}"][src] for p in PERCENTILES]
+                assert all(v is not None and v >= 0 for v in values) and values == sorted(values)
+            for p in PERCENTILES:
+                cell = row[m][f"p{p}"]
+                assert cell["rel_err"] == pytest.approx((cell["sim"] - cell["real"]) / cell["real"])
+    for src in ("real", "sim"):
+        order = report["ranking_by_ttft_p99"][src]
+        assert sorted(order) == sorted(POLICIES)
+        p99 = [report["policies"][p]["ttft_s"]["p99"][src] for p in order]
+        assert p99 == sorted(p99)
+    assert report["ranking_by_ttft_p99"]["same"] == (
+        report["ranking_by_ttft_p99"]["real"] == report["ranking_by_ttft_p99"]["sim"]
+    )

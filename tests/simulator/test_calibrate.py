@@ -1,0 +1,187 @@
+"""`simulator calibrate --server`: the measured linear cost form, measured profiles loaded by path, the fit, and
+one-line errors with nothing written for a bad server (a fault-injecting fake vLLM; the real one is in tests/e2e)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import numpy as np
+import pytest
+import yaml
+
+from simulator import calibrate, costmodel
+from simulator.cli import main
+from simulator.config import ReplicaGroup
+from simulator.replica import Replica, ReqState
+from simulator.types import SimRequest
+from tests.fakes.fake_vllm import FakeVllm
+
+LINEAR = costmodel.LinearCost(0.004, 1.5e-4, 6e-4, 2e-7, 0.012)
+
+
+def measured_doc(**over) -> dict:
+    doc = {
+        "name": "m",
+        "model": {"name": "tiny", "max_model_len": 1024},
+        "server": {"block_size": 32, "kv_cache_tokens": 2048, "enable_prefix_caching": True, "max_num_seqs": 4},
+        "cost_model": {"form": "linear", **{f: getattr(LINEAR, f) for f in costmodel.LINEAR_FIELDS}},
+        "request_overhead_s": 0.003,
+    }
+    doc.update(over)
+    return doc
+
+
+def test_measured_profile_loads_by_path_with_its_kv_size_and_linear_cost(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(measured_doc()))
+    prof = costmodel.load_profile(str(path))
+    assert prof.num_kv_blocks(32) == 64 and prof.request_overhead_s == 0.003
+    for args in [(0, 1, 40), (0, 4, 900), (300, 0, 300), (120, 3, 700)]:
+        want = LINEAR.iteration_time(*args, int(args[0] > 0))
+        assert prof.coefficients().iteration_time(*args, prefill_seqs=int(args[0] > 0)) == pytest.approx(want)
+
+
+def test_measured_profile_bad_field_names_file_and_field(tmp_path):
+    doc = measured_doc()
+    doc["cost_model"]["c_s_per_decode_seq"] = -1
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match=r"bad.yaml: field 'cost_model.c_s_per_decode_seq' must be >= 0"):
+        costmodel.load_profile(str(path))
+
+
+def _finish_times(closed_form: bool, path) -> list[float]:
+    prof = costmodel.load_profile(str(path))
+    rep = Replica("r0", ReplicaGroup(profile=str(path), max_num_seqs=4, block_size=32), prof, closed_form=closed_form)
+    rng = np.random.default_rng(0)
+    states = []
+    t = 0.0
+    for i in range(30):
+        t += float(rng.exponential(0.05))
+        while rep.event_s is not None and rep.event_s <= t:
+            rep.on_event(rep.event_s)
+        st = ReqState(SimRequest(i, t, int(rng.integers(10, 300)), int(rng.integers(2, 120))), i, t)
+        states.append(st)
+        rep.add(st, t)
+    while rep.event_s is not None:
+        rep.on_event(rep.event_s)
+    return [t for s in states for t in (s.first_token_s, s.finish_s)]
+
+
+def test_linear_profile_closed_form_jumps_match_one_iteration_at_a_time(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(measured_doc()))
+    assert _finish_times(True, path) == pytest.approx(_finish_times(False, path), rel=1e-9)
+
+
+def test_fit_linear_recovers_known_coefficients():
+    rows = [(p, 0, p, LINEAR.iteration_time(p, 0, p, 1)) for p in (16, 64, 128, 256, 512, 768)]
+    rows += [(0, d, c, LINEAR.iteration_time(0, d, c)) for d, c in ((1, 70), (2, 140), (4, 280), (8, 560), (1, 800))]
+    fit, residual = calibrate.fit_linear(np.array(rows, dtype=float))
+    assert residual < 1e-6
+    for f in costmodel.LINEAR_FIELDS:
+        assert getattr(fit, f) == pytest.approx(getattr(LINEAR, f), rel=1e-3, abs=1e-12)
+
+
+# ---------------------------------------------------------------- bad servers: one line, nothing written
+
+
+@pytest.fixture
+def fake_vllm():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    fake = FakeVllm()
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
+    yield fake
+    asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def _calibrate(url: str, out, *extra: str) -> int:
+    return main(["calibrate", "--server", url, "-o", str(out), "--quiet", *extra])
+
+
+def _one_line_error(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("simulator calibrate: error")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_unreachable_server_names_url_and_probe(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "p.yaml"
+    assert _calibrate(f"http://127.0.0.1:{port}", out) == 1
+    line = _one_line_error(capsys)
+    assert f"127.0.0.1:{port}/metrics" in line and "probe 'metrics'" in line and "cannot connect" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_vllm_server_is_refused_before_any_load(fake_vllm, tmp_path, capsys):
+    fake_vllm.metrics_mode = "garbage"
+    assert _calibrate(fake_vllm.url, tmp_path / "p.yaml") == 1
+    assert "not a vLLM server" in _one_line_error(capsys)
+    assert fake_vllm.requests == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_error_mid_sweep_names_probe_and_status(fake_vllm, tmp_path, capsys):
+    fake_vllm.mode = "error_500"
+    assert _calibrate(fake_vllm.url, tmp_path / "p.yaml") == 1
+    line = _one_line_error(capsys)
+    assert "/v1/completions: probe 'prefill" in line and "HTTP 500" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_probe_timeout_names_probe_and_limit(fake_vllm, tmp_path, capsys):
+    fake_vllm.mode = "hang"
+    assert _calibrate(fake_vllm.url, tmp_path / "p.yaml", "--probe-timeout", "0.5") == 1
+    line = _one_line_error(capsys)
+    assert "probe 'prefill" in line and "timed out after 0.5 s" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_wrong_model_names_what_is_served(fake_vllm, tmp_path, capsys):
+    assert _calibrate(fake_vllm.url, tmp_path / "p.yaml", "--model", "llama") == 1
+    assert "model 'llama' not served (served: ['tiny'])" in _one_line_error(capsys)
+
+
+# ---------------------------------------------------------------- what measured profiles change in the cluster
+
+
+def _cluster(path, **over):
+    from simulator.config import ClusterConfig, ScrapeConfig
+
+    return ClusterConfig(replicas=[ReplicaGroup(profile=str(path), max_num_seqs=4, block_size=32)],
+                         scrape=ScrapeConfig(jitter_s=0.0), estimator_sigma=0.0, **over)
+
+
+def test_request_overhead_of_a_measured_profile_adds_to_ttft_and_e2e(tmp_path):
+    from router.policy.registry import make_served_policy
+    from simulator.cluster import simulate
+
+    runs = {}
+    for overhead in (0.0, 0.05):
+        path = tmp_path / f"p{overhead}.yaml"
+        path.write_text(yaml.safe_dump(measured_doc(request_overhead_s=overhead)))
+        [rec] = simulate(_cluster(path), [SimRequest(0, 0.0, 100, 5)], make_served_policy("least-outstanding"), seed=0)
+        runs[overhead] = rec
+    alone = LINEAR.iteration_time(100, 0, 100, 1)  # one prefill iteration, then 4 decode steps
+    assert runs[0.0].ttft_s == pytest.approx(alone)
+    assert runs[0.05].ttft_s == pytest.approx(alone + 0.05)
+    assert runs[0.05].e2e_s == pytest.approx(runs[0.0].e2e_s + 0.05)
+
+
+def test_estimator_scale_biases_what_the_policy_sees(tmp_path):
+    from simulator.cluster import ClusterSim
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(measured_doc()))
+    for scale, want in ((1.0, 400), (0.34, 136)):
+        sim = ClusterSim(_cluster(path, estimator_scale=scale), [SimRequest(0, 0.0, 400, 5)], seed=0)
+        _, info = sim.next_decision()
+        assert info.prompt_tokens_est == want

@@ -1,0 +1,67 @@
+"""The fidelity report's arithmetic (fleet/fidelity.py) on hand-made results; the real run is tests/e2e."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.fidelity import Served, compare, format_report
+
+
+def _served(ttfts: list[float]) -> list[Served]:
+    return [Served(float(i), 100, 10, t, 0.01, t + 0.09) for i, t in enumerate(ttfts)]
+
+
+def test_errors_ranking_and_gain_ratio():
+    real = {"least-outstanding": _served([0.1] * 99 + [1.0]), "learned": _served([0.1] * 99 + [0.6])}
+    sim = {"least-outstanding": _served([0.11] * 99 + [0.8]), "learned": _served([0.1] * 99 + [0.4])}
+    rep = compare(real, sim)
+    cell = rep["policies"]["least-outstanding"]["ttft_s"]["p50"]
+    assert cell["real"] == pytest.approx(0.1) and cell["sim"] == pytest.approx(0.11)
+    assert cell["rel_err"] == pytest.approx(0.1)
+    assert rep["ranking_by_ttft_p99"] == {"real": ["learned", "least-outstanding"],
+                                          "sim": ["learned", "least-outstanding"], "same": True}
+    g = rep["learned_gain_ttft_p99"]
+    real_p99 = [rep["policies"][p]["ttft_s"]["p99"]["real"] for p in ("learned", "least-outstanding")]
+    sim_p99 = [rep["policies"][p]["ttft_s"]["p99"]["sim"] for p in ("learned", "least-outstanding")]
+    assert g["real"] == pytest.approx(1 - real_p99[0] / real_p99[1])
+    assert g["predicted"] == pytest.approx(1 - sim_p99[0] / sim_p99[1])
+    assert g["ratio"] == pytest.approx(g["real"] / g["predicted"])
+    text = format_report(rep)
+    assert "ranking by p99 TTFT: real learned < least-outstanding" in text and "(same)" in text
+    assert "ratio" in text
+
+
+def test_different_ranking_is_reported():
+    real = {"a": _served([0.1] * 10), "b": _served([0.2] * 10)}
+    sim = {"a": _served([0.3] * 10), "b": _served([0.2] * 10)}
+    rep = compare(real, sim)
+    assert rep["ranking_by_ttft_p99"]["same"] is False and "learned_gain_ttft_p99" not in rep
+    assert "DIFFERENT" in format_report(rep)
+
+
+def test_a_request_over_max_model_len_names_server_request_and_value(tmp_path):
+    import yaml
+
+    from fleet.fidelity import FidelityError, check_fits
+    from simulator.loadgen import PlannedRequest
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"model": {"max_model_len": 1024}}))
+    plan = [PlannedRequest(0.0, "x", 100, 10), PlannedRequest(1.5, "y", 1000, 64)]
+    with pytest.raises(FidelityError, match=r"http://s:1: trace segment request 1 \(sent at 1.50 s\) needs 1000 prompt "
+                                            r"\+ 64 output tokens, over the server's max_model_len 1024"):
+        check_fits(plan, [path], ["http://s:1"])
+    check_fits(plan[:1], [path], ["http://s:1"])
+
+
+def test_unreachable_fleet_is_one_line(capsys):
+    import socket
+
+    from simulator.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["fidelity", "--server", f"http://127.0.0.1:{port}", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{port}/v1/models: probe 'models'" in err[0]
