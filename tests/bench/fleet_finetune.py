@@ -3,7 +3,7 @@
     flock /work/wt/vllm.lock .venv/bin/python tests/bench/fleet_finetune.py [--segment-s 60] [--rate 6]
 
 Two real vLLM servers (tiny model, one core each), heterogeneous as the e2e fleet
-(tests/e2e/vllm_servers.py FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues
+(fleet/vllm.py FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues
 and preempts), ROOMY 16 slots and 16 MB. The shipped policy's simulator prior knows H100/A100-class
 replicas with hundreds of slots, not a replica that saturates at 4.
 1. Segment A (earlier traffic) goes through the router with the shipped learned policy, the
@@ -34,8 +34,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.router_process import start_router  # noqa: E402
-from tests.e2e.vllm_servers import (  # noqa: E402
+from fleet.router_process import start_router  # noqa: E402
+from fleet.vllm import (  # noqa: E402
     FLEET_ARGS, SERVED_MODEL_NAME, ensure_tiny_model, start_servers, stop_servers, vllm_python,
 )
 

@@ -18,8 +18,8 @@ import pytest
 
 from router.policy.registry import DEFAULT_MODEL_PATH
 
-from .router_process import ADMIN_TOKEN, start_router
-from .vllm_servers import REPO_ROOT, SERVED_MODEL_NAME
+from fleet.router_process import ADMIN_TOKEN, start_router
+from fleet.vllm import REPO_ROOT, SERVED_MODEL_NAME
 
 pytestmark = pytest.mark.vllm
 
