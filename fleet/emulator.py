@@ -1,6 +1,6 @@
 """vLLM emulator: the simulator's replica model run in wall-clock time behind an OpenAI-compatible server.
 
-    simulator emulate --port 8101 --profile llama3-8b-a100 [--speed 1.0] [--max-num-seqs 256] [--kv-blocks N]
+    fleet emulate --port 8101 --profile llama3-8b-a100 [--speed 1.0] [--max-num-seqs 256] [--kv-blocks N]
 
 A stand-in for a vLLM server at scale on a CPU machine (demo, fast integration tests), not a substitute for
 the real-vLLM tests. What it does:
@@ -17,7 +17,7 @@ the real-vLLM tests. What it does:
   blocks of `block_size` tokens), so a repeated prompt hits the replica's prefix cache.
 - A client disconnect aborts the request in the model and frees its KV blocks.
 
-aiohttp and prometheus_client are imported here, so only the `emulate`/`demo` subcommands import this module.
+aiohttp and prometheus_client are imported here: this is a live-fleet tool (`fleet`), not part of the simulator library.
 """
 
 from __future__ import annotations
@@ -677,7 +677,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         WallClockEngine(settings)  # fail fast on a bad profile or sizes, before binding the port
     except (ValueError, KeyError) as e:
-        print(f"simulator emulate: error: {e}", file=sys.stderr)
+        print(f"fleet emulate: error: {e}", file=sys.stderr)
         return 2
     with contextlib.suppress(ImportError):
         import uvloop
@@ -691,7 +691,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="simulator emulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="fleet emulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return main(p.parse_args(argv))
 

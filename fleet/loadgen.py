@@ -1,6 +1,6 @@
 """Open-loop load generator: replays a trace (or a Poisson process) against an OpenAI-compatible endpoint.
 
-    simulator loadgen --url http://127.0.0.1:8000 --trace azure-conv --time-scale 4 --duration 60
+    fleet loadgen --url http://127.0.0.1:8000 --trace azure-conv --time-scale 4 --duration 60
 
 - Arrivals are open loop: request i is sent at its (scaled) trace time whatever happened to earlier ones.
   Traces come from `simulator/traces.py` (train window by default; `--window eval` for held-out replay).
@@ -619,7 +619,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="simulator loadgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="fleet loadgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return main(p.parse_args(argv))
 

@@ -12,4 +12,4 @@ PY=${PYTHON:-python3}
 if ! .venv/bin/python -c "import aiohttp, prometheus_client, numpy, pydantic_settings, yaml, tqdm, onnxruntime, gymnasium" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[sim]'
 fi
-exec .venv/bin/python -m simulator demo "$@"
+exec .venv/bin/python -m fleet demo "$@"

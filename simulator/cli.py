@@ -41,7 +41,7 @@ COMMANDS: dict[str, Command] = {
         "simulator.cli:_calibrate",
     ),
     "scenarios": Command("list the built-in scenarios", "simulator.cli:_no_arguments", "simulator.cli:_scenarios"),
-    # Other subcommands (emulate, loadgen, demo, replay) register here the same way.
+    # `replay` registers below; the live-fleet tools (emulate, loadgen, demo) are the `fleet` command.
 }
 
 
@@ -437,23 +437,8 @@ def _scenarios(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- live-serving tools (aiohttp; imported lazily)
+# ---------------------------------------------------------------- decision-log replay
 
-COMMANDS["emulate"] = Command(
-    "serve an emulated vLLM replica (OpenAI API + vLLM /metrics) in wall-clock time",
-    "simulator.emulator:add_arguments",
-    "simulator.emulator:main",
-)
-COMMANDS["loadgen"] = Command(
-    "replay a trace (or Poisson load) open loop against an OpenAI-compatible URL",
-    "simulator.loadgen:add_arguments",
-    "simulator.loadgen:main",
-)
-COMMANDS["demo"] = Command(
-    "CPU demo: emulated fleet + router (A/B: least-outstanding vs learned) + trace replay",
-    "simulator.demo:add_arguments",
-    "simulator.demo:main",
-)
 COMMANDS["replay"] = Command(
     "a live router's decision log as a workload: summary, replay scenario YAML, simulated policies",
     "simulator.replay:add_arguments",

@@ -9,8 +9,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from router.policy.estimate import TokenEstimator, text_prefix_blocks
-from simulator.emulator import EmulatorSettings, make_app
-from simulator.loadgen import (
+from fleet.emulator import EmulatorSettings, make_app
+from fleet.loadgen import (
     ClientSpec,
     PlannedRequest,
     PlanSpec,

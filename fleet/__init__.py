@@ -1,0 +1,5 @@
+"""Live-fleet tools: the vLLM emulator, the load generator and the CPU demo.
+
+Unlike `simulator` (a pure library), these serve and send real HTTP, so they may import aiohttp and
+prometheus_client. Arrows point one way: fleet -> simulator -> router.policy.
+"""
