@@ -78,7 +78,7 @@ def _evaluate_arguments(p: argparse.ArgumentParser) -> None:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from router.policy.registry import BASELINES
-    from simulator.cli import _json, resolve_scenarios
+    from simulator.experiments import ExperimentError, resolve_scenarios, to_json
     from trainer import evaluate as ev
 
     if args.seeds < 1:
@@ -87,7 +87,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers must be 1 or 2, got {args.workers}")
     try:
         scenarios = resolve_scenarios(args.scenarios)
-    except Exception as exc:  # simulator's UsageError names the scenario
+    except ExperimentError as exc:  # names the scenario
         raise UsageError(str(exc)) from None
     baselines = list(BASELINES) if args.baselines == ALL else [b.strip() for b in args.baselines.split(",") if b.strip()]
     unknown = [b for b in baselines if b not in BASELINES]
@@ -100,7 +100,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     doc = ev.run_comparison(onnx_path, scenarios, seeds, baselines, args.split, args.workers, not args.no_progress)
     wall = time.perf_counter() - start
     if args.json:
-        print(_json(doc))
+        print(to_json(doc))
     else:
         print(ev.format_table(doc, onnx_path))
         print(
@@ -130,7 +130,7 @@ def _evaluate(args: argparse.Namespace) -> int:
                 {k: v for k, v in r.items() if k != "metrics"} | {"policy": ev.label(r["policy"], onnx_path)} for r in doc["results"]
             ],
         }
-        card_path.write_text(_json(card) + "\n")
+        card_path.write_text(to_json(card) + "\n")
     return 0
 
 
