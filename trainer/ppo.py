@@ -22,6 +22,7 @@ import copy
 import csv
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -490,7 +491,7 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, progress: bool = T
         "run_dir": str(run_dir),
         "wall_s": progress_state["wall_s"],
         "workers": cfg.run.workers,
-        "cores": cfg.run.workers,
+        "cores": os.cpu_count(),
         "updates": progress_state["update"],
         "selected": progress_state["best"],
         "best_heuristic": progress_state.get("best_heuristic"),
