@@ -158,8 +158,8 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"network.*heads"):
         config_from_dict({"env": {"scenarios": ["a"]}, "network": {"hidden": 30, "heads": 4}}, "x.yaml")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("env: {scenarios: [steady-chat]}\nrun: {workers: 5}\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: run\.workers.*got 5"):
+    bad.write_text("env: {scenarios: [steady-chat]}\nrun: {workers: -1}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: run\.workers.*got -1"):
         load_config(bad)
     cfg = load_config("trainer/configs/default.yaml", ["ppo.updates=3"])
     assert cfg.ppo.updates == 3
