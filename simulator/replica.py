@@ -22,6 +22,9 @@ blocks covered by `SimRequest.block_ids`; tokens beyond are unique to the reques
 cached. Cached blocks are kept per id block (up to block_tokens // block_size KV blocks, a
 cache entry), reference counted, and entries nobody references are evicted LRU when blocks
 are needed; the usage vLLM reports counts them as free.
+
+Over 400 lines on purpose: one scheduler state machine (planning, closed-form decode jumps, KV blocks, prefix
+cache) whose private state is shared by every method on the hot path; the owners' interface is the public methods.
 """
 
 from __future__ import annotations

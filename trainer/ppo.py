@@ -14,6 +14,8 @@ Pipeline (`train`):
      + decaying KL(policy || BC reference); target-KL early stop; gradient clipping.
   4. Greedy evaluation on TRAIN windows every few updates; the best of {BC, PPO checkpoints}
      by TRAIN p99-TTFT ratio to the best heuristic is kept as `best.pt`. EVAL windows are never used.
+
+Over 400 lines on purpose: the algorithm top to bottom in one file (CleanRL style, see below).
 """
 
 from __future__ import annotations
