@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-if TYPE_CHECKING:
-    from fleet.emulator.engine import WallClockEngine
+
+class EngineState(Protocol):
+    """What the gauges read (the engine, fleet.emulator.engine.WallClockEngine)."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
 
 # vLLM's own histogram buckets (vllm/v1/metrics/loggers.py), so dashboards read the emulator like vLLM.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -59,7 +67,7 @@ class VllmMetrics:
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS)
         self._values = values
 
-    def bind_state(self, driver: WallClockEngine) -> None:
+    def bind_state(self, driver: EngineState) -> None:
         """Gauges read the model's state when scraped (no per-iteration bookkeeping)."""
         self.running.labels(*self._values).set_function(lambda: driver.num_running)
         self.waiting.labels(*self._values).set_function(lambda: driver.num_waiting)
