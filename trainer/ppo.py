@@ -341,7 +341,8 @@ def _latency_phase(pool, cfg: TrainConfig, net: RoutingNet, rng: np.random.Gener
     return history
 
 
-def _bc_phase(pool, cfg: TrainConfig, net: RoutingNet, best: dict[str, str], rng: np.random.Generator, progress: bool) -> list[dict]:
+def _warm_start(pool, cfg: TrainConfig, net: RoutingNet, best: dict[str, str], rng: np.random.Generator, progress: bool) -> list[dict]:
+    """The warm start (also the KL reference): TTFT regression by default, behaviour cloning with `bc.target: imitate`."""
     from trainer.bc import behaviour_clone
     from trainer.instances import InstanceSpec
 
@@ -462,11 +463,11 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, progress: bool = T
             if state.phase == Phase.WARM_START:
                 t_bc = time.time()
                 if cfg.bc.episodes_per_scenario and cfg.bc.epochs:
-                    for i, st in enumerate(_bc_phase(pool, cfg, net, best, rng, progress)):
+                    for i, st in enumerate(_warm_start(pool, cfg, net, best, rng, progress)):
                         logger.log("bc", i, time.time() - wall0, st)
                 ev = evaluate_on_train(pool, cfg, net, best, state.heuristic_runs)
                 logger.log("bc-eval", 0, time.time() - wall0, ev)
-                print(f"behaviour cloning done in {time.time() - t_bc:.0f}s; TRAIN p99 ratio geomean {ev['eval/score']:.3f}, "
+                print(f"warm start ({cfg.bc.target}) done in {time.time() - t_bc:.0f}s; TRAIN p99 ratio geomean {ev['eval/score']:.3f}, "
                       f"worst {ev['eval/worst_ratio']:.3f}", flush=True)
                 state.phase = Phase.PPO
                 consider(ev, "bc")
