@@ -1,8 +1,8 @@
 """Sim-to-real fidelity: one trace segment through the live router to a real vLLM fleet, and the same arrivals and
-lengths through the simulator on profiles calibrated from that fleet (`simulator fidelity`).
+lengths through the simulator on profiles calibrated from that fleet (`fleet fidelity`).
 
-    simulator fidelity --duration 40 --load 0.7            # launches the heterogeneous CPU fleet (fleet/vllm.py)
-    simulator fidelity --server URL --server URL --json    # an already running fleet
+    fleet fidelity --duration 40 --load 0.7            # launches the heterogeneous CPU fleet (fleet/vllm.py)
+    fleet fidelity --server URL --server URL --json    # an already running fleet
 
 Per policy: start the router on the fleet, replay the segment open loop (time-scaled to `--load` of the fleet's
 calibrated capacity), record each request's TTFT/TPOT/E2E client-side; tokenise every prompt on the server so the
@@ -86,7 +86,7 @@ def _tokenize(url: str, model: str, prompts: list[str]) -> list[int]:
 
 
 def _wait_idle(urls: list[str], timeout_s: float = 60.0) -> None:
-    from simulator.calibrate import _total, parse_metrics
+    from fleet.calibrate import _total, parse_metrics
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -103,7 +103,7 @@ def _wait_idle(urls: list[str], timeout_s: float = 60.0) -> None:
 
 def _engine_itl(urls: list[str]) -> list[tuple[float, float]]:
     """Per server, (sum, count) of vllm:inter_token_latency_seconds."""
-    from simulator.calibrate import _total, parse_metrics
+    from fleet.calibrate import _total, parse_metrics
 
     out = []
     for u in urls:
@@ -118,7 +118,7 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
     """The plan through a fresh router with `policy`: what each request saw, in plan order, and the engines' own
     mean inter-token latency over the replay (server-side, to tell engine speed from HTTP and queueing)."""
     from fleet.router_process import start_router
-    from simulator.loadgen import ClientSpec, run_load
+    from fleet.loadgen import ClientSpec, run_load
 
     _wait_idle(urls)
     itl0 = _engine_itl(urls)
@@ -268,7 +268,7 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     trace's TRAIN window (never the evaluated one) through the router, and set each replica's `speed_factor` to its
     engine's real mean inter-token latency over the simulated one. Returns the cluster, the factors and the extra
     request overhead."""
-    from simulator.loadgen import PlanSpec, PromptSynth, build_plan
+    from fleet.loadplan import PlanSpec, PromptSynth, build_plan
 
     plan, _ = build_plan(PlanSpec(**{**base.__dict__, "window": "train", "duration_s": args.warmup, "rate": rate}))
     synth = PromptSynth(seed=999)
@@ -349,14 +349,14 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _main(args)
     except FidelityError as e:
-        print(f"simulator fidelity: error: {e}", file=sys.stderr)
+        print(f"fleet fidelity: error: {e}", file=sys.stderr)
         return 1
 
 
 def _main(args: argparse.Namespace) -> int:
     from router.policy.registry import DEFAULT_MODEL_PATH
-    from simulator.calibrate import CalibrationError, SweepSpec, calibrate, profile_document, write_atomically
-    from simulator.loadgen import PlanSpec, PromptSynth, build_plan
+    from fleet.calibrate import CalibrationError, SweepSpec, calibrate, profile_document, write_atomically
+    from fleet.loadplan import PlanSpec, PromptSynth, build_plan
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if LEARNED in policies and not DEFAULT_MODEL_PATH.is_file():
@@ -392,7 +392,7 @@ def _main(args: argparse.Namespace) -> int:
                     srv = doc["server"]
                     srv["block_size"], srv["chars_per_token"], doc["model"]["max_model_len"]  # noqa: B018
                 except (OSError, KeyError, TypeError, ValueError) as e:
-                    raise FidelityError(f"--profiles {path}: not a measured profile of `simulator calibrate --server` "
+                    raise FidelityError(f"--profiles {path}: not a measured profile of `fleet calibrate --server` "
                                         f"({type(e).__name__}: {e})") from None
         else:
             import yaml

@@ -1,283 +1,45 @@
-"""`simulator` command line: run, compare, bench, calibrate (+ subcommands other modules register).
+"""`simulator` command line: run, compare, bench, calibrate, scenarios, replay - a thin layer over the library.
 
-Each subcommand is one row of COMMANDS: its help line and two "module:function" targets, one adding its
-arguments to an argparse parser and one running it (`run(args) -> exit code`). Targets are imported only
-for the subcommand being run, so `import simulator.cli` pulls in neither aiohttp nor the engine.
+Each subcommand is one row of COMMANDS: its help line, a function adding its arguments to an argparse parser
+and one running it (`run(args) -> exit code`). The work is in simulator.experiments and the other modules.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import csv
 import json
 import math
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import yaml
+
+from simulator import costmodel
+from simulator.bench import run_bench
+from simulator.experiments import (
+    ALL,
+    ExperimentError,
+    compare,
+    format_table,
+    resolve_policies,
+    resolve_scenarios,
+    run_once,
+    to_json,
+)
+from simulator.replay import DecisionLogError, read_decision_log, summarize_log
+from simulator.scenario import load_scenario, replay_scenario, scenario_names
 from simulator.traces import TRACES_DIR_HELP, TraceError, use_traces_dir
 
-ALL = "all"
 EXIT_USAGE = 2
-
-
-@dataclass(frozen=True)
-class Command:
-    help: str
-    add_arguments: str  # "module:function(parser)"
-    run: str  # "module:function(args) -> int"
-
-
-COMMANDS: dict[str, Command] = {
-    "run": Command("simulate one scenario with one policy and one seed", "simulator.cli:_run_arguments", "simulator.cli:_run"),
-    "compare": Command(
-        "compare policies on scenarios over seeds (same arrivals for every policy)",
-        "simulator.cli:_compare_arguments",
-        "simulator.cli:_compare",
-    ),
-    "bench": Command("simulated requests per CPU-second of the engine", "simulator.cli:_bench_arguments", "simulator.cli:_bench"),
-    "calibrate": Command(
-        "fit a cost-model profile to measurements of a real vLLM server",
-        "simulator.cli:_calibrate_arguments",
-        "simulator.cli:_calibrate",
-    ),
-    "scenarios": Command("list the built-in scenarios", "simulator.cli:_no_arguments", "simulator.cli:_scenarios"),
-    # Other subcommands (emulate, loadgen, demo, replay) register here the same way.
-}
-
-
-# Subcommands that read traces take `--traces-dir` (else $ROUTEWISE_TRACES_DIR, else the shipped copy).
-READS_TRACES = {"run", "compare", "loadgen", "demo"}
 
 
 class UsageError(Exception):
     """A bad value on the command line (exit code 2, one line)."""
-
-
-def _resolve(target: str):
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def build_parser(command: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="simulator",
-        description="Discrete-event simulator of vLLM replica fleets: scenarios, policy comparisons, benchmarks.",
-        epilog="Run `simulator <command> --help` for a command's options.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
-    for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
-        if name == command:  # only the chosen subcommand's module is imported
-            _resolve(cmd.add_arguments)(p)
-            if name in READS_TRACES:
-                p.add_argument("--traces-dir", metavar="DIR", help=TRACES_DIR_HELP)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
-    try:
-        if getattr(args, "traces_dir", None):
-            use_traces_dir(args.traces_dir)
-        return int(_resolve(COMMANDS[args.command].run)(args) or 0)
-    except (UsageError, TraceError) as e:
-        print(f"simulator {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-
-
-# ---------------------------------------------------------------- name resolution (cheap, no engine)
-
-
-def resolve_scenarios(text: str) -> list[str]:
-    """Scenario names/paths from a comma list or `all`; each is parsed now, so a bad one fails before any run."""
-    from simulator.scenario import ScenarioError, load_scenario, scenario_names
-
-    names = scenario_names() if text == ALL else [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise UsageError("no scenario given")
-    for name in names:
-        try:
-            load_scenario(name)
-        except ScenarioError as e:
-            raise UsageError(str(e)) from None
-    return names
-
-
-def resolve_policies(text: str) -> list[str]:
-    from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED, policy_names
-
-    if text == ALL:
-        return list(BASELINES) + ([LEARNED] if DEFAULT_MODEL_PATH.is_file() else [])
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise UsageError("no policy given")
-    for name in names:
-        if name in BASELINES:
-            continue
-        if name == LEARNED and not DEFAULT_MODEL_PATH.is_file():
-            raise UsageError(f"policy 'learned': no shipped model at {DEFAULT_MODEL_PATH} (train and export one first)")
-        if name.endswith(".onnx"):
-            from pathlib import Path
-
-            if not Path(name).is_file():
-                raise UsageError(f"policy model file {name!r} not found")
-            continue
-        if name != LEARNED:
-            raise UsageError(f"unknown policy {name!r}; known: {', '.join(policy_names())} or a path to an .onnx file")
-    return names
-
-
-def _is_heuristic(policy: str) -> bool:
-    from router.policy.registry import BASELINES
-
-    return policy in BASELINES
-
-
-# ---------------------------------------------------------------- running and comparing
-
-
-def run_once(scenario: str, policy: str, seed: int, split: str = "eval", library=None) -> dict[str, float]:
-    """Simulate one (scenario, policy, seed) and summarise it (see simulator.metrics.summarize)."""
-    return _run_policies(scenario, [policy], seed, split, library)[policy]
-
-
-def _run_policies(scenario: str, policies: Sequence[str], seed: int, split: str, library=None) -> dict[str, dict]:
-    """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy."""
-    import numpy as np
-
-    from router.policy.served import served_policy
-    from simulator.cluster import simulate
-    from simulator.metrics import summarize
-    from simulator.scenario import load_scenario
-
-    sc = load_scenario(scenario, split=split, library=library)
-    cluster, requests = sc.build(np.random.default_rng(seed))
-    out = {}
-    for name in policies:
-        policy = served_policy(name, seed=seed)  # guards + deterministic decision-cost budget, as the router serves it
-        records = simulate(cluster, requests, policy, seed=seed)
-        out[name] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster)) | {"fallback_share": policy.fallback_share}
-    return out
-
-
-def _replica_ids(cluster) -> list[str]:
-    """Every replica's id, so that one that got no request still counts in the load imbalance."""
-    from simulator.cluster import ClusterSim
-
-    return list(ClusterSim(cluster, [], seed=0).replica_ids)
-
-
-def _task(args: tuple[str, tuple[str, ...], int, str]) -> tuple[str, int, dict[str, dict]]:
-    scenario, policies, seed, split = args
-    return scenario, seed, _run_policies(scenario, policies, seed, split)
-
-
-RESULT_FIELDS = ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "goodput", "throughput_rps")
-
-
-def compare(
-    scenarios: Sequence[str],
-    policies: Sequence[str],
-    seeds: int | Sequence[int],
-    split: str = "eval",
-    workers: int = 1,
-    progress: bool = True,
-) -> dict:
-    """Every policy on every scenario for each seed; seeds fix the arrivals, so policies see the same requests.
-
-    Returns `{"results": [{scenario, policy, seeds, ttft_p50_s, ttft_p99_s, tpot_p99_s, e2e_p99_s, goodput,
-    throughput_rps, <each>_ci95, ttft_p99_vs_best_heuristic, metrics: {all aggregated figures}}, ...]}`,
-    one record per (scenario, policy), averaged over seeds with 95 % t-interval half-widths.
-    """
-    from tqdm import tqdm
-
-    from simulator.metrics import aggregate
-
-    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    tasks = [(s, tuple(policies), seed, split) for s in scenarios for seed in seed_list]
-    runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in scenarios for p in policies}
-    bar = tqdm(total=len(tasks) * len(policies), desc="simulating", unit="run", disable=not progress, file=sys.stderr)
-    if workers > 1:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            done = list(_progress(pool.map(_task, tasks), bar, len(policies)))
-    else:
-        done = list(_progress(map(_task, tasks), bar, len(policies)))
-    bar.close()
-    for scenario, _seed, per_policy in sorted(done, key=lambda d: (d[0], d[1])):
-        for policy, summary in per_policy.items():
-            runs[(scenario, policy)].append(summary)
-
-    results = []
-    for scenario in scenarios:
-        rows = []
-        for policy in policies:
-            agg = aggregate(runs[(scenario, policy)])
-            row = {"scenario": scenario, "policy": policy, "seeds": len(seed_list)}
-            row |= {k: agg[k] for k in RESULT_FIELDS}
-            row |= {f"{k}_ci95": agg[f"{k}_ci95"] for k in RESULT_FIELDS}
-            row["fallback_share"] = agg["fallback_share"]
-            row["metrics"] = agg
-            rows.append(row)
-        heuristic = [r["ttft_p99_s"] for r in rows if _is_heuristic(r["policy"]) and not math.isnan(r["ttft_p99_s"])]
-        best = min(heuristic) if heuristic else math.nan
-        for r in rows:
-            r["ttft_p99_vs_best_heuristic"] = r["ttft_p99_s"] / best if best and best > 0 else math.nan
-        results.extend(rows)
-    return {"split": split, "seeds": seed_list, "results": results}
-
-
-def _progress(iterable, bar, step: int):
-    for item in iterable:
-        bar.update(step)
-        yield item
-
-
-def format_table(doc: dict) -> str:
-    from simulator.metrics import render_table
-
-    head = ("scenario", "policy", "TTFT p50", "TTFT p99", "TPOT p99", "E2E p99", "goodput", "req/s", "p99/best", "fallback")
-    rows = [head]
-    for r in doc["results"]:
-        rows.append(
-            (
-                r["scenario"],
-                r["policy"],
-                _ms(r["ttft_p50_s"]),
-                _ms(r["ttft_p99_s"]),
-                _ms(r["tpot_p99_s"]),
-                f"{r['e2e_p99_s']:.2f}s",
-                f"{r['goodput']:.3f}",
-                f"{r['throughput_rps']:.2f}",
-                f"{r['ttft_p99_vs_best_heuristic']:.2f}",
-                f"{r['fallback_share']:.1%}",
-            )
-        )
-    return render_table(rows)
-
-
-def _ms(seconds: float) -> str:
-    return "nan" if math.isnan(seconds) else f"{seconds * 1000:.0f}ms"
-
-
-def _json(doc) -> str:
-    """JSON with NaN written as null (strict JSON)."""
-
-    def clean(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [clean(v) for v in x]
-        return x
-
-    return json.dumps(clean(doc), indent=2)
 
 
 # ---------------------------------------------------------------- subcommands
@@ -311,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
     summary = run_once(scenario, policy, args.seed, args.split)
     wall = time.perf_counter() - start
     if args.json:
-        print(_json({"scenario": scenario, "policy": policy, "seed": args.seed, "split": args.split, **summary}))
+        print(to_json({"scenario": scenario, "policy": policy, "seed": args.seed, "split": args.split, **summary}))
     else:
         print(f"{scenario} / {policy} / seed {args.seed} ({args.split} split, {wall:.1f}s wall)")
         for k, v in summary.items():
@@ -341,7 +103,7 @@ def _compare(args: argparse.Namespace) -> int:
     doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers)
     wall = time.perf_counter() - start
     if args.json:
-        print(_json(doc))
+        print(to_json(doc))
     else:
         print(format_table(doc))
         print(
@@ -358,11 +120,9 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from simulator.bench import run_bench
-
     result = run_bench(n_requests=args.requests, seed=args.seed)
     if args.json:
-        print(_json(result))
+        print(to_json(result))
     else:
         for k, v in result.items():
             print(f"{k}: {v}")
@@ -373,32 +133,18 @@ CALIBRATION_COLUMNS = ("prefill_tokens", "decode_seqs", "context_tokens", "secon
 
 
 def _calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--server", help="base URL of a running vLLM server to profile (e.g. http://127.0.0.1:8000)")
-    src.add_argument(
+    p.add_argument(
         "--measurements",
+        required=True,
         help="CSV of single-iteration timings of a real vLLM server, header " + ",".join(CALIBRATION_COLUMNS),
     )
-    p.add_argument("--model", help="--server: the served model to profile (default: the first the server lists)")
-    p.add_argument(
-        "--profile",
-        help="profile to start from (a name in simulator/profiles/ or a YAML path); required with --measurements, "
-        "with --server it adds a roofline fit that wins if its residual is smaller",
-    )
+    p.add_argument("--profile", required=True, help="profile to start from: a name in simulator/profiles/ or a YAML path")
     p.add_argument("-o", "--output", required=True, help="where to write the fitted profile YAML")
-    p.add_argument("--name", help="name of the fitted profile (default: <profile>-calibrated, or one from the server)")
-    p.add_argument("--budget", type=float, default=150.0, help="--server: seconds the sweep may take (default 150)")
-    p.add_argument("--probe-timeout", type=float, default=30.0, help="--server: seconds one probe may take (default 30)")
-    p.add_argument("--max-concurrency", type=int, default=16, help="--server: most requests sent at once (default 16)")
-    p.add_argument("--max-num-seqs", type=int, help="--server: the server's --max-num-seqs when known (else inferred)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--name", help="name of the fitted profile (default: <profile>-calibrated)")
 
 
 def read_measurements(path: str) -> list[tuple[float, float, float, float]]:
     """Rows of CALIBRATION_COLUMNS; a bad row raises UsageError naming file, line, field and value."""
-    import csv
-    from pathlib import Path
-
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"measurements file {path!r} not found")
@@ -423,16 +169,6 @@ def read_measurements(path: str) -> list[tuple[float, float, float, float]]:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    import yaml
-
-    from simulator import costmodel
-
-    if args.server:
-        return _calibrate_server(args)
-    if not args.profile:
-        raise UsageError("--measurements needs --profile (the profile to refit)")
     try:
         base = costmodel.load_profile(args.profile)
     except ValueError as e:
@@ -457,84 +193,101 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _calibrate_server(args: argparse.Namespace) -> int:
-    import yaml
-
-    from simulator import calibrate, costmodel
-
-    if args.max_concurrency < 1 or args.budget <= 0 or args.probe_timeout <= 0:
-        raise UsageError("--max-concurrency, --budget and --probe-timeout must be positive")
-    base = None
-    if args.profile:
-        try:
-            base = costmodel.load_profile(args.profile)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    default = calibrate.SweepSpec()
-    spec = calibrate.SweepSpec(
-        concurrencies=tuple(c for c in default.concurrencies if c < args.max_concurrency) + (args.max_concurrency,),
-        probe_timeout_s=args.probe_timeout,
-        budget_s=args.budget,
-    )
-    try:
-        res = calibrate.calibrate(
-            args.server, args.model, spec, base, announce=lambda m: print(m, file=sys.stderr), progress=not args.quiet
-        )
-    except calibrate.CalibrationError as e:
-        print(f"simulator calibrate: error: {e}", file=sys.stderr)
-        return 1
-    name = args.name or f"measured-{res.info.model}-{args.server.split('//')[-1].replace(':', '-').strip('/')}"
-    doc = calibrate.profile_document(res, name, args.max_num_seqs)
-    calibrate.write_atomically(args.output, yaml.safe_dump(doc, sort_keys=False))
-    lin = res.linear
-    print(
-        f"wrote {args.output} in {res.duration_s:.0f} s: {res.chosen} cost model (RMS relative residual "
-        f"linear {res.residuals['linear']:.3f}, roofline "
-        f"{'-' if res.residuals['roofline'] is None else format(res.residuals['roofline'], '.3f')}); "
-        f"iteration = {lin.a_s * 1e3:.2f} ms + {lin.b_s_per_prefill_token * 1e6:.1f} us/prefill token + "
-        f"{lin.c_s_per_decode_seq * 1e6:.1f} us/decode seq + {lin.d_s_per_context_token * 1e9:.1f} ns/context token + "
-        f"{lin.e_s_per_prefill_seq * 1e3:.2f} ms/prefill seq; "
-        f"request overhead {res.request_overhead_s * 1e3:.1f} ms; KV {res.info.kv_cache_tokens} tokens; "
-        f"max_num_seqs {doc['server']['max_num_seqs']}"
-    )
-    return 0
-
-
 def _scenarios(args: argparse.Namespace) -> int:
-    from simulator.scenario import load_scenario, scenario_names
-
     for name in scenario_names():
         print(f"{name:20s} {load_scenario(name).spec.description.splitlines()[0]}")
     return 0
 
 
-# ---------------------------------------------------------------- live-serving tools (aiohttp; imported lazily)
+# ---------------------------------------------------------------- `simulator replay`
 
-COMMANDS["emulate"] = Command(
-    "serve an emulated vLLM replica (OpenAI API + vLLM /metrics) in wall-clock time",
-    "simulator.emulator:add_arguments",
-    "simulator.emulator:main",
-)
-COMMANDS["loadgen"] = Command(
-    "replay a trace (or Poisson load) open loop against an OpenAI-compatible URL",
-    "simulator.loadgen:add_arguments",
-    "simulator.loadgen:main",
-)
-COMMANDS["demo"] = Command(
-    "CPU demo: emulated fleet + router (A/B: least-outstanding vs learned) + trace replay",
-    "simulator.demo:add_arguments",
-    "simulator.demo:main",
-)
-COMMANDS["fidelity"] = Command(
-    "sim-to-real: a trace segment through the live router to a real vLLM fleet vs the simulator on calibrated profiles",
-    "fleet.fidelity:add_arguments",
-    "fleet.fidelity:main",
-)
-COMMANDS["replay"] = Command(
-    "a live router's decision log as a workload: summary, replay scenario YAML, simulated policies",
-    "simulator.replay:add_arguments",
-    "simulator.replay:run",
-)
+
+def _replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Read a live router's decision log (router serve --decision-log DIR) as a workload: print its "
+                     "summary, write a scenario YAML replaying it (--out), and optionally simulate policies on it.")
+    p.add_argument("log", help="decision log directory or one decisions-NNNNNN.jsonl file")
+    p.add_argument("--cluster", default="steady-chat", help="scenario whose cluster, SLOs and seeds to use (default steady-chat)")
+    p.add_argument("--out", help="write the replay scenario YAML here (use it with simulator run/compare, trainer evaluate)")
+    p.add_argument("--policy", action="append", default=[], help="also simulate this policy on the log (repeatable)")
+    p.add_argument("--split", choices=["train", "eval"], default="eval", help="split to simulate with --policy")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    try:
+        logged = read_decision_log(args.log)
+    except DecisionLogError as exc:
+        raise UsageError(str(exc)) from None
+    print(json.dumps({"log": str(args.log), **summarize_log(logged)}, indent=2))
+    doc = replay_scenario(args.log, args.cluster)
+    path = args.out
+    if path:
+        Path(path).write_text(yaml.safe_dump(doc, sort_keys=False))
+        print(f"wrote scenario {path}")
+    if args.policy:
+        with tempfile.TemporaryDirectory() as tmp:
+            scenario = path or str(Path(tmp) / "replay.yaml")
+            if not path:
+                Path(scenario).write_text(yaml.safe_dump(doc, sort_keys=False))
+            for policy in args.policy:
+                summary = run_once(scenario, policy, args.seed, split=args.split)
+                print(json.dumps({"policy": policy, **{k: summary.get(k) for k in (
+                    "requests", "ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "goodput", "throughput_rps")}}))
+    return 0
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {
+    "run": Command("simulate one scenario with one policy and one seed", _run_arguments, _run),
+    "compare": Command(
+        "compare policies on scenarios over seeds (same arrivals for every policy)", _compare_arguments, _compare
+    ),
+    "bench": Command("simulated requests per CPU-second of the engine", _bench_arguments, _bench),
+    "calibrate": Command(
+        "fit a cost-model profile to measurements of a real vLLM server", _calibrate_arguments, _calibrate
+    ),
+    "scenarios": Command("list the built-in scenarios", _no_arguments, _scenarios),
+    "replay": Command(
+        "a live router's decision log as a workload: summary, replay scenario YAML, simulated policies",
+        _replay_arguments,
+        _replay,
+    ),
+}
+
+
+READS_TRACES = {"run", "compare"}  # these take --traces-dir (else $ROUTEWISE_TRACES_DIR, else the shipped copy)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="simulator",
+        description="Discrete-event simulator of vLLM replica fleets: scenarios, policy comparisons, benchmarks.",
+        epilog="Run `simulator <command> --help` for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        if name in READS_TRACES:
+            p.add_argument("--traces-dir", metavar="DIR", help=TRACES_DIR_HELP)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        if getattr(args, "traces_dir", None):
+            use_traces_dir(args.traces_dir)
+        return int(COMMANDS[args.command].run(args) or 0)
+    except (UsageError, ExperimentError, TraceError) as e:
+        print(f"simulator {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

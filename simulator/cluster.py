@@ -30,6 +30,9 @@ leave it out of latency percentiles and count it as a miss in goodput; the route
 with a failed `Outcome`. A shorter prompt whose output would cross the limit is served and its
 generation stops at the limit (`finish_reason: length`); its record's `output_tokens` is what
 was generated.
+
+Over 400 lines on purpose: one event loop (arrivals, replica events, scrapes, faults, retries) whose order is
+the determinism contract; splitting it would scatter that order across modules.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class ClusterConfig(_Strict):
     estimator_sigma: float = Field(0.15, ge=0, description="log-normal error of the prompt-token estimator")
     estimator_scale: float = Field(
         1.0, gt=0, description="systematic bias of the router's prompt-token estimate (its chars/4 rule against the "
-        "real tokenizer: measured chars per token / 4, from `simulator calibrate --server`)"
+        "real tokenizer: measured chars per token / 4, from `fleet calibrate --server`)"
     )
     health_check_delay_s: float = Field(2.0, ge=0, description="time for the router to notice a crash")
     routers: int = Field(

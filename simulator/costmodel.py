@@ -52,7 +52,7 @@ class Profile:
     overhead_s: float
     activation_reserve_bytes: float  # whole replica
     sources: tuple[str, ...] = ()
-    # Measured profiles (`simulator calibrate --server`); None/0 keep the roofline profiles unchanged.
+    # Measured profiles (`fleet calibrate --server`); None/0 keep the roofline profiles unchanged.
     linear: "LinearCost | None" = None  # replaces the roofline when set
     kv_cache_tokens: int | None = None  # the server's measured KV capacity, instead of the memory budget
     request_overhead_s: float = 0.0  # HTTP + tokenisation before the engine sees a request (adds to TTFT)
@@ -245,7 +245,7 @@ def _nonnegative(path: Path, field: str, value: object) -> float:
 
 
 def _measured_profile(path: Path, doc: dict) -> Profile:
-    """A profile measured from a live server (`simulator calibrate --server`): the linear cost form, the
+    """A profile measured from a live server (`fleet calibrate --server`): the linear cost form, the
     server's KV capacity and request overhead; the hardware it ran on is not described, so the roofline
     fields are NaN (nothing reads them when `linear` is set)."""
     cm, m, srv = doc["cost_model"], doc.get("model"), doc.get("server")

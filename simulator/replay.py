@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from simulator.types import SimRequest
@@ -201,60 +200,3 @@ def summarize_log(logged: list[LoggedRequest]) -> dict:
         "arms": arms,
         "fallbacks": fallbacks,
     }
-
-
-def scenario_document(log: str | Path, cluster_from: str, name: str | None = None) -> dict:
-    """A scenario replaying `log` on the cluster, SLOs and load of scenario `cluster_from`."""
-    from simulator.scenario import load_scenario
-
-    base = load_scenario(cluster_from).spec
-    return {
-        "name": name or f"replay-{re.sub(r'[^a-z0-9-]+', '-', Path(log).stem.lower()).strip('-') or 'log'}",
-        "description": f"Replay of the decision log {log} on the cluster of scenario {base.name}.",
-        "workload": {"kind": "decision_log", "path": str(Path(log).resolve())},
-        "cluster": base.cluster.model_dump(mode="json", exclude_defaults=True),
-        "slo": base.slo.model_dump(mode="json"),
-        "time_scale": 1.0,
-        "seeds": base.seeds,
-    }
-
-
-# ---------------------------------------------------------------- `simulator replay`
-
-
-def add_arguments(p) -> None:
-    p.description = ("Read a live router's decision log (router serve --decision-log DIR) as a workload: print its "
-                     "summary, write a scenario YAML replaying it (--out), and optionally simulate policies on it.")
-    p.add_argument("log", help="decision log directory or one decisions-NNNNNN.jsonl file")
-    p.add_argument("--cluster", default="steady-chat", help="scenario whose cluster, SLOs and seeds to use (default steady-chat)")
-    p.add_argument("--out", help="write the replay scenario YAML here (use it with simulator run/compare, trainer evaluate)")
-    p.add_argument("--policy", action="append", default=[], help="also simulate this policy on the log (repeatable)")
-    p.add_argument("--split", choices=["train", "eval"], default="eval", help="split to simulate with --policy")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def run(args) -> int:
-    import tempfile
-
-    from simulator.cli import UsageError, run_once
-
-    try:
-        logged = read_decision_log(args.log)
-    except DecisionLogError as exc:
-        raise UsageError(str(exc)) from None
-    print(json.dumps({"log": str(args.log), **summarize_log(logged)}, indent=2))
-    doc = scenario_document(args.log, args.cluster)
-    path = args.out
-    if path:
-        Path(path).write_text(yaml.safe_dump(doc, sort_keys=False))
-        print(f"wrote scenario {path}")
-    if args.policy:
-        with tempfile.TemporaryDirectory() as tmp:
-            scenario = path or str(Path(tmp) / "replay.yaml")
-            if not path:
-                Path(scenario).write_text(yaml.safe_dump(doc, sort_keys=False))
-            for policy in args.policy:
-                summary = run_once(scenario, policy, args.seed, split=args.split)
-                print(json.dumps({"policy": policy, **{k: summary.get(k) for k in (
-                    "requests", "ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "goodput", "throughput_rps")}}))
-    return 0

@@ -22,6 +22,9 @@ blocks covered by `SimRequest.block_ids`; tokens beyond are unique to the reques
 cached. Cached blocks are kept per id block (up to block_tokens // block_size KV blocks, a
 cache entry), reference counted, and entries nobody references are evicted LRU when blocks
 are needed; the usage vLLM reports counts them as free.
+
+Over 400 lines on purpose: one scheduler state machine (planning, closed-form decode jumps, KV blocks, prefix
+cache) whose private state is shared by every method on the hot path; the owners' interface is the public methods.
 """
 
 from __future__ import annotations
@@ -222,6 +225,54 @@ class Replica:
 
     def recover(self) -> None:
         self._reset_state()
+
+    # ---- the wall-clock owner's interface (fleet.emulator: one iteration at a time, closed_form=False) --------
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """Set the KV cache to `num_blocks` blocks; only before the first request (it resets the state)."""
+        if num_blocks < 1:
+            raise ValueError(f"kv_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._reset_state()
+
+    def abort(self, st: ReqState) -> None:
+        """Drop a request whose client went away, freeing its slot and KV blocks.
+
+        A waiting request may leave at any time; a scheduled one only between iterations (inside `advance`,
+        or while no iteration is planned), when none of its blocks is half-allocated.
+        """
+        if st.phase == WAITING:
+            self.waiting.remove(st)
+            if self.mode == IDLE and not self.running and not self.waiting:
+                self.event_s = None
+        elif st.phase in (PREFILL, DECODE):
+            if self.mode == ITER:
+                raise RuntimeError(f"replica {self.replica_id}: abort of a scheduled request during an iteration")
+            self._release(st)
+            self.running.remove(st)
+            if st in self.prefilling:
+                self.prefilling.remove(st)
+        st.phase = DONE
+
+    def advance(self, now: float, aborts: Sequence[ReqState] = ()) -> None:
+        """Finish the planned iteration (if any) at `now`, drop `aborts`, and plan the next iteration."""
+        if self.mode == JUMP:
+            raise RuntimeError(f"replica {self.replica_id}: advance() needs closed_form=False")
+        if self.mode == ITER:
+            self._finish_iteration(now)
+            self.mode = IDLE  # between iterations: scheduled requests may be aborted
+        for st in aborts:
+            self.abort(st)
+        self._plan_next(now)
+
+    def tokens_generated(self, st: ReqState) -> int:
+        """Output tokens a decoding request has produced after the last finished iteration."""
+        return st.base + self.step - st.prompt + 1
+
+    def take_outputs(self) -> list[tuple[int, ReqState, float]]:
+        """The (FIRST | COMPLETE, request, time) events since the last call, oldest first."""
+        out, self.outputs = self.outputs, []
+        return out
 
     # ---- planning ----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ a trace-free synthetic workload never repeats between training and evaluation fo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from simulator.config import ClusterConfig
+from simulator.costmodel import load_profile
 from simulator.metrics import Slo
 from simulator.traces import Split, TraceLibrary
 from simulator.types import SimRequest
@@ -127,11 +129,7 @@ def parse_scenario(path: Path) -> ScenarioSpec:
 
 
 def _check_profiles(path: Path, spec: ScenarioSpec) -> None:
-    """Unknown hardware profiles fail here, naming the field (skipped if the cost model is not importable)."""
-    try:
-        from simulator.costmodel import load_profile
-    except ImportError:
-        return
+    """Unknown hardware profiles fail here, naming the field."""
     for i, group in enumerate(spec.cluster.replicas):
         try:
             load_profile(group.profile)
@@ -148,3 +146,17 @@ def load_scenario(
     path = _resolve_path(name_or_path)
     spec = parse_scenario(path)
     return Scenario(spec=spec, split=split, source=path, library=library if library is not None else TraceLibrary())
+
+
+def replay_scenario(log: str | Path, cluster_from: str, name: str | None = None) -> dict:
+    """A scenario replaying `log` on the cluster, SLOs and load of scenario `cluster_from`."""
+    base = load_scenario(cluster_from).spec
+    return {
+        "name": name or f"replay-{re.sub(r'[^a-z0-9-]+', '-', Path(log).stem.lower()).strip('-') or 'log'}",
+        "description": f"Replay of the decision log {log} on the cluster of scenario {base.name}.",
+        "workload": {"kind": "decision_log", "path": str(Path(log).resolve())},
+        "cluster": base.cluster.model_dump(mode="json", exclude_defaults=True),
+        "slo": base.slo.model_dump(mode="json"),
+        "time_scale": 1.0,
+        "seeds": base.seeds,
+    }

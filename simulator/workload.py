@@ -10,6 +10,9 @@ Three kinds (the `kind` field of a scenario's `workload:`):
 
 The load level is `time_scale`: synthetic rates are multiplied by it, trace arrival times divided by it.
 Every random draw comes from the `np.random.Generator` passed to `build`, so a seed fixes the workload.
+
+Over 400 lines on purpose: the three workload kinds' pydantic schemas and their builders share the validators
+and the seeded generator's draw order (which the golden digests pin), so they stay in one module.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`trainer`: train, evaluate and export the learned routing policy.
 
   trainer train    --config trainer/configs/default.yaml [--set ppo.updates=80] [--resume]
-  trainer evaluate --policy runs/default/best.pt [--scenarios all] [--seeds 3] [--json]
+  trainer evaluate --policy runs/default/best.pt [--scenario all] [--seeds 3] [--json]
   trainer export   --checkpoint runs/default/best.pt --out router/policy/models/default.onnx
   trainer finetune --decision-log DIR --init router/policy/models/default.onnx -o new.onnx
   trainer follow   --decision-log DIR --models DIR [--router URL]
@@ -68,12 +68,14 @@ def _train(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- evaluate
 def _evaluate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", help="the learned policy: a checkpoint (.pt, exported to ONNX first) or an .onnx file; omit for baselines only")
-    p.add_argument("--scenarios", default=ALL, help="comma-separated scenario names / YAML paths, or `all` (default)")
+    p.add_argument("--policy", help="the learned policy: `learned` (the shipped model), a checkpoint (.pt, exported to "
+                   "ONNX first) or an .onnx file; omit for baselines only")  # fmt: skip
+    p.add_argument("--scenario", "--scenarios", dest="scenarios", default=ALL,
+                   help="comma-separated scenario names / YAML paths, or `all` (default)")  # fmt: skip
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, the same arrivals for every policy (default 3)")
     p.add_argument("--baselines", default=ALL, help="comma-separated baseline names, or `all` (default)")
     p.add_argument("--split", choices=("eval", "train"), default="eval", help="trace windows: eval (held out; default) or train")
-    p.add_argument("--workers", type=int, default=2, help="simulation worker processes (default 2, this machine's cores)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="simulation worker processes (default: the machine's cores)")
     p.add_argument("--out", default="runs/evaluate", help="where plots and the exported ONNX go (default runs/evaluate)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they re-simulate the first seed)")
     p.add_argument("--json", action="store_true", help="print the same JSON document as `simulator compare --json`")
@@ -82,30 +84,31 @@ def _evaluate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from router.policy.registry import BASELINES
-    from simulator.cli import _json, resolve_scenarios
+    from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED
+    from simulator.experiments import ExperimentError, resolve_scenarios, to_json
     from trainer import evaluate as ev
 
     if args.seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
-    if not 1 <= args.workers <= 2:
-        raise UsageError(f"--workers must be 1 or 2, got {args.workers}")
+    if args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
     try:
         scenarios = resolve_scenarios(args.scenarios)
-    except Exception as exc:  # simulator's UsageError names the scenario
+    except ExperimentError as exc:  # names the scenario
         raise UsageError(str(exc)) from None
     baselines = list(BASELINES) if args.baselines == ALL else [b.strip() for b in args.baselines.split(",") if b.strip()]
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise UsageError(f"unknown baseline(s) {unknown}; known: {', '.join(BASELINES)}")
     out_dir = Path(args.out)
-    onnx_path = ev.learned_onnx(args.policy, out_dir) if args.policy else None
+    policy = str(DEFAULT_MODEL_PATH) if args.policy == LEARNED else args.policy  # the same model router/simulator serve
+    onnx_path = ev.learned_onnx(policy, out_dir) if policy else None
     seeds = list(range(args.seeds))
     start = time.perf_counter()
     doc = ev.run_comparison(onnx_path, scenarios, seeds, baselines, args.split, args.workers, not args.no_progress)
     wall = time.perf_counter() - start
     if args.json:
-        print(_json(doc))
+        print(to_json(doc))
     else:
         print(ev.format_table(doc, onnx_path))
         print(
@@ -135,7 +138,7 @@ def _evaluate(args: argparse.Namespace) -> int:
                 {k: v for k, v in r.items() if k != "metrics"} | {"policy": ev.label(r["policy"], onnx_path)} for r in doc["results"]
             ],
         }
-        card_path.write_text(_json(card) + "\n")
+        card_path.write_text(to_json(card) + "\n")
     return 0
 
 

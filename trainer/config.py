@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -167,12 +168,16 @@ class PPOConfig(_Strict):
 
 class RunConfig(_Strict):
     seed: int = 0
-    workers: int = Field(2, ge=0, le=2, description="rollout worker processes (the budget is 2 cores); 0 = roll out in the main process")
+    workers: int = Field(
+        default_factory=lambda: os.cpu_count() or 1,
+        ge=0,
+        description="rollout worker processes (default: the machine's cores); 0 = roll out in the main process",
+    )
     run_dir: str = Field("runs/default", description="where checkpoints, TensorBoard logs and metrics.csv go")
     checkpoint_every: int = Field(5, ge=1, description="PPO updates between checkpoints")
     eval_every: int = Field(10, ge=1, description="PPO updates between greedy TRAIN-window evaluations")
     eval_seeds: int = Field(2, ge=1, description="TRAIN seeds per scenario in periodic/selection evaluations")
-    torch_threads: int = Field(1, ge=1, le=2)
+    torch_threads: int = Field(1, ge=1, description="torch threads per process (1: the workers use the cores)")
 
 
 class EvalConfig(_Strict):

@@ -1,6 +1,6 @@
 """`trainer evaluate`: the learned policy and every baseline on the same seeds and scenarios.
 
-The comparison itself is `simulator.cli.compare` (same seeds => same arrivals for every policy);
+The comparison itself is `simulator.experiments.compare` (same seeds => same arrivals for every policy);
 this module adds the learned policy (a checkpoint is exported to ONNX first, so what is
 evaluated is exactly what the router serves), a table with 95 % confidence intervals over seeds,
 and PNG plots (TTFT CDFs per scenario on the first seed, p99 TTFT bars per policy).
@@ -38,7 +38,7 @@ def learned_onnx(policy: str, out_dir: Path) -> Path:
 def run_comparison(
     onnx_path: Path | None, scenarios: list[str], seeds: list[int], baselines: list[str], split: str, workers: int, progress: bool
 ) -> dict:
-    from simulator.cli import compare
+    from simulator.experiments import compare
 
     policies = list(baselines) + ([str(onnx_path)] if onnx_path is not None else [])
     return compare(scenarios, policies, seeds, split=split, workers=workers, progress=progress)

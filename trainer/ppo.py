@@ -14,6 +14,8 @@ Pipeline (`train`):
      + decaying KL(policy || BC reference); target-KL early stop; gradient clipping.
   4. Greedy evaluation on TRAIN windows every few updates; the best of {BC, PPO checkpoints}
      by TRAIN p99-TTFT ratio to the best heuristic is kept as `best.pt`. EVAL windows are never used.
+
+Over 400 lines on purpose: the algorithm top to bottom in one file (CleanRL style, see below).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import copy
 import csv
 import json
 import math
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -337,7 +341,8 @@ def _latency_phase(pool, cfg: TrainConfig, net: RoutingNet, rng: np.random.Gener
     return history
 
 
-def _bc_phase(pool, cfg: TrainConfig, net: RoutingNet, best: dict[str, str], rng: np.random.Generator, progress: bool) -> list[dict]:
+def _warm_start(pool, cfg: TrainConfig, net: RoutingNet, best: dict[str, str], rng: np.random.Generator, progress: bool) -> list[dict]:
+    """The warm start (also the KL reference): TTFT regression by default, behaviour cloning with `bc.target: imitate`."""
     from trainer.bc import behaviour_clone
     from trainer.instances import InstanceSpec
 
@@ -375,6 +380,36 @@ def _ppo_jobs(cfg: TrainConfig, best: dict[str, str], update: int, rng: np.rando
     return jobs, (lo + hi) / 2
 
 
+class Phase(str, Enum):
+    SELECT = "select"  # pick the best heuristic per scenario
+    WARM_START = "bc"  # the warm start (a TTFT regression by default); value kept for existing checkpoints
+    PPO = "ppo"
+
+
+@dataclass
+class TrainState:
+    """Where a run is; saved in every checkpoint (as a plain dict) so `--resume` continues exactly."""
+
+    phase: Phase = Phase.SELECT
+    update: int = 0
+    wall_s: float = 0.0
+    best: str | None = None  # label of the selected checkpoint so far
+    best_key: float = math.inf
+    history: list[dict] = field(default_factory=list)
+    best_heuristic: dict[str, str] | None = None
+    heuristic_p99_train: dict | None = None
+    heuristic_runs: dict | None = None
+    rng_state: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"phase": self.phase.value}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> TrainState:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known} | {"phase": Phase(doc["phase"])})
+
+
 def train(cfg: TrainConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
     """Run (or resume) a training run; returns the run summary (also written to run_dir/summary.json)."""
     from tqdm import tqdm
@@ -388,64 +423,63 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, progress: bool = T
     torch.manual_seed(cfg.run.seed)
     net = RoutingNet(N_FEATURES, cfg.network)
     optimizer = torch.optim.Adam(net.parameters(), lr=cfg.ppo.lr, eps=1e-5)
-    progress_state: dict = {"phase": "select", "update": 0, "wall_s": 0.0, "best": None, "best_key": math.inf, "history": []}
-    rng_state = None
+    state = TrainState()
     if resume is not None:
         doc = read_checkpoint(resume)
         net, _, doc = load_network(resume, doc)
         optimizer = torch.optim.Adam(net.parameters(), lr=cfg.ppo.lr, eps=1e-5)
         if doc.get("optimizer"):
             optimizer.load_state_dict(doc["optimizer"])
-        progress_state = doc["progress"]
-        rng_state = progress_state.get("rng_state")
+        state = TrainState.from_dict(doc["progress"])
     rng = np.random.default_rng(cfg.run.seed)
-    if rng_state is not None:
-        rng.bit_generator.state = rng_state
-    wall0 = time.time() - progress_state["wall_s"]
+    if state.rng_state is not None:
+        rng.bit_generator.state = state.rng_state
+    wall0 = time.time() - state.wall_s
     logger = _Logger(run_dir, _csv_fields(cfg))
 
     def checkpoint(name: str, net_: RoutingNet, extra: dict | None = None) -> Path:
-        progress_state["wall_s"] = time.time() - wall0
-        progress_state["rng_state"] = rng.bit_generator.state
-        return save_checkpoint(run_dir / name, net_, cfg, dict(progress_state), optimizer, extra)
+        state.wall_s = time.time() - wall0
+        state.rng_state = rng.bit_generator.state
+        return save_checkpoint(run_dir / name, net_, cfg, state.to_dict(), optimizer, extra)
 
     def consider(ev: dict[str, float], label: str) -> None:
         key = selection_key(ev)
-        progress_state["history"].append({"label": label, "key": key} | ev)
-        if key < progress_state["best_key"]:
-            progress_state["best_key"], progress_state["best"] = key, label
+        state.history.append({"label": label, "key": key} | ev)
+        if key < state.best_key:
+            state.best_key, state.best = key, label
             checkpoint("best.pt", net, {"selected": label, "eval_train": ev})
 
     ref_net = None
     try:
         with WorkerPool(cfg, cfg.run.workers) as pool:
-            if progress_state["phase"] == "select":
+            if state.phase == Phase.SELECT:
                 t_sel = time.time()
                 best, table, runs = select_best_heuristics(pool, cfg)
                 print(f"best heuristic per scenario (TRAIN windows, {time.time() - t_sel:.0f}s): {best}", flush=True)
-                progress_state |= {"best_heuristic": best, "heuristic_p99_train": table, "heuristic_runs": runs, "phase": "bc"}
+                state.best_heuristic, state.heuristic_p99_train, state.heuristic_runs = best, table, runs
+                state.phase = Phase.WARM_START
                 checkpoint("last.pt", net)
-            best = progress_state["best_heuristic"]
-            if progress_state["phase"] == "bc":
+            best = state.best_heuristic
+            if state.phase == Phase.WARM_START:
                 t_bc = time.time()
                 if cfg.bc.episodes_per_scenario and cfg.bc.epochs:
-                    for i, st in enumerate(_bc_phase(pool, cfg, net, best, rng, progress)):
+                    for i, st in enumerate(_warm_start(pool, cfg, net, best, rng, progress)):
                         logger.log("bc", i, time.time() - wall0, st)
-                ev = evaluate_on_train(pool, cfg, net, best, progress_state["heuristic_runs"])
+                ev = evaluate_on_train(pool, cfg, net, best, state.heuristic_runs)
                 logger.log("bc-eval", 0, time.time() - wall0, ev)
-                print(f"behaviour cloning done in {time.time() - t_bc:.0f}s; TRAIN p99 ratio geomean {ev['eval/score']:.3f}, "
+                print(f"warm start ({cfg.bc.target}) done in {time.time() - t_bc:.0f}s; TRAIN p99 ratio geomean {ev['eval/score']:.3f}, "
                       f"worst {ev['eval/worst_ratio']:.3f}", flush=True)
-                progress_state["phase"] = "ppo"
+                state.phase = Phase.PPO
                 consider(ev, "bc")
                 checkpoint("bc.pt", net)
                 checkpoint("last.pt", net)
             if cfg.ppo.ref_kl_coef_start > 0 and (run_dir / "bc.pt").exists():
                 ref_net = load_network(run_dir / "bc.pt")[0]
-            gen = torch.Generator().manual_seed(cfg.run.seed + progress_state["update"])
+            gen = torch.Generator().manual_seed(cfg.run.seed + state.update)
             n_envs = pool.size * cfg.ppo.envs_per_worker
-            bar = tqdm(total=cfg.ppo.updates, initial=progress_state["update"], desc="PPO", unit="update", disable=not progress)
-            while progress_state["update"] < cfg.ppo.updates:
-                u = progress_state["update"]
+            bar = tqdm(total=cfg.ppo.updates, initial=state.update, desc="PPO", unit="update", disable=not progress)
+            while state.update < cfg.ppo.updates:
+                u = state.update
                 jobs, load = _ppo_jobs(cfg, best, u, rng, n_envs)
                 sd = {k: v.clone() for k, v in net.state_dict().items()}
                 parts = pool.split(jobs, key=lambda j: j[0].seed)
@@ -472,9 +506,9 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, progress: bool = T
                 stats["rollout/slo_attainment"] = float(np.mean([e["summary"]["goodput"] for e in episodes]))
                 if cfg.ppo.paired_baseline:  # > 0: the sampled policy waited less than the heuristic
                     stats["rollout/paired_gain"] = float(np.mean([e["rewards"].sum() for e in episodes]))
-                progress_state["update"] = u + 1
+                state.update = u + 1
                 if (u + 1) % cfg.run.eval_every == 0 or u + 1 == cfg.ppo.updates:
-                    ev = evaluate_on_train(pool, cfg, net, best, progress_state["heuristic_runs"])
+                    ev = evaluate_on_train(pool, cfg, net, best, state.heuristic_runs)
                     stats |= ev
                     consider(ev, f"ppo-{u + 1}")
                 logger.log("ppo", u + 1, time.time() - wall0, stats)
@@ -485,17 +519,17 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, progress: bool = T
             bar.close()
     finally:
         logger.close()
-    progress_state["wall_s"] = time.time() - wall0
+    state.wall_s = time.time() - wall0
     summary = {
         "run_dir": str(run_dir),
-        "wall_s": progress_state["wall_s"],
+        "wall_s": state.wall_s,
         "workers": cfg.run.workers,
-        "cores": cfg.run.workers,
-        "updates": progress_state["update"],
-        "selected": progress_state["best"],
-        "best_heuristic": progress_state.get("best_heuristic"),
-        "heuristic_p99_train": progress_state.get("heuristic_p99_train"),
-        "history": progress_state["history"],
+        "cores": os.cpu_count(),
+        "updates": state.update,
+        "selected": state.best,
+        "best_heuristic": state.best_heuristic,
+        "heuristic_p99_train": state.heuristic_p99_train,
+        "history": state.history,
         "feature_spec_hash": FEATURE_SPEC_HASH,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

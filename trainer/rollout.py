@@ -22,6 +22,7 @@ from router.policy.served import served_policy
 from router.policy.features import N_FEATURES, action_mask, build_features
 from router.policy.registry import make_policy
 from router.policy.types import ClusterView, RequestInfo
+from simulator.env import DecisionEnv
 from trainer.config import TrainConfig
 from trainer.instances import InstanceBuilder, InstanceSpec
 from trainer.network import RoutingNet, masked_categorical
@@ -74,73 +75,17 @@ def router_guard() -> FallbackPolicy:
 # ----------------------------------------------------------------------------------------------
 # Environments
 # ----------------------------------------------------------------------------------------------
-class SpecEnv:
-    """One routing decision per step on a ClusterSim, the instance set by `reset_to(spec)`.
-
-    The same decision process and reward as `simulator.env.RoutingEnv` (observation =
-    `build_features(view, request, pad_to=max_replicas)`, mask = `action_mask`, reward = minus the
-    first-token-wait integral minus `slo_penalty` x the SLO-excess integral since the previous
-    decision, the last step running the cluster to completion), driven directly so heuristics can
-    read the decision's ClusterView and pairing can read the simulated clock.
-    """
+class SpecEnv(DecisionEnv):
+    """The simulator's routing environment (`simulator.env.DecisionEnv`) on instances named by InstanceSpec."""
 
     def __init__(self, cfg: TrainConfig, builder: InstanceBuilder) -> None:
+        super().__init__(cfg.env.max_replicas, cfg.env.slo_penalty)
         self.builder = builder
-        self.max_replicas = cfg.env.max_replicas
-        self.slo_penalty = cfg.env.slo_penalty
-        self.sim = None
-        self._decision: tuple[ClusterView, RequestInfo] | None = None
-        self._records = None
-
-    def _cost(self) -> float:
-        return self.sim.first_token_wait_integral() + self.slo_penalty * self.sim.slo_excess_integral(self.ttft_slo_s)
-
-    def _observe(self) -> tuple[np.ndarray, np.ndarray]:
-        view, request = self._decision
-        return build_features(view, request, pad_to=self.max_replicas), action_mask(view, self.max_replicas).astype(np.float32)
 
     def reset_to(self, spec: InstanceSpec) -> tuple[np.ndarray, np.ndarray, dict]:
-        from simulator.cluster import ClusterSim
-
         cluster, requests = self.builder.build(spec)
-        if cluster.replica_count() > self.max_replicas:
-            raise ValueError(f"{spec.scenario}: {cluster.replica_count()} replicas exceed env.max_replicas={self.max_replicas}")
-        self.ttft_slo_s = self.builder.scenario(spec.scenario).slo.ttft_s
-        self.sim = ClusterSim(cluster, requests, seed=spec.seed)
-        self._records = None
-        self._decision = self.sim.next_decision()
-        if self._decision is None:
-            raise ValueError(f"{spec}: the instance has no routing decision")
-        self._prev_cost = self._cost()
-        obs, mask = self._observe()
-        return obs, mask, {"time_s": self.sim.now_s}
-
-    def step(self, action: int) -> tuple[np.ndarray, np.ndarray, float, bool, dict]:
-        self.sim.dispatch(int(action))
-        self._decision = self.sim.next_decision()
-        if self._decision is None:
-            self._records = self.sim.finish()
-            cost = self._cost()
-            obs = np.zeros((self.max_replicas, N_FEATURES), np.float32)
-            mask = np.zeros(self.max_replicas, np.float32)
-            done = True
-        else:
-            cost = self._cost()
-            obs, mask = self._observe()
-            done = False
-        reward = -(cost - self._prev_cost)
-        self._prev_cost = cost
-        return obs, mask, reward, done, {"time_s": self.sim.now_s, "cost": cost}
-
-    @property
-    def now_s(self) -> float:
-        return self.sim.now_s
-
-    def decision(self) -> tuple[ClusterView, RequestInfo]:
-        return self._decision
-
-    def records(self):
-        return self._records
+        slo = self.builder.scenario(spec.scenario).slo.ttft_s
+        return self.reset(cluster, requests, spec.seed, slo, name=f"{spec.scenario} (seed {spec.seed})")
 
 
 def heuristic_episode(env: SpecEnv, spec: InstanceSpec, policy_name: str, record: bool) -> dict:
@@ -158,7 +103,7 @@ def heuristic_episode(env: SpecEnv, spec: InstanceSpec, policy_name: str, record
         view, request = env.decision()
         a = policy.choose(view, request)
         times.append(env.now_s)
-        costs.append(env._prev_cost)
+        costs.append(env.cost)
         if record:
             feats.append(obs)
             masks.append(mask)

@@ -166,10 +166,10 @@ def test_compose_router_command_is_accepted(name: str) -> None:
 
 def test_cpu_compose_emulators_and_loadgen_use_real_flags() -> None:
     services = compose("docker-compose.cpu.yml")["services"]
-    emulate, loadgen = cli_flags("simulator", "emulate"), cli_flags("simulator", "loadgen")
+    emulate, loadgen = cli_flags("fleet", "emulate"), cli_flags("fleet", "loadgen")
     for name in ("vllm-0", "vllm-1"):
         svc = services[name]
-        assert svc["entrypoint"] == ["simulator", "emulate"]
+        assert svc["entrypoint"] == ["fleet", "emulate"]
         argv = [expand_defaults(a) for a in svc["command"]]
         assert {a.split("=")[0] for a in argv} <= emulate, argv
         profile = next(a.split("=", 1)[1] for a in argv if a.startswith("--profile="))

@@ -1,8 +1,8 @@
-"""`simulator fidelity` against the two real vLLM CPU servers of the session: a short segment, two policies.
+"""`fleet fidelity` against the two real vLLM CPU servers of the session: a short segment, two policies.
 
 Bounded (about a minute): it checks that calibration writes loadable measured profiles and that the report is
 produced and internally consistent. Accuracy figures are not asserted: they come from the benchmark command
-(`simulator fidelity`, see its module docstring) and vary with the machine's load.
+(`fleet fidelity`, see its module docstring) and vary with the machine's load.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fleet.fidelity import METRICS, PERCENTILES
-from simulator.cli import main
+from fleet.cli import main
 from simulator.costmodel import load_profile
 
 POLICIES = ("least-outstanding", "expected-wait")

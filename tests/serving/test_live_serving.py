@@ -215,13 +215,14 @@ async def test_decision_log_from_a_live_run(tmp_path, fakes, router_client):
         assert r["n_replicas"] == 2 and r["arm"] == "main" and r["replica"] in (a.url[7:], b.url[7:])
         assert (r["ttft_s"] is not None) == r["stream"] and (r["output_tokens"] == 4 if r["stream"] else True)
     # ... and the simulator replays it as a workload (train on your own traffic)
-    from simulator.cli import run_once
-    from simulator.replay import read_decision_log, scenario_document, split_logged
+    from simulator.experiments import run_once
+    from simulator.replay import read_decision_log, split_logged
+    from simulator.scenario import replay_scenario
 
     logged = read_decision_log(log_dir)
     assert [r.request_id for r in logged] == [r["id"] for r in sorted(records, key=lambda r: r["t"])]
     scenario = tmp_path / "replay.yaml"
-    scenario.write_text(yaml.safe_dump(scenario_document(log_dir, "steady-chat")))
+    scenario.write_text(yaml.safe_dump(replay_scenario(log_dir, "steady-chat")))
     for split in ("train", "eval"):
         summary = run_once(str(scenario), "least-outstanding", 0, split=split)
         assert summary["requests"] == len(split_logged(logged, split, 0.7)) and summary["completed_fraction"] == 1.0

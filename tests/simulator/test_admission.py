@@ -12,7 +12,7 @@ from router.policy.types import Outcome
 from simulator.cluster import REJECTED_PROMPT_TOO_LONG, ClusterSim, simulate
 from simulator.config import ClusterConfig, ReplicaGroup
 from simulator.costmodel import load_profile
-from simulator.env import RoutingEnv
+from simulator.gym_env import RoutingEnv
 from simulator.metrics import Slo, summarize
 from simulator.types import SimRequest
 

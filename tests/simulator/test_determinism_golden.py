@@ -21,7 +21,7 @@ from router.policy.registry import make_policy
 from simulator.bench import azure_conv_like_lengths
 from simulator.cluster import ClusterSim
 from simulator.config import ClusterConfig, FaultConfig, ReplicaGroup, ScrapeConfig
-from simulator.env import RoutingEnv
+from simulator.gym_env import RoutingEnv
 from simulator.types import SimRequest
 
 RECORD_FIELDS = (

@@ -1,4 +1,5 @@
-"""RoutingEnv: Gymnasium conformance, determinism, and the reward's meaning."""
+"""The routing environment training uses (DecisionEnv): the reward's meaning; its Gymnasium adapter (RoutingEnv):
+conformance (check_env), determinism, masked actions."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from gymnasium.utils.env_checker import check_env
 
 from router.policy.features import N_FEATURES
 from simulator.config import ClusterConfig, FaultConfig, ReplicaGroup
-from simulator.env import RoutingEnv
+from simulator.env import DecisionEnv
+from simulator.gym_env import RoutingEnv
 from simulator.types import SimRequest
 
 
@@ -67,20 +69,48 @@ def test_same_seed_identical_episodes():
     assert o1.shape != o3.shape or not np.array_equal(o1, o3)
 
 
+def decision_rollout(env: DecisionEnv, seed: int, ttft_slo_s: float = 2.0, crash: bool = False):
+    """An episode of the env training uses, random healthy actions; (rewards, records)."""
+    rng = np.random.default_rng(seed)
+    cluster, requests = factory(rng, crash=crash)
+    _obs, mask, _ = env.reset(cluster, requests, seed, ttft_slo_s)
+    rewards, done = [], False
+    while not done:
+        _obs, mask_next, r, done, info = env.step(random_valid(mask, rng))
+        assert info["cost"] == env.cost
+        rewards.append(r)
+        mask = mask_next
+    return np.array(rewards), env.records()
+
+
 def test_return_is_minus_total_ttft_without_slo_penalty():
-    env = RoutingEnv(factory, max_replicas=8, slo_penalty=0.0, reward_scale=10.0)
-    _, rewards, info = rollout(env, 1, random_valid)
-    assert rewards.sum() == pytest.approx(-info["episode_ttft"].sum() / 10.0, rel=1e-9)
+    rewards, records = decision_rollout(DecisionEnv(max_replicas=8, slo_penalty=0.0), 1)
+    assert rewards.sum() == pytest.approx(-sum(r.ttft_s for r in records), rel=1e-9)
     assert np.all(rewards <= 0)
 
 
 def test_slo_penalty_adds_the_excess_beyond_the_slo():
     slo, pen = 0.05, 2.0
-    env = RoutingEnv(factory, max_replicas=8, ttft_slo_s=slo, slo_penalty=pen)
-    _, rewards, info = rollout(env, 2, random_valid)
-    ttft = info["episode_ttft"]
+    rewards, records = decision_rollout(DecisionEnv(max_replicas=8, slo_penalty=pen), 2, ttft_slo_s=slo)
+    ttft = np.array([r.ttft_s for r in records])
     expected = -(ttft.sum() + pen * np.maximum(ttft - slo, 0).sum())
     assert rewards.sum() == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_gymnasium_adapter_scales_the_same_rewards():
+    env = RoutingEnv(factory, max_replicas=8, slo_penalty=0.0, reward_scale=10.0)
+    _, rewards, info = rollout(env, 1, random_valid)
+    assert rewards.sum() == pytest.approx(-info["episode_ttft"].sum() / 10.0, rel=1e-9)
+
+
+def test_env_refuses_more_replicas_than_rows_and_empty_episodes():
+    cluster, requests = factory(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="exceed max_replicas=1"):
+        DecisionEnv(max_replicas=1).reset(cluster, requests, 0, 2.0)
+    with pytest.raises(ValueError, match="no requests"):
+        DecisionEnv(max_replicas=8).reset(cluster, [], 0, 2.0)
+    with pytest.raises(RuntimeError, match="reset"):
+        DecisionEnv().step(0)
 
 
 def test_masked_action_falls_back_or_raises():

@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from simulator.cli import main as simulator_main
-from simulator.cli import run_once
-from simulator.replay import DecisionLogError, read_decision_log, scenario_document, split_logged, to_sim_requests
+from simulator.experiments import run_once
+from simulator.replay import DecisionLogError, read_decision_log, split_logged, to_sim_requests
+from simulator.scenario import replay_scenario
 
 
 def record(i: int, t: float, attempt: int = 0, **kw) -> dict:
@@ -72,7 +73,7 @@ def test_replay_scenario_simulates(tmp_path):
     log = tmp_path / "log"
     write_log(log, [record(i, 0.05 * i) for i in range(200)])
     scenario = tmp_path / "replay.yaml"
-    scenario.write_text(yaml.safe_dump(scenario_document(log, "steady-chat")))
+    scenario.write_text(yaml.safe_dump(replay_scenario(log, "steady-chat")))
     summary = run_once(str(scenario), "least-outstanding", 0, split="eval")
     assert summary["requests"] == 60 and summary["completed_fraction"] == 1.0
     assert summary["ttft_p50_s"] > 0

@@ -11,7 +11,7 @@ from router.policy.registry import make_policy
 from simulator.cluster import ClusterSim, simulate
 from simulator.config import ClusterConfig, ReplicaGroup
 from simulator.costmodel import load_profile
-from simulator.replica import COMPLETE, FIRST, ReqState, Replica
+from simulator.replica import COMPLETE, DONE, FIRST, ReqState, Replica
 from simulator.types import SimRequest
 
 A100 = load_profile("llama3-8b-a100")
@@ -272,3 +272,29 @@ def test_closed_form_matches_reference_under_memory_pressure_faults_and_stale_sc
         assert (a.replica_id, a.preemptions, a.prefix_hit_tokens) == (b.replica_id, b.preemptions, b.prefix_hit_tokens)
         assert a.first_token_s == pytest.approx(b.first_token_s, abs=1e-9)
         assert a.finish_s == pytest.approx(b.finish_s, abs=1e-9)
+
+
+def test_wall_clock_interface_aborts_free_every_block_and_count_tokens():
+    """The public interface the emulator drives: advance one iteration at a time, abort, tokens generated."""
+    rep = Replica("r0", ReplicaGroup(profile="llama3-8b-a100", max_num_seqs=2), A100, closed_form=False)
+    rep.resize_kv(64)
+    assert (rep.num_blocks, rep.num_free) == (64, 64)
+    a, b, c = (ReqState(SimRequest(i, 0.0, 100, 50), i, 0.0) for i in range(3))
+    for st in (a, b, c):
+        rep.add(st, 0.0)
+    assert len(rep.waiting) == 2  # one iteration is planned for `a` alone
+    rep.abort(c)  # a waiting request may leave mid-iteration
+    with pytest.raises(RuntimeError, match="during an iteration"):
+        rep.abort(a)
+    firsts, steps_after_a = [], 0
+    while len(firsts) < 2:
+        rep.advance(rep.event_s)
+        steps_after_a += bool(firsts)
+        firsts += [st for kind, st, _ in rep.take_outputs() if kind == FIRST]
+    assert firsts == [a, b] and rep.take_outputs() == []
+    for _ in range(3):
+        rep.advance(rep.event_s)
+    assert rep.tokens_generated(a) == 1 + steps_after_a + 3 and rep.tokens_generated(b) == 1 + 3
+    rep.advance(rep.event_s, aborts=[a, b])
+    assert (a.phase, b.phase, c.phase) == (DONE, DONE, DONE)
+    assert rep.num_free + rep.evictable == 64 and rep.event_s is None and not rep.running

@@ -38,3 +38,24 @@ def test_evaluate_rejects_unknown_names(capsys):
     assert "unknown baseline(s) ['nope']" in capsys.readouterr().err
     assert trainer_main(["evaluate", "--policy", "missing.onnx", "--scenarios", "steady-chat", "--no-plots"]) == 2
     assert "missing.onnx" in capsys.readouterr().err
+
+
+def test_evaluate_policy_learned_is_the_shipped_model_simulator_compare_serves(capsys, tmp_path):
+    from router.policy.registry import DEFAULT_MODEL_PATH
+
+    rc = trainer_main(["evaluate", "--policy", "learned", "--scenario", "steady-chat", "--seeds", "1", "--baselines",
+                       "least-outstanding", "--json", "--no-plots", "--workers", "1", "--no-progress", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    ours = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert simulator_main(["compare", "--scenario", "steady-chat", "--seeds", "1", "--policies", "learned", "--json"]) == 0
+    theirs = json.loads(capsys.readouterr().out)["results"][0]
+    assert _nan_equal(ours[str(DEFAULT_MODEL_PATH)]["metrics"], theirs["metrics"])
+
+
+def test_workers_are_not_capped_at_this_machines_cores():
+    import os
+
+    from trainer.config import RunConfig
+
+    assert RunConfig().workers == os.cpu_count()
+    assert RunConfig(workers=64, torch_threads=8).workers == 64

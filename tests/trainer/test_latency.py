@@ -96,3 +96,16 @@ def test_untrained_network_with_wait_prior_ranks_like_expected_wait():
     # one definition (mean TPOT of the measured replicas): they agree on every decision; with the
     # fleet's median in the heuristic (before issue 14) 4 of these 80 differed
     assert n == 80 and agree == n
+
+
+def test_the_training_env_return_is_minus_ttft_and_slo_excess():
+    """SpecEnv is simulator.env.DecisionEnv: its return is the reward the env tests check."""
+    env = _env()
+    obs, mask, _ = env.reset_to(InstanceSpec("heterogeneous", 1, 1.0, False, 80))
+    total, done = 0.0, False
+    while not done:
+        obs, mask, r, done, _ = env.step(int(np.flatnonzero(mask)[0]))
+        total += r
+    ttft = np.array([r.ttft_s for r in env.records()])
+    slo = env.ttft_slo_s
+    assert total == pytest.approx(-(ttft.sum() + env.slo_penalty * np.maximum(ttft - slo, 0).sum()), rel=1e-9)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -158,8 +160,20 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"network.*heads"):
         config_from_dict({"env": {"scenarios": ["a"]}, "network": {"hidden": 30, "heads": 4}}, "x.yaml")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("env: {scenarios: [steady-chat]}\nrun: {workers: 5}\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: run\.workers.*got 5"):
+    bad.write_text("env: {scenarios: [steady-chat]}\nrun: {workers: -1}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: run\.workers.*got -1"):
         load_config(bad)
     cfg = load_config("trainer/configs/default.yaml", ["ppo.updates=3"])
     assert cfg.ppo.updates == 3
+
+
+def test_train_state_round_trips_and_reads_checkpoints_written_before_it():
+    from trainer.ppo import Phase, TrainState
+
+    old = {"phase": "bc", "update": 0, "wall_s": 3.0, "best": None, "best_key": math.inf, "history": [],
+           "best_heuristic": {"steady-chat": "least-outstanding"}, "heuristic_runs": {}, "rng_state": None}  # fmt: skip
+    state = TrainState.from_dict(old)
+    assert state.phase is Phase.WARM_START and state.best_heuristic == {"steady-chat": "least-outstanding"}
+    state.phase, state.update = Phase.PPO, 4
+    again = TrainState.from_dict(state.to_dict())
+    assert again == state and state.to_dict()["phase"] == "ppo"

@@ -1,8 +1,8 @@
 """CPU demo of the main job: an emulated heterogeneous vLLM fleet, the router in A/B mode, a real trace.
 
-    simulator demo [--duration 75] [--trace azure-conv] [--replica URL ...]
+    fleet demo [--duration 75] [--trace azure-conv] [--replica URL ...]
 
-1. Starts emulated vLLM replicas (`simulator emulate`, each in its own process group on a free loopback
+1. Starts emulated vLLM replicas (`fleet emulate`, each in its own process group on a free loopback
    port) with a heterogeneous mix: 2 x Llama-3-8B on A100, 1 x on H100, 1 x on A100 slowed 3x (a degraded
    node). `--replica URL` (repeatable) uses real vLLM servers instead and starts no emulator.
 2. Starts the router (`python -m router serve`) in front of them: control arm least-outstanding (the
@@ -10,7 +10,7 @@
    (`--ab-treatment/--ab-share`). A router without those flags gets `--policy <treatment>` alone, and a
    checkout without a shipped learned model gets a stated stand-in treatment.
 3. Waits until every replica is routable, then replays a train-window slice of the Azure conversation
-   trace sped up to load the fleet (`simulator loadgen` in process, with live progress).
+   trace sped up to load the fleet (`fleet loadgen` in process, with live progress).
 4. Prints TTFT and E2E percentiles per arm side by side, and which replicas each arm used.
 Stops everything it started, also on Ctrl-C or SIGTERM.
 """
@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 from dataclasses import dataclass
 from pathlib import Path
 
-from simulator.loadgen import (
+from fleet.loadgen import (
     TRACE_CHOICES,
     ClientSpec,
     PlanSpec,
@@ -313,7 +313,7 @@ def main(args: argparse.Namespace) -> int:
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
                 procs.start(f"emulator-{i}", [
-                    python, "-m", "simulator", "emulate", "--port", str(port), "--profile", rep.profile,
+                    python, "-m", "fleet", "emulate", "--port", str(port), "--profile", rep.profile,
                     "--slowdown", str(rep.slowdown), "--max-num-seqs", str(args.max_num_seqs), "--speed", str(args.speed),
                 ])  # fmt: skip
                 urls.append(url)

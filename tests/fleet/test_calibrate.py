@@ -1,4 +1,4 @@
-"""`simulator calibrate --server`: the measured linear cost form, measured profiles loaded by path, the fit, and
+"""`fleet calibrate --server`: the measured linear cost form, measured profiles loaded by path, the fit, and
 one-line errors with nothing written for a bad server (a fault-injecting fake vLLM; the real one is in tests/e2e)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
-from simulator import calibrate, costmodel
-from simulator.cli import main
+from fleet import calibrate
+from simulator import costmodel
+from fleet.cli import main
 from simulator.config import ReplicaGroup
 from simulator.replica import Replica, ReqState
 from simulator.types import SimRequest
@@ -106,7 +107,7 @@ def _calibrate(url: str, out, *extra: str) -> int:
 
 
 def _one_line_error(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("simulator calibrate: error")]
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fleet calibrate: error")]
     assert len(err) == 1, err
     return err[0]
 

@@ -9,18 +9,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from router.policy.estimate import TokenEstimator, text_prefix_blocks
-from simulator.emulator import EmulatorSettings, make_app
-from simulator.loadgen import (
-    ClientSpec,
-    PlannedRequest,
-    PlanSpec,
-    PromptSynth,
-    build_plan,
-    format_side_by_side,
-    format_table,
-    run_load,
-    summarize,
-)
+from fleet.emulator import EmulatorSettings, make_app
+from fleet.loadgen import ClientSpec, format_side_by_side, format_table, run_load, summarize
+from fleet.loadplan import PlannedRequest, PlanSpec, PromptSynth, build_plan
 from simulator.traces import TraceLibrary
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """vLLM emulator: the simulator's replica model run in wall-clock time behind an OpenAI-compatible server.
 
-    simulator emulate --port 8101 --profile llama3-8b-a100 [--speed 1.0] [--max-num-seqs 256] [--kv-blocks N]
+    fleet emulate --port 8101 --profile llama3-8b-a100 [--speed 1.0] [--max-num-seqs 256] [--kv-blocks N]
 
 A stand-in for a vLLM server at scale on a CPU machine (demo, fast integration tests), not a substitute for
 the real-vLLM tests. What it does:
@@ -17,7 +17,7 @@ the real-vLLM tests. What it does:
   blocks of `block_size` tokens), so a repeated prompt hits the replica's prefix cache.
 - A client disconnect aborts the request in the model and frees its KV blocks.
 
-aiohttp and prometheus_client are imported here, so only the `emulate`/`demo` subcommands import this module.
+aiohttp and prometheus_client are imported here: this is a live-fleet tool (`fleet`), not part of the simulator library.
 """
 
 from __future__ import annotations
@@ -25,359 +25,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from fleet.emulator.engine import EmulatorSettings, Stream, WallClockEngine
 from router.policy.estimate import TokenEstimator, text_prefix_blocks
-from simulator.config import ReplicaGroup
-from simulator.costmodel import load_profile
-from simulator.replica import COMPLETE, DECODE, DONE, FIRST, IDLE, ITER, PREFILL, WAITING, Replica, ReqState
-from simulator.types import SimRequest
 
 ESTIMATOR = TokenEstimator()
 DEFAULT_MAX_TOKENS = 16
 FILLER = " tok"  # the text of every generated token
-
-# vLLM's own histogram buckets (vllm/v1/metrics/loggers.py), so dashboards read the emulator like vLLM.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)  # fmt: skip
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-
-
-# ---------------------------------------------------------------- one request's stream
-
-
-@dataclass(slots=True)
-class Stream:
-    """What the engine loop tells a request handler: tokens so far, when it finished, and a wake-up."""
-
-    request_id: str
-    prompt_tokens: int
-    max_tokens: int
-    arrival: float  # wall clock (time.monotonic)
-    generated: int = 0
-    notified: int = 0  # tokens the handler has been woken for
-    last_token_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    cached_tokens: int = 0
-    error: str | None = None  # set when the engine loop died
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
-
-
-# ---------------------------------------------------------------- metrics (vLLM 0.32 names)
-
-
-class VllmMetrics:
-    """vLLM's Prometheus families in a registry of their own (no process-global state)."""
-
-    def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int, enable_prefix_caching: bool) -> None:
-        self.registry = CollectorRegistry()
-        labels = ("engine", "model_name")
-        values = ("0", model_name)
-        r = self.registry
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels + extra, registry=r)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
-
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        info = Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            ("engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"),
-            registry=r,
-        )
-        info.labels("0", str(block_size), str(num_gpu_blocks), str(enable_prefix_caching)).set(1)
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.").labels(*values)
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.").labels(*values)
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.").labels(*values)
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(*values)
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.").labels(*values)
-        self._success = counter("vllm:request_success", "Count of successfully processed requests.", ("finished_reason",))
-        self.success_length = self._success.labels(*values, "length")
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS)
-        self._values = values
-
-    def bind_state(self, driver: "WallClockEngine") -> None:
-        """Gauges read the model's state when scraped (no per-iteration bookkeeping)."""
-        self.running.labels(*self._values).set_function(lambda: driver.num_running)
-        self.waiting.labels(*self._values).set_function(lambda: driver.num_waiting)
-        self.kv_usage.labels(*self._values).set_function(lambda: driver.kv_usage)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-# ---------------------------------------------------------------- the replica model in wall-clock time
-
-
-@dataclass(frozen=True)
-class EmulatorSettings:
-    profile: str = "llama3-8b-a100"
-    model_name: str = "tiny"
-    speed: float = 1.0  # emulated seconds per wall second
-    slowdown: float = 1.0  # the replica's iteration-time multiplier (a slower GPU)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    kv_blocks: int | None = None  # None: what the profile's memory leaves (vLLM's profiling)
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None  # None: the profile's
-    stream_interval: int = 1  # tokens per streamed chunk, like vLLM's --stream-interval
-
-
-class WallClockEngine:
-    """Steps one `simulator.replica.Replica` in real time and hands tokens to the waiting streams.
-
-    Simulated time is `(monotonic() - t0) * speed`. Iterations are planned one at a time
-    (`closed_form=False`: no multi-step decode jumps) so every iteration's tokens can be emitted. An
-    iteration that the host finishes late ends at the late time: the emulated GPU never outruns the
-    machine. Aborts of scheduled requests wait for the end of the current iteration, when no KV block
-    is half-allocated; waiting requests leave at once.
-    """
-
-    def __init__(self, settings: EmulatorSettings, clock=time.monotonic) -> None:
-        if settings.speed <= 0:
-            raise ValueError(f"speed must be > 0, got {settings.speed}")
-        if settings.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {settings.stream_interval}")
-        self.settings = settings
-        self.profile = load_profile(settings.profile)
-        group = ReplicaGroup(
-            profile=settings.profile,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            block_size=settings.block_size,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            speed_factor=settings.slowdown,
-        )
-        self.replica = Replica("0", group, self.profile, closed_form=False)
-        if settings.kv_blocks is not None:
-            if settings.kv_blocks < 1:
-                raise ValueError(f"kv_blocks must be >= 1, got {settings.kv_blocks}")
-            self.replica.num_blocks = settings.kv_blocks
-            self.replica._reset_state()  # the model sizes its free list from num_blocks
-        self.max_model_len = settings.max_model_len or self.profile.max_model_len
-        self.clock = clock
-        self.t0 = clock()
-        self.streams: dict[ReqState, Stream] = {}
-        self._pending_aborts: list[ReqState] = []
-        self._kick = asyncio.Event()
-        self._ids = itertools.count()
-        self.metrics = VllmMetrics(
-            settings.model_name, settings.block_size, self.replica.num_blocks, settings.enable_prefix_caching
-        )
-        self.metrics.bind_state(self)
-        self._preemptions_seen = 0
-        self.error: str | None = None
-
-    # ---- state read by the gauges
-    @property
-    def num_running(self) -> int:
-        return len(self.replica.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.replica.waiting)
-
-    @property
-    def kv_usage(self) -> float:
-        return self.replica.kv_usage()
-
-    def sim_now(self) -> float:
-        return (self.clock() - self.t0) * self.settings.speed
-
-    def wall_of(self, sim_s: float) -> float:
-        return self.t0 + sim_s / self.settings.speed
-
-    # ---- requests
-    def validate(self, prompt_tokens: int, max_tokens: int) -> None:
-        """vLLM's admission checks (400 on failure), plus the model's own: the request must fit the KV cache."""
-        if prompt_tokens + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
-                "Please reduce the length of the messages or completion."
-            )
-        if prompt_tokens + max_tokens - 1 > self.replica.kv_capacity_tokens:
-            raise ValueError(
-                f"request of {prompt_tokens} prompt + {max_tokens} output tokens does not fit the KV cache "
-                f"({self.replica.kv_capacity_tokens} tokens)"
-            )
-
-    def submit(self, prompt_tokens: int, max_tokens: int, prefix_keys: tuple[int, ...]) -> tuple[ReqState, Stream]:
-        if self.error:
-            raise RuntimeError(self.error)
-        self.validate(prompt_tokens, max_tokens)
-        rid = next(self._ids)
-        bs = self.settings.block_size
-        req = SimRequest(
-            request_id=rid,
-            arrival_s=0.0,
-            prompt_tokens=prompt_tokens,
-            output_tokens=max_tokens,
-            block_ids=prefix_keys,
-            block_tokens=bs,
-            max_tokens=max_tokens,
-        )
-        now = self.sim_now()
-        st = ReqState(req, rid, now, keys=prefix_keys)
-        stream = Stream(f"{rid}", prompt_tokens, max_tokens, arrival=self.clock())
-        self.streams[st] = stream
-        self.replica.add(st, now)
-        self._kick.set()
-        return st, stream
-
-    def abort(self, st: ReqState) -> None:
-        """The client went away: free the request's slot and KV blocks."""
-        stream = self.streams.pop(st, None)
-        if stream is None or st.phase == DONE:
-            return
-        if st.phase == WAITING:
-            self.replica.waiting.remove(st)
-            st.phase = DONE
-            if self.replica.mode == IDLE and not self.replica.running and not self.replica.waiting:
-                self.replica.event_s = None
-        else:
-            self._pending_aborts.append(st)
-            self._kick.set()
-
-    def _apply_aborts(self) -> None:
-        rep = self.replica
-        for st in self._pending_aborts:
-            if st.phase in (PREFILL, DECODE):
-                rep._release(st)  # the model has no abort(): see the emulator's report to the lead
-                rep.running.remove(st)
-                if st in rep.prefilling:
-                    rep.prefilling.remove(st)
-            elif st.phase == WAITING:  # preempted since the abort was asked
-                rep.waiting.remove(st)
-            st.phase = DONE
-        self._pending_aborts.clear()
-
-    # ---- the loop
-    async def run(self) -> None:
-        """The engine loop; if the model raises, every stream fails and the server reports unhealthy."""
-        try:
-            await self._run()
-        except Exception as e:  # noqa: BLE001 - surfaced through /health and every request
-            import traceback
-
-            traceback.print_exc()
-            self.error = f"engine loop failed: {e!r}"
-            for stream in self.streams.values():
-                stream.error = self.error
-                stream.wake.set()
-            raise
-
-    async def _run(self) -> None:
-        rep = self.replica
-        while True:
-            if rep.mode != ITER:
-                if self._pending_aborts:
-                    self._apply_aborts()
-                    rep._plan_next(self.sim_now())
-                    continue
-                self._kick.clear()
-                await self._kick.wait()
-                continue
-            delay = self.wall_of(rep.event_s) - self.clock()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            now = max(rep.event_s, self.sim_now())
-            rep._finish_iteration(now)
-            if self._pending_aborts:
-                self._apply_aborts()
-            rep._plan_next(now)
-            self._emit(rep)
-
-    def _emit(self, rep: Replica) -> None:
-        """Hand this iteration's tokens to the streams; one wake-up per stream per iteration at most."""
-        wall = self.clock()
-        m = self.metrics
-        step = rep.step
-        interval = self.settings.stream_interval
-        new_tokens = 0
-        if rep.outputs:
-            for kind, st, _t in rep.outputs:
-                stream = self.streams.get(st)
-                if stream is None:
-                    continue
-                if kind == FIRST:
-                    stream.first_token_at = wall
-                    stream.cached_tokens = st.prefix_hit_tokens
-                    m.ttft.observe(wall - stream.arrival)
-                    m.queue_time.observe(max(0.0, (st.first_scheduled_s - st.dispatch_s) / self.settings.speed))
-                    m.prompt_tokens.inc(st.prompt)
-                    m.prefix_queries.inc(st.prompt)
-                    if st.prefix_hit_tokens:
-                        m.prefix_hits.inc(st.prefix_hit_tokens)
-                elif kind == COMPLETE:
-                    new_tokens += self._advance(stream, st.output, wall)
-                    stream.finished_at = wall
-                    del self.streams[st]
-                    m.e2e.observe(wall - stream.arrival)
-                    m.success_length.inc()
-                    stream.wake.set()
-            rep.outputs.clear()
-        for st in rep.running:
-            if st.phase == DECODE:
-                stream = self.streams.get(st)
-                if stream is None:
-                    continue
-                g = st.base + step - st.prompt + 1
-                if g > stream.generated:
-                    new_tokens += self._advance(stream, g, wall)
-                    if g - stream.notified >= interval or stream.notified == 0:
-                        stream.notified = g
-                        stream.wake.set()
-        if new_tokens:
-            m.generation_tokens.inc(new_tokens)
-        if rep.n_preemptions != self._preemptions_seen:
-            m.preemptions.inc(rep.n_preemptions - self._preemptions_seen)
-            self._preemptions_seen = rep.n_preemptions
-
-    def _advance(self, stream: Stream, g: int, wall: float) -> int:
-        new = g - stream.generated
-        if new <= 0:
-            return 0
-        if stream.last_token_at is not None:
-            gap = (wall - stream.last_token_at) / new
-            for _ in range(new):
-                self.metrics.itl.observe(gap)
-        elif new > 1:
-            for _ in range(new - 1):
-                self.metrics.itl.observe(0.0)
-        stream.generated = g
-        stream.last_token_at = wall
-        return new
 
 
 # ---------------------------------------------------------------- the OpenAI-compatible API
@@ -677,7 +339,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         WallClockEngine(settings)  # fail fast on a bad profile or sizes, before binding the port
     except (ValueError, KeyError) as e:
-        print(f"simulator emulate: error: {e}", file=sys.stderr)
+        print(f"fleet emulate: error: {e}", file=sys.stderr)
         return 2
     with contextlib.suppress(ImportError):
         import uvloop
@@ -691,7 +353,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="simulator emulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="fleet emulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return main(p.parse_args(argv))
 

@@ -43,7 +43,7 @@ def test_a_request_over_max_model_len_names_server_request_and_value(tmp_path):
     import yaml
 
     from fleet.fidelity import FidelityError, check_fits
-    from simulator.loadgen import PlannedRequest
+    from fleet.loadplan import PlannedRequest
 
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"model": {"max_model_len": 1024}}))
@@ -57,7 +57,7 @@ def test_a_request_over_max_model_len_names_server_request_and_value(tmp_path):
 def test_unreachable_fleet_is_one_line(capsys):
     import socket
 
-    from simulator.cli import main
+    from fleet.cli import main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 E2E_MARKS = (
     pytest.mark.slow,
     pytest.mark.timeout(120),
@@ -36,7 +36,7 @@ def _demo(*args: str, sigint_ignored: bool = False) -> subprocess.Popen:
     """`sigint_ignored`: start it the way a shell without job control starts `demo &` (SIGINT ignored, kept by exec)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "simulator", "demo", "--no-progress", *args],
+        [sys.executable, "-m", "fleet", "demo", "--no-progress", *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         preexec_fn=_ignore_sigint if sigint_ignored else None,
     )  # fmt: skip
@@ -60,7 +60,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def test_router_gets_ab_flags_only_when_it_lists_them():
-    from simulator.demo import router_argv
+    from fleet.demo import router_argv
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     argv, ab = router_argv("py", 9, urls, "least-outstanding", "learned", 0.5, {"--policy", "--ab-treatment", "--ab-share"})

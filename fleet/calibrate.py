@@ -1,4 +1,4 @@
-"""Profile a running vLLM server from outside and fit a simulator profile to it (`simulator calibrate --server`).
+"""Profile a running vLLM server from outside and fit a simulator profile to it (`fleet calibrate --server`).
 
 The sweep is bounded and announced before it starts: prefill at batch 1 over prompt lengths, decode at
 several concurrencies, one long-context point. Every probe is timed client-side and, from the server's own
@@ -497,3 +497,66 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+# ---------------------------------------------------------------- `fleet calibrate` (thin CLI)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--server", required=True, help="base URL of a running vLLM server to profile (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--model", help="the served model to profile (default: the first the server lists)")
+    p.add_argument("--profile", help="also fit this roofline profile (a name in simulator/profiles/ or a YAML path); "
+                                     "it wins if its residual is smaller")  # fmt: skip
+    p.add_argument("-o", "--output", required=True, help="where to write the measured profile YAML (written when complete)")
+    p.add_argument("--name", help="name of the profile (default: one from the model and the server)")
+    p.add_argument("--budget", type=float, default=150.0, help="seconds the sweep may take (default 150)")
+    p.add_argument("--probe-timeout", type=float, default=30.0, help="seconds one probe may take (default 30)")
+    p.add_argument("--max-concurrency", type=int, default=16, help="most requests sent at once (default 16)")
+    p.add_argument("--max-num-seqs", type=int, help="the server's --max-num-seqs when known (else inferred)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def main(args) -> int:
+    import sys
+
+    import yaml
+
+    def fail(message: str) -> int:
+        print(f"fleet calibrate: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.max_concurrency < 1 or args.budget <= 0 or args.probe_timeout <= 0:
+        return fail("--max-concurrency, --budget and --probe-timeout must be positive")
+    base = None
+    if args.profile:
+        try:
+            base = costmodel.load_profile(args.profile)
+        except ValueError as e:
+            return fail(str(e))
+    default = SweepSpec()
+    spec = SweepSpec(
+        concurrencies=tuple(c for c in default.concurrencies if c < args.max_concurrency) + (args.max_concurrency,),
+        probe_timeout_s=args.probe_timeout,
+        budget_s=args.budget,
+    )
+    try:
+        res = calibrate(args.server, args.model, spec, base, announce=lambda m: print(m, file=sys.stderr),
+                        progress=not args.quiet)  # fmt: skip
+    except CalibrationError as e:
+        print(f"fleet calibrate: error: {e}", file=sys.stderr)
+        return 1
+    name = args.name or f"measured-{res.info.model}-{args.server.split('//')[-1].replace(':', '-').strip('/')}"
+    doc = profile_document(res, name, args.max_num_seqs)
+    write_atomically(args.output, yaml.safe_dump(doc, sort_keys=False))
+    lin = res.linear
+    roofline = res.residuals["roofline"]
+    print(
+        f"wrote {args.output} in {res.duration_s:.0f} s: {res.chosen} cost model (RMS relative residual "
+        f"linear {res.residuals['linear']:.3f}, roofline {'-' if roofline is None else format(roofline, '.3f')}); "
+        f"iteration = {lin.a_s * 1e3:.2f} ms + {lin.b_s_per_prefill_token * 1e6:.1f} us/prefill token + "
+        f"{lin.c_s_per_decode_seq * 1e6:.1f} us/decode seq + {lin.d_s_per_context_token * 1e9:.1f} ns/context token + "
+        f"{lin.e_s_per_prefill_seq * 1e3:.2f} ms/prefill seq; "
+        f"request overhead {res.request_overhead_s * 1e3:.1f} ms; KV {res.info.kv_cache_tokens} tokens; "
+        f"max_num_seqs {doc['server']['max_num_seqs']}"
+    )
+    return 0

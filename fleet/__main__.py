@@ -1,0 +1,5 @@
+"""`python -m fleet` = the `fleet` command."""
+
+from fleet.cli import main
+
+raise SystemExit(main())

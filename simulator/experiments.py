@@ -1,0 +1,191 @@
+"""Experiments on the simulator: one run, a policy comparison over scenarios and seeds, its table and JSON.
+
+The library behind `simulator run|compare` and `trainer evaluate`; names are checked up front
+(`resolve_scenarios`, `resolve_policies`) so a bad one fails before any run, with an `ExperimentError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED, policy_names
+from router.policy.served import served_policy
+from simulator.cluster import ClusterSim, simulate
+from simulator.metrics import aggregate, render_table, summarize
+from simulator.scenario import ScenarioError, load_scenario, scenario_names
+
+ALL = "all"
+
+
+class ExperimentError(ValueError):
+    """A bad scenario or policy name (the CLIs print it as a one-line usage error)."""
+
+
+# ---------------------------------------------------------------- name resolution (cheap, no engine)
+
+
+def resolve_scenarios(text: str) -> list[str]:
+    """Scenario names/paths from a comma list or `all`; each is parsed now, so a bad one fails before any run."""
+    names = scenario_names() if text == ALL else [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise ExperimentError("no scenario given")
+    for name in names:
+        try:
+            load_scenario(name)
+        except ScenarioError as e:
+            raise ExperimentError(str(e)) from None
+    return names
+
+
+def resolve_policies(text: str) -> list[str]:
+    if text == ALL:
+        return list(BASELINES) + ([LEARNED] if DEFAULT_MODEL_PATH.is_file() else [])
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise ExperimentError("no policy given")
+    for name in names:
+        if name in BASELINES:
+            continue
+        if name == LEARNED and not DEFAULT_MODEL_PATH.is_file():
+            raise ExperimentError(f"policy 'learned': no shipped model at {DEFAULT_MODEL_PATH} (train and export one first)")
+        if name.endswith(".onnx"):
+            if not Path(name).is_file():
+                raise ExperimentError(f"policy model file {name!r} not found")
+            continue
+        if name != LEARNED:
+            raise ExperimentError(f"unknown policy {name!r}; known: {', '.join(policy_names())} or a path to an .onnx file")
+    return names
+
+
+# ---------------------------------------------------------------- running and comparing
+
+
+def run_once(scenario: str, policy: str, seed: int, split: str = "eval", library=None) -> dict[str, float]:
+    """Simulate one (scenario, policy, seed) and summarise it (see simulator.metrics.summarize)."""
+    return run_policies(scenario, [policy], seed, split, library)[policy]
+
+
+def run_policies(scenario: str, policies: Sequence[str], seed: int, split: str, library=None) -> dict[str, dict]:
+    """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy."""
+    sc = load_scenario(scenario, split=split, library=library)
+    cluster, requests = sc.build(np.random.default_rng(seed))
+    out = {}
+    for name in policies:
+        policy = served_policy(name, seed=seed)  # guards + deterministic decision-cost budget, as the router serves it
+        records = simulate(cluster, requests, policy, seed=seed)
+        out[name] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster)) | {"fallback_share": policy.fallback_share}
+    return out
+
+
+def _replica_ids(cluster) -> list[str]:
+    """Every replica's id, so that one that got no request still counts in the load imbalance."""
+    return list(ClusterSim(cluster, [], seed=0).replica_ids)
+
+
+def _task(args: tuple[str, tuple[str, ...], int, str]) -> tuple[str, int, dict[str, dict]]:
+    scenario, policies, seed, split = args
+    return scenario, seed, run_policies(scenario, policies, seed, split)
+
+
+RESULT_FIELDS = ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "goodput", "throughput_rps")
+
+
+def compare(
+    scenarios: Sequence[str],
+    policies: Sequence[str],
+    seeds: int | Sequence[int],
+    split: str = "eval",
+    workers: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Every policy on every scenario for each seed; seeds fix the arrivals, so policies see the same requests.
+
+    Returns `{"results": [{scenario, policy, seeds, ttft_p50_s, ttft_p99_s, tpot_p99_s, e2e_p99_s, goodput,
+    throughput_rps, <each>_ci95, ttft_p99_vs_best_heuristic, metrics: {all aggregated figures}}, ...]}`,
+    one record per (scenario, policy), averaged over seeds with 95 % t-interval half-widths.
+    """
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    tasks = [(s, tuple(policies), seed, split) for s in scenarios for seed in seed_list]
+    runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in scenarios for p in policies}
+    bar = tqdm(total=len(tasks) * len(policies), desc="simulating", unit="run", disable=not progress, file=sys.stderr)
+    if workers > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            done = list(_progress(pool.map(_task, tasks), bar, len(policies)))
+    else:
+        done = list(_progress(map(_task, tasks), bar, len(policies)))
+    bar.close()
+    for scenario, _seed, per_policy in sorted(done, key=lambda d: (d[0], d[1])):
+        for policy, summary in per_policy.items():
+            runs[(scenario, policy)].append(summary)
+
+    results = []
+    for scenario in scenarios:
+        rows = []
+        for policy in policies:
+            agg = aggregate(runs[(scenario, policy)])
+            row = {"scenario": scenario, "policy": policy, "seeds": len(seed_list)}
+            row |= {k: agg[k] for k in RESULT_FIELDS}
+            row |= {f"{k}_ci95": agg[f"{k}_ci95"] for k in RESULT_FIELDS}
+            row["fallback_share"] = agg["fallback_share"]
+            row["metrics"] = agg
+            rows.append(row)
+        heuristic = [r["ttft_p99_s"] for r in rows if r["policy"] in BASELINES and not math.isnan(r["ttft_p99_s"])]
+        best = min(heuristic) if heuristic else math.nan
+        for r in rows:
+            r["ttft_p99_vs_best_heuristic"] = r["ttft_p99_s"] / best if best and best > 0 else math.nan
+        results.extend(rows)
+    return {"split": split, "seeds": seed_list, "results": results}
+
+
+def _progress(iterable, bar, step: int):
+    for item in iterable:
+        bar.update(step)
+        yield item
+
+
+def format_table(doc: dict) -> str:
+    head = ("scenario", "policy", "TTFT p50", "TTFT p99", "TPOT p99", "E2E p99", "goodput", "req/s", "p99/best", "fallback")
+    rows = [head]
+    for r in doc["results"]:
+        rows.append(
+            (
+                r["scenario"],
+                r["policy"],
+                _ms(r["ttft_p50_s"]),
+                _ms(r["ttft_p99_s"]),
+                _ms(r["tpot_p99_s"]),
+                f"{r['e2e_p99_s']:.2f}s",
+                f"{r['goodput']:.3f}",
+                f"{r['throughput_rps']:.2f}",
+                f"{r['ttft_p99_vs_best_heuristic']:.2f}",
+                f"{r['fallback_share']:.1%}",
+            )
+        )
+    return render_table(rows)
+
+
+def _ms(seconds: float) -> str:
+    return "nan" if math.isnan(seconds) else f"{seconds * 1000:.0f}ms"
+
+
+def to_json(doc) -> str:
+    """JSON with NaN written as null (strict JSON)."""
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(doc), indent=2)
