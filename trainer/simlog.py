@@ -16,7 +16,7 @@ import numpy as np
 
 from router.policy.registry import make_policy
 from router.policy.types import ClusterView, RequestInfo
-from router.serving.decision_log import PendingRecord, decision_record
+from router.policy.decision_record import PendingRecord, decision_record
 from trainer.config import TrainConfig
 from trainer.instances import InstanceBuilder, InstanceSpec
 from trainer.rollout import SpecEnv

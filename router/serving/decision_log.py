@@ -10,98 +10,21 @@ router/serving/DECISION_LOG.md (the simulator's replay reads it without importin
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import queue
 import re
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from router.policy.decision_record import FORMAT_VERSION, PendingRecord, decision_record, decode_features
 
-from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES, action_mask, build_features
-from router.policy.types import ClusterView, RequestInfo
+__all__ = ["FORMAT_VERSION", "PendingRecord", "decision_record", "decode_features", "log_files", "DecisionLogWriter"]
 
 log = logging.getLogger("router.decision_log")
 
-FORMAT_VERSION = 1
 FILE_RE = re.compile(r"^(?P<prefix>.+)-(?P<seq>\d{6,})\.jsonl$")
-
-
-@dataclass(slots=True)
-class PendingRecord:
-    """Everything one record needs, as the request path has it (encoding happens in the writer)."""
-
-    time_s: float  # wall-clock arrival time (unix seconds)
-    request: RequestInfo
-    view: ClusterView
-    arm: str
-    policy: str
-    index: int
-    primary_index: int | None
-    fallback_reason: str | None
-    decision_s: float | None
-    attempt: int = 0
-    stream: bool | None = None
-    shadow: dict | None = None
-    features: np.ndarray | None = None  # the model input if the policy already built it for this view
-    status: int | None = None
-    ok: bool | None = None
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    output_tokens: int | None = None
-    prefix_block_tokens: int | None = None
-
-
-def _round(x: float | None, digits: int = 6) -> float | None:
-    return None if x is None else round(float(x), digits)
-
-
-def decision_record(p: PendingRecord) -> dict:
-    """The JSON object of one record (see DECISION_LOG.md)."""
-    reps = p.view.replicas
-    feats = p.features if p.features is not None else build_features(p.view, p.request)
-    feats = np.ascontiguousarray(feats, dtype="<f4")
-    if feats.shape != (len(reps), N_FEATURES):
-        raise ValueError(f"features of shape {feats.shape}, expected {(len(reps), N_FEATURES)}")
-    r = p.request
-    return {
-        "v": FORMAT_VERSION,
-        "t": round(p.time_s, 6),
-        "id": r.request_id,
-        "attempt": p.attempt,
-        "arm": p.arm,
-        "policy": p.policy,
-        "replica": reps[p.index].replica_id,
-        "index": p.index,
-        "primary_index": p.primary_index,
-        "fallback": p.fallback_reason,
-        "decision_s": _round(p.decision_s, 9),
-        "shadow": p.shadow,
-        "n_replicas": len(reps),
-        "feature_hash": FEATURE_SPEC_HASH,
-        "features": base64.b64encode(feats.tobytes()).decode("ascii"),
-        "mask": action_mask(p.view).tolist(),
-        "prompt_tokens_est": r.prompt_tokens_est,
-        "max_tokens": r.max_tokens,
-        "prefix_blocks": list(r.prefix_blocks),
-        "prefix_block_tokens": p.prefix_block_tokens,
-        "stream": p.stream,
-        "status": p.status,
-        "ok": p.ok,
-        "ttft_s": _round(p.ttft_s),
-        "e2e_s": _round(p.e2e_s),
-        "output_tokens": p.output_tokens,
-    }
-
-
-def decode_features(record: dict) -> np.ndarray:
-    """float32 (n_replicas, N_FEATURES) from a record's `features` field."""
-    raw = base64.b64decode(record["features"])
-    return np.frombuffer(raw, dtype="<f4").reshape(record["n_replicas"], -1)
 
 
 def log_files(directory: Path, prefix: str = "decisions") -> list[Path]:
