@@ -169,14 +169,14 @@ def cluster_from_profiles(profile_paths: list[Path], scrape_interval_s: float, m
 
 
 def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: float, seed: int = 0) -> list[Served]:
-    from router.policy.registry import make_served_policy
+    from router.policy.served import served_policy
     from simulator.cluster import simulate
     from simulator.types import SimRequest
 
     reqs = [SimRequest(i, s.arrival_s, s.prompt_tokens, s.output_tokens, max_tokens=s.output_tokens)
             for i, s in enumerate(served)]
     cfg = cluster.model_copy(update={"estimator_scale": estimate_scale})
-    records = simulate(cfg, reqs, make_served_policy(policy, seed=seed), seed=seed)
+    records = simulate(cfg, reqs, served_policy(policy, seed=seed), seed=seed)
     return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
                    int(r.replica_id[1:].split("-", 1)[0])) for r in records]
 

@@ -162,14 +162,14 @@ def _cluster(path, **over):
 
 
 def test_request_overhead_of_a_measured_profile_adds_to_ttft_and_e2e(tmp_path):
-    from router.policy.registry import make_served_policy
+    from router.policy.served import served_policy
     from simulator.cluster import simulate
 
     runs = {}
     for overhead in (0.0, 0.05):
         path = tmp_path / f"p{overhead}.yaml"
         path.write_text(yaml.safe_dump(measured_doc(request_overhead_s=overhead)))
-        [rec] = simulate(_cluster(path), [SimRequest(0, 0.0, 100, 5)], make_served_policy("least-outstanding"), seed=0)
+        [rec] = simulate(_cluster(path), [SimRequest(0, 0.0, 100, 5)], served_policy("least-outstanding"), seed=0)
         runs[overhead] = rec
     alone = LINEAR.iteration_time(100, 0, 100, 1)  # one prefill iteration, then 4 decode steps
     assert runs[0.0].ttft_s == pytest.approx(alone)

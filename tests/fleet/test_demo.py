@@ -141,7 +141,7 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
 
 
 def test_decision_summary_reads_fallback_share_and_latency_per_arm():
-    from simulator.demo import decision_summary
+    from fleet.demo import decision_summary
 
     text = "\n".join([
         "# TYPE llm_router_decision_latency_seconds histogram",

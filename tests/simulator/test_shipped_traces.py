@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -114,9 +115,10 @@ def test_cli_bad_traces_setting_is_one_line(tmp_path, how):
 
 
 def test_wheel_ships_the_traces_and_an_installed_copy_replays_from_anywhere(tmp_path):
-    wheels = tmp_path / "wheels"
+    wheels, source = tmp_path / "wheels", tmp_path / "source"  # build from a copy: setuptools writes build/ in-tree
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "runs", "__pycache__", "*.egg-info"))
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)],
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert build.returncode == 0, build.stderr
