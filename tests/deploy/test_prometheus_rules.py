@@ -22,7 +22,8 @@ ROUTER_METRICS = {
     "llm_router_scrape_errors_total", "llm_router_scrape_age_seconds", "llm_router_replica_healthy",
     "llm_router_replica_waiting_requests", "llm_router_replica_running_requests",
     "llm_router_replica_kv_cache_usage_ratio", "llm_router_policy_info", "llm_router_shadow_decisions_total",
-    "llm_router_ab_rollback_active", "llm_router_ab_treatment_share",
+    "llm_router_ab_rollback_active", "llm_router_ab_treatment_share", "llm_router_policy_promotions_total",
+    "llm_router_policy_candidate_state", "llm_router_policy_candidate_mae_log_ttft",
 }
 
 

@@ -92,8 +92,11 @@ async def test_exploration_share_is_bounded_counted_and_kept_out_of_the_guard(tm
     fast, slow = await fakes(2)
     slow.token_delay_s = 0.1
     control = prefer_replica_model(tmp_path / "control.onnx", 0, version="primary-fast")
+    # ratio 3: millisecond TTFBs of two arms on the same fast replica differ by 20 % on a busy 2-core box, while
+    # explored requests counted against the candidate would make its p99 ~15x (the slow replica adds 100 ms)
     client = await router_client([fast.url, slow.url], policy=str(control), ab_explore_share=0.2,
-                                 ab_treatment=str(prefer_replica_model(tmp_path / "t.onnx", 0, version="cand-fast")), **GUARD)
+                                 ab_treatment=str(prefer_replica_model(tmp_path / "t.onnx", 0, version="cand-fast")),
+                                 **(GUARD | {"ab_max_p99_ratio": 3.0}))
     responses = await load(client, 300, concurrency=16, key=lambda i: f"user-{i}")
     assert [r.status for r in responses] == [200] * 300
     treated = [r for r in responses if r.headers["x-routewise-arm"] == "treatment"]
