@@ -10,17 +10,16 @@ import argparse
 import csv
 import json
 import math
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-from simulator import costmodel
+from simulator import commands, costmodel
 from simulator.bench import run_bench
+from simulator.commands import Command
 from simulator.experiments import (
     ALL,
     ExperimentError,
@@ -33,9 +32,7 @@ from simulator.experiments import (
 )
 from simulator.replay import DecisionLogError, read_decision_log, summarize_log
 from simulator.scenario import load_scenario, replay_scenario, scenario_names
-from simulator.traces import TRACES_DIR_HELP, TraceError, use_traces_dir
 
-EXIT_USAGE = 2
 
 
 class UsageError(Exception):
@@ -236,17 +233,11 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class Command:
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
 COMMANDS: dict[str, Command] = {
-    "run": Command("simulate one scenario with one policy and one seed", _run_arguments, _run),
+    "run": Command("simulate one scenario with one policy and one seed", _run_arguments, _run, reads_traces=True),
     "compare": Command(
-        "compare policies on scenarios over seeds (same arrivals for every policy)", _compare_arguments, _compare
+        "compare policies on scenarios over seeds (same arrivals for every policy)", _compare_arguments, _compare,
+        reads_traces=True,
     ),
     "bench": Command("simulated requests per CPU-second of the engine", _bench_arguments, _bench),
     "calibrate": Command(
@@ -261,33 +252,14 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-READS_TRACES = {"run", "compare"}  # these take --traces-dir (else $ROUTEWISE_TRACES_DIR, else the shipped copy)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="simulator",
-        description="Discrete-event simulator of vLLM replica fleets: scenarios, policy comparisons, benchmarks.",
-        epilog="Run `simulator <command> --help` for a command's options.",
+    return commands.build_parser(
+        "simulator", "Discrete-event simulator of vLLM replica fleets: scenarios, policy comparisons, benchmarks.", COMMANDS
     )
-    sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
-    for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
-        cmd.add_arguments(p)
-        if name in READS_TRACES:
-            p.add_argument("--traces-dir", metavar="DIR", help=TRACES_DIR_HELP)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        if getattr(args, "traces_dir", None):
-            use_traces_dir(args.traces_dir)
-        return int(COMMANDS[args.command].run(args) or 0)
-    except (UsageError, ExperimentError, TraceError) as e:
-        print(f"simulator {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    return commands.run_command(build_parser(), COMMANDS, argv, (UsageError, ExperimentError))
 
 
 if __name__ == "__main__":
