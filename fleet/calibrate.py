@@ -9,6 +9,9 @@ running while others waited (or `--max-num-seqs`).
 Rows (prefill tokens, decode sequences, context tokens, seconds) are fitted two ways: the measured linear
 form of `costmodel.LinearCost` always, and the roofline (`costmodel.fit`) when a base profile describing the
 hardware is given; the smaller relative RMS residual wins. The profile file appears only when complete.
+
+Over 400 lines on purpose: the sweep, its /metrics deltas, the two fits and the profile document share one
+measurement record; the thin `fleet calibrate` CLI sits at the end.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ simulation gets the true prompt lengths; simulate exactly those arrivals and len
 cluster built from the calibrated profiles (their KV sizes, block size, max_num_seqs, request overhead; the router's
 chars/4 estimate as a bias against the measured chars per token). Report real vs simulated p50/p90/p99 with relative
 errors, the ranking by p99 TTFT, and the learned policy's gain over least-outstanding real vs predicted.
+
+Over 400 lines on purpose: one run (fleet, calibration, live replay, simulation, report) whose steps pass the
+same plan and results along; the report arithmetic is separately tested (tests/fleet/test_fidelity_report.py).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Streaming responses are passed through chunk by chunk as they arrive (no re-seri
 TTFT is taken at the first chunk carrying SSE data, inter-token latency between chunks.
 Every dispatched attempt is released in the tracker exactly once (ReplicaTracker.on_complete
 is idempotent per request id, and each attempt releases in a `finally`).
+
+Over 400 lines on purpose: validation, retries, streaming and the outcome accounting are one request's life;
+each attempt's release must stay visibly paired with its dispatch.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ Formats (see `simulator/data/traces/README.md`):
 
 A malformed row raises `TraceError` naming file, line, field and value. `on_error="warn"` skips such
 rows instead, with one warning that counts them, and records the messages in `Trace.skipped`.
+
+Over 400 lines on purpose: three strict readers (each validating every field with one error shape), the
+train/eval split, and the one lookup order of where traces live belong together; split, they would share
+private helpers across modules.
 """
 
 from __future__ import annotations
