@@ -308,7 +308,7 @@ class Proxy:
             if status >= 500:  # the last try: not held against the replica (see _settle)
                 self.metrics.upstream_errors.labels(rep.id, "http_5xx").inc()
             else:
-                self.replicas.record_success(rep, stream, now - t0 if stream else None)
+                self.replicas.record_success(rep, stream, now - t0 if stream and route.found_idle else None)
             if not stream or status >= 300:
                 clean = True
                 e2e = now - t0

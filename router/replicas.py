@@ -146,7 +146,9 @@ class ReplicaSet:
     # request outcomes (circuit breaker and outlier detection)
     def record_success(self, rep: Replica, stream: bool = False, ttfb_s: float | None = None) -> None:
         rep.outlier.record(stream, False, ttfb_s)
-        if rep.breaker.state is not BreakerState.CLOSED or rep.breaker.consecutive_failures:
+        if rep.breaker.state is BreakerState.OPEN:
+            return  # a request sent before the ejection: only the cool-down and a trial request re-admit
+        if rep.breaker.state is BreakerState.HALF_OPEN or rep.breaker.consecutive_failures:
             if rep.breaker.state is BreakerState.HALF_OPEN:
                 rep.outlier.clear_windows()  # re-admitted: judged afresh
                 log.info("replica %s re-admitted after a successful trial request", rep.id)
@@ -164,12 +166,14 @@ class ReplicaSet:
 
     def eject(self, rep: Replica, reason: str) -> bool:
         """Takes `rep` out of rotation for a cool-down, unless that would pass the panic threshold: more than
-        max_ejected_ratio of the replicas ejected, or none routable left. True if ejected (or already)."""
+        max_ejected_ratio of the replicas out of rotation (ejected, unhealthy or draining: as Envoy's panic
+        threshold, what counts is how much of the fleet is left), or none routable left. True if ejected (or
+        already)."""
         if rep.breaker.state is BreakerState.OPEN:
             return True
-        ejected = sum(1 for r in self.ordered if r is not rep and r.breaker.state is BreakerState.OPEN)
+        out = sum(1 for r in self.ordered if r is not rep and not r.routable)
         others_routable = any(r.routable for r in self.ordered if r is not rep)
-        if not others_routable or ejected + 1 > self.settings.max_ejected_ratio * len(self.ordered):
+        if not others_routable or out + 1 > self.settings.max_ejected_ratio * len(self.ordered):
             if self.metrics is not None:
                 self.metrics.ejections_refused.labels(reason).inc()
             log.debug("replica %s not ejected (%s): panic threshold", rep.id, reason)

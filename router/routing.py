@@ -139,6 +139,12 @@ class Route:
     shadow: ShadowResult | None = None
     prefix_block_tokens: int | None = None
 
+    @property
+    def found_idle(self) -> bool:
+        """First try, sent to a replica with nothing outstanding: its time to first byte is the replica's own
+        speed, not a queue (outlier detection judges only these)."""
+        return self.attempt == 0 and self.view is not None and self.view.replicas[self.decision.index].outstanding == 0
+
 
 def prompt_text(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
     """(prompt text, exact token count when the prompt is given as token ids). Assumes a validated body."""

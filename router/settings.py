@@ -80,14 +80,16 @@ class RouterSettings(BaseSettings):
 
     # outlier detection and ejection (request outcomes blamed on a replica only)
     max_ejected_ratio: float = Field(
-        0.5, ge=0, le=1, description="panic threshold: the breaker and outlier detection never eject more than this "
-        "share of the replicas (at least one always stays in rotation)",
+        0.5, ge=0, le=1, description="panic threshold: the breaker and outlier detection never eject a replica when "
+        "that would put more than this share of the fleet out of rotation (ejected, failing its health probe or "
+        "draining); at least one always stays in rotation",
     )
     outlier_window: int = Field(20, ge=2, description="recent outcomes per replica and kind (stream / not) judged")
     outlier_min_requests: int = Field(5, ge=1, description="outcomes in a window before its failure ratio counts")
     outlier_failure_ratio: float = Field(0.5, gt=0, le=1, description="eject when this share of a window failed")
     outlier_ttfb_ratio: float = Field(10.0, gt=1, description="eject when the median time to first byte is this many "
-                                      "times its peers' median ...")
+                                      "times its peers' median (streams sent to an idle replica only: a queue is "
+                                      "load, not a fault) ...")
     outlier_ttfb_min_s: float = Field(2.0, gt=0, description="... and above this")
     stall_timeout_s: float = Field(
         30.0, gt=0, description="eject a replica with requests in flight that sent no byte, and whose scraped "

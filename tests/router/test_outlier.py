@@ -126,7 +126,8 @@ async def test_slow_first_byte_outlier_is_ejected(fakes, router_client):
                                  outlier_ttfb_min_s=0.1, outlier_ttfb_ratio=5, health_interval_s=0.05,
                                  breaker_cooldown_s=30, first_byte_timeout_s=5, breaker_failure_threshold=100)
     api = oai(client)
-    await asyncio.gather(*(stream_text(api) for _ in range(12)))
+    for _ in range(12):  # one at a time: only a replica found idle is judged on its first byte
+        await stream_text(api)
     rep = client.app[REPLICAS].by_id[a.url[7:]]
     await wait_for(lambda: rep.breaker.state is BreakerState.OPEN)
     assert rep.breaker.reason == "slow_first_byte" and ejections(client, rep.id, "slow_first_byte") == 1
@@ -151,3 +152,35 @@ async def test_panic_threshold_keeps_half_the_fleet(fakes, router_client):
     refused = [s.value for m in client.app[METRICS].ejections_refused.collect() for s in m.samples
                if s.name.endswith("_total")]
     assert sum(refused) >= 1
+
+
+async def test_panic_threshold_counts_replicas_out_for_any_reason(fakes, router_client):
+    """One of three drained: ejecting a broken second one would leave a third of the fleet, so it stays in."""
+    a, b, c = await fakes(3)
+    a.mode = "reset_mid_stream"
+    client = await router_client([a.url, b.url, c.url], policy="round-robin", breaker_failure_threshold=2,
+                                 max_ejected_ratio=0.5, breaker_cooldown_s=30)
+    replicas = client.app[REPLICAS]
+    replicas.drain(c.url[7:])
+    api = oai(client)
+    for _ in range(8):
+        try:
+            await stream_text(api)
+        except openai.APIError:
+            pass
+    rep = replicas.by_id[a.url[7:]]
+    assert rep.breaker.state is not BreakerState.OPEN and rep.routable
+    refused = [s.value for m in client.app[METRICS].ejections_refused.collect() for s in m.samples
+               if s.name.endswith("_total")]
+    assert sum(refused) >= 1
+
+
+async def test_a_request_sent_before_the_ejection_does_not_readmit(fakes, router_client):
+    """Its success used to close the breaker again, clearing the ejection at once."""
+    a, b = await fakes(2)
+    client = await router_client([a.url, b.url], breaker_cooldown_s=30)
+    replicas = client.app[REPLICAS]
+    rep = replicas.by_id[a.url[7:]]
+    assert replicas.eject(rep, "slow_first_byte")
+    replicas.record_success(rep, stream=True, ttfb_s=0.01)
+    assert rep.breaker.state is BreakerState.OPEN and not rep.routable
