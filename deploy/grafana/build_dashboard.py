@@ -177,6 +177,15 @@ def build() -> dict:
         ("Scrape age", "llm_router_scrape_age_seconds", "s"),
     ):
         panels.append(panel(layout, title, [(f"max by (replica) ({metric}{{{REPLICA}}})", "{{replica}}")], unit))
+    panels.append(panel(layout, "Ejections by reason", [
+        (f"sum by (replica, reason) (increase(llm_router_replica_ejections_total{{{REPLICA}}}[{RATE}]))",
+         "{{replica}} {{reason}}"),
+        (f"sum by (reason) (increase(llm_router_ejections_refused_total[{RATE}]))", "refused: {{reason}}")], "none",
+        description="Replicas taken out of rotation by the circuit breaker or outlier detection, and ejections the "
+                    "panic threshold (max_ejected_ratio) refused because too much of the fleet was already out."))
+    panels.append(panel(layout, "Client-caused failures by kind", [
+        (f"sum by (kind) (rate(llm_router_client_caused_failures_total[{RATE}]))", "{{kind}}")], "reqps",
+        description="Failed upstream attempts not held against a replica: the same request failed everywhere."))
     panels.append(panel(layout, "Scrape errors by kind", [
         (f"sum by (replica, kind) (rate(llm_router_scrape_errors_total{{{REPLICA}}}[{RATE}]))",
          "{{replica}} {{kind}}")], "reqps"))

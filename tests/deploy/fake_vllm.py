@@ -5,9 +5,10 @@ Failure switches, so the router's error metrics get samples:
 - a prompt containing `fail-on-<name>` gets 503 from the server called <name> (the router retries elsewhere);
 - a prompt containing `fail-everywhere` gets 500 from every server;
 - an unknown model gets 404, as vLLM answers;
-- `--flaky-metrics` answers every second /metrics scrape with 500.
+- `--flaky-metrics` answers every second /metrics scrape with 500;
+- `--fail-all` answers every generation with 503 (a broken replica: the router retries and ejects it).
 
-Run: python tests/deploy/fake_vllm.py --port 8101 --name a [--flaky-metrics]
+Run: python tests/deploy/fake_vllm.py --port 8101 --name a [--flaky-metrics] [--fail-all]
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ TOKEN_DELAY_S = 0.004
 
 
 class FakeVllm:
-    def __init__(self, name: str, flaky_metrics: bool) -> None:
+    def __init__(self, name: str, flaky_metrics: bool, fail_all: bool = False) -> None:
         self.name = name
         self.flaky_metrics = flaky_metrics
+        self.fail_all = fail_all
         self.running = 0
         self.scrapes = 0
         self.prompt_tokens = 0
@@ -92,7 +94,7 @@ class FakeVllm:
                                       "type": "NotFoundError", "code": 404}, status=404)
         if "fail-everywhere" in prompt:
             return web.json_response({"object": "error", "message": "injected failure", "code": 500}, status=500)
-        if f"fail-on-{self.name}" in prompt:
+        if self.fail_all or f"fail-on-{self.name}" in prompt:
             return web.json_response({"object": "error", "message": "injected overload", "code": 503}, status=503)
         return None
 
@@ -143,8 +145,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--name", required=True, help="server name used by the fail-on-<name> switch")
     ap.add_argument("--flaky-metrics", action="store_true", help="fail every second /metrics scrape with 500")
+    ap.add_argument("--fail-all", action="store_true", help="answer every generation with 503")
     args = ap.parse_args()
-    web.run_app(FakeVllm(args.name, args.flaky_metrics).app(), host="127.0.0.1", port=args.port,
+    web.run_app(FakeVllm(args.name, args.flaky_metrics, args.fail_all).app(), host="127.0.0.1", port=args.port,
                 print=None, access_log=None)
 
 

@@ -2,6 +2,9 @@
 
 Stack (all loopback, own process groups, stopped by process group at the end):
   two fake vLLM servers (tests/deploy/fake_vllm.py; "b" fails every second /metrics scrape)
+  + two broken ones ("x" and "y" answer every generation with 503: the router retries elsewhere and
+    ejects the first of them to reach the breaker; ejecting the second would put 3 of 5 replicas out
+    of rotation, over the 0.5 panic threshold, so that ejection is refused and counted)
   + one dead replica URL (nothing listens: health and scrape errors, an unhealthy replica)
   -> `python -m router serve` (decision budget forced to 1 ns, so every decision records an
      `over_budget` fallback and llm_router_fallbacks_total has samples)
@@ -199,11 +202,13 @@ def stack(tmp_path_factory) -> Stack:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
         fakes = []
-        for name in ("a", "b"):
+        for name in ("a", "b", "x", "y"):
             port = free_port()
             cmd = [sys.executable, str(Path(__file__).with_name("fake_vllm.py")), "--port", str(port), "--name", name]
             if name == "b":
                 cmd.append("--flaky-metrics")
+            if name in ("x", "y"):
+                cmd.append("--fail-all")
             log = tmp / f"fake-{name}.log"
             p = procs.start(f"fake-{name}", cmd, log, env)
             fakes.append(f"http://127.0.0.1:{port}")
@@ -215,12 +220,12 @@ def stack(tmp_path_factory) -> Stack:
             "decision_budget_s": 1e-9,  # every decision over budget -> an over_budget fallback
             "scrape_interval_s": 0.5, "scrape_timeout_s": 0.4,
             "health_interval_s": 0.5, "health_timeout_s": 0.4, "health_failure_threshold": 1,
-            "connect_timeout_s": 0.5,
+            "connect_timeout_s": 0.5, "breaker_cooldown_s": 600, "max_ejected_ratio": 0.5,
         }))
         router_port = free_port()
         router_url = f"http://127.0.0.1:{router_port}"
         cmd = [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(router_port),
-               "--replica", fakes[0], "--replica", fakes[1], "--replica", dead,
+               *(arg for url in (*fakes, dead) for arg in ("--replica", url)),
                "--policy", "least-outstanding", "--config", str(config)]
         if shadow:
             cmd += ["--shadow-policy", "round-robin"]
@@ -311,4 +316,12 @@ def test_forced_fallbacks_are_visible(stack: Stack) -> None:
 def test_dead_replica_is_unhealthy(stack: Stack) -> None:
     result = stack.prometheus.query("min(llm_router_replica_healthy)")
     assert result and float(result[0]["value"][1]) == 0, result
-    assert float(stack.prometheus.query("sum(llm_router_replica_healthy)")[0]["value"][1]) == 2
+    # a, b and the broken replica whose ejection the panic threshold refused; the dead one and one ejected out
+    assert float(stack.prometheus.query("sum(llm_router_replica_healthy)")[0]["value"][1]) == 3
+
+
+def test_one_broken_replica_ejected_the_other_refused(stack: Stack) -> None:
+    ejected = stack.prometheus.query("sum(llm_router_replica_ejections_total)")
+    assert ejected and float(ejected[0]["value"][1]) == 1, ejected
+    refused = stack.prometheus.query("sum(llm_router_ejections_refused_total)")
+    assert refused and float(refused[0]["value"][1]) >= 1, refused
