@@ -117,9 +117,11 @@ def _engine_itl(urls: list[str]) -> list[tuple[float, float]]:
 
 
 def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scrape_interval_s: float,
-                progress: bool) -> tuple[list[Served], list[tuple[float, float]]]:
-    """The plan through a fresh router with `policy`: what each request saw, in plan order, and the engines' own
-    mean inter-token latency over the replay (server-side, to tell engine speed from HTTP and queueing)."""
+                progress: bool) -> tuple[list[Served], list[tuple[float, float]], float]:
+    """The plan through a fresh router with `policy`: what each request saw, in plan order, the engines' own
+    mean inter-token latency over the replay (server-side, to tell engine speed from HTTP and queueing), and the
+    share of the router's decisions its fallback made (a learned policy over its time budget decides as
+    least-outstanding: the simulator must know how often that happened live)."""
     from fleet.router_process import start_router
     from fleet.loadgen import ClientSpec, run_load
 
@@ -128,6 +130,7 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
     router = start_router(urls, policy, work / "router", scrape_interval_s=scrape_interval_s)
     try:
         results, _ = asyncio.run(run_load(plan, ClientSpec(url=router.base_url, model=model, timeout_s=120.0), progress))
+        page = router.metrics()
     finally:
         router.stop()
     itl1 = _engine_itl(urls)
@@ -138,7 +141,8 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
         if not res.ok:
             raise FidelityError(f"policy {policy}: request sent at {req.send_s:.2f} s failed on the real fleet: {res.error}")
         served.append(Served(req.send_s, n, res.output_tokens, res.ttft_s, res.tpot_s, res.e2e_s))
-    return served, engine_itl
+    decisions = len(plan) + page.retries
+    return served, engine_itl, sum(page.fallbacks.values()) / decisions if decisions else 0.0
 
 
 def mean_itl(served: list[Served], replica: int | None = None) -> float:
@@ -171,7 +175,9 @@ def cluster_from_profiles(profile_paths: list[Path], scrape_interval_s: float, m
                          estimator_sigma=0.0)
 
 
-def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: float, seed: int = 0) -> list[Served]:
+def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: float,
+                  seed: int = 0) -> tuple[list[Served], float]:
+    """The same arrivals and lengths on the simulated fleet: what each request saw, and the fallback share."""
     from router.policy.served import served_policy
     from simulator.cluster import simulate
     from simulator.types import SimRequest
@@ -179,9 +185,10 @@ def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: fl
     reqs = [SimRequest(i, s.arrival_s, s.prompt_tokens, s.output_tokens, max_tokens=s.output_tokens)
             for i, s in enumerate(served)]
     cfg = cluster.model_copy(update={"estimator_scale": estimate_scale})
-    records = simulate(cfg, reqs, served_policy(policy, seed=seed), seed=seed)
+    served_as = served_policy(policy, seed=seed)
+    records = simulate(cfg, reqs, served_as, seed=seed)
     return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
-                   int(r.replica_id[1:].split("-", 1)[0])) for r in records]
+                   int(r.replica_id[1:].split("-", 1)[0])) for r in records], served_as.fallback_share
 
 
 # ---------------------------------------------------------------- the report
@@ -278,8 +285,8 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
                     r.max_tokens) for r in plan]
     log(f"fidelity: warm-up: {len(plan)} requests of the train window to measure each engine's speed under load")
-    served, itl = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
-    sim = simulate_same(served, cluster, BASELINE, estimate_scale)
+    served, itl, _ = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
+    sim, _ = simulate_same(served, cluster, BASELINE, estimate_scale)
     factors = []
     for i, delta in enumerate(itl):
         real_itl, sim_itl = _mean([delta]), mean_itl(sim, i)
@@ -290,7 +297,7 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     # What the loaded path adds before a first token beyond the calibrated request overhead (the router's hop, the
     # client and the servers' API processes sharing the cores): the median gap of real and simulated TTFT at the
     # measured speeds, added to each profile's request_overhead_s (in-fleet copies of the profiles).
-    sim = simulate_same(served, cluster, BASELINE, estimate_scale)
+    sim, _ = simulate_same(served, cluster, BASELINE, estimate_scale)
     extra = max(0.0, float(np.median([r.ttft_s - s.ttft_s for r, s in zip(served, sim)])))
     import yaml
 
@@ -435,6 +442,7 @@ def _main(args: argparse.Namespace) -> int:
         real: dict[str, list[Served]] = {}
         sim: dict[str, list[Served]] = {}
         engine: dict[str, dict[str, float]] = {}
+        fallbacks: dict[str, dict[str, float]] = {}
         for k, policy in enumerate(policies):
             plan, info = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
             # Fresh prompt text per policy (same lengths and arrivals) so no run hits another's prefix cache. The
@@ -444,12 +452,15 @@ def _main(args: argparse.Namespace) -> int:
             plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
                             r.max_tokens) for r in plan]
             log(f"fidelity: {policy}: {len(plan)} requests through the router")
-            real[policy], itl = replay_real(urls, policy, plan, model, work, args.scrape_interval, not args.quiet)
-            sim[policy] = simulate_same(real[policy], cluster, policy, estimate_scale)
+            real[policy], itl, fallback_real = replay_real(urls, policy, plan, model, work, args.scrape_interval,
+                                                           not args.quiet)
+            sim[policy], fallback_sim = simulate_same(real[policy], cluster, policy, estimate_scale)
             engine[policy] = {"real_server_side_s": _mean(itl), "sim_s": mean_itl(sim[policy]),
                               "real_client_side_s": mean_itl(real[policy])}
+            fallbacks[policy] = {"real": fallback_real, "sim": fallback_sim}
         report = compare(real, sim)
         report["mean_inter_token_latency"] = engine
+        report["fallback_share"] = fallbacks
         report.update(
             speed_factors=factors, extra_request_overhead_s=extra, warmup_s=args.warmup, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
             servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
@@ -464,7 +475,8 @@ def _main(args: argparse.Namespace) -> int:
             print(format_report(report))
             for p, e in engine.items():
                 print(f"{p}: mean inter-token latency real {e['real_server_side_s'] * 1e3:.1f} ms in the engines "
-                      f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms")
+                      f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms; "
+                      f"fallback decisions real {fallbacks[p]['real']:.1%}, simulated {fallbacks[p]['sim']:.1%}")
             la = report["load_average"]
             print(f"offered {rate:.2f} req/s ({rate / cap:.2f} of calibrated capacity {cap:.2f}); load average "
                   f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {report['wall_s']:.0f} s")
