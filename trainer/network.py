@@ -128,7 +128,8 @@ class RoutingNet(nn.Module):
         logits = self.policy_head(h).squeeze(-1)
         if prior is not None:
             logits = logits + prior
-        return torch.where(mask > 0.5, logits, torch.full_like(logits, MASKED_LOGIT))
+        # a scalar fill, not full_like: the same values, and two graph nodes (Shape, ConstantOfShape) fewer
+        return torch.where(mask > 0.5, logits, MASKED_LOGIT)
 
     def value_from_embedding(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         m = mask.unsqueeze(-1)

@@ -285,7 +285,7 @@ _ALL_SCALES = {n: s for n, _, s in _SPECS}
 _UNLOG = ("outstanding_prompt_tokens", "outstanding_decode_tokens", "tpot_ema_ms", "awaiting_prompt_tokens",
           "req_prompt_tokens_est")
 _UNLOG_COLS = np.array([_COL[n] for n in _UNLOG])
-_UNLOG_SCALES = np.array([_ALL_SCALES[n] for n in _UNLOG], dtype=np.float32)
+_UNLOG_SCALES_COL = np.array([_ALL_SCALES[n] for n in _UNLOG], dtype=np.float32)[:, None]
 _F32 = np.float32
 
 
@@ -307,18 +307,22 @@ def model_inputs(features: np.ndarray, mask: np.ndarray) -> np.ndarray:
     # arithmetic, in the same order, as the torch module the shipped model was trained with
     # (tests/trainer/test_cross_inputs_rewrite.py keeps that formulation as the reference).
     f = np.asarray(features, dtype=_F32)
-    ft = np.swapaxes(f, -1, -2)  # [..., F, R]
+    ft = np.ascontiguousarray(np.swapaxes(f, -1, -2))  # [..., F, R]
     m = np.asarray(mask, dtype=_F32)
-    # every replica valid (the usual live decision): the masked statistics reduce to plain ones, same bits
-    every = m.size > 0 and bool(m.min() > 0.5) and bool(m.max() == 1.0)
+    # every replica valid (the usual live decision; mask entries are 0 or 1): the masked statistics reduce
+    # to plain ones, same bits
+    every = m.size > 0 and bool(m.min() > 0.5)
     valid = m[..., None, :]  # [..., 1, R]
     is_valid = valid > 0.5
     n, d = _N_REP, _N_DERIVED
     lead = f.shape[:-2]
     r = f.shape[-2]
-    raw = np.exp(ft[..., _UNLOG_COLS, :] * _UNLOG_SCALES[:, None])
+    raw = ft[..., _UNLOG_COLS, :]
+    raw *= _UNLOG_SCALES_COL
+    np.exp(raw, out=raw)
     raw -= 1.0
-    prompt, decode, tpot_ms, awaiting, req_prompt = (raw[..., k : k + 1, :] for k in range(5))
+    prompt, decode, tpot_ms = raw[..., 0:1, :], raw[..., 1:2, :], raw[..., 2:3, :]
+    awaiting, req_prompt = raw[..., 3:4, :], raw[..., 4:5, :]
     x = np.empty(lead + (n + d + 1, r), dtype=_F32)
     x[..., :n, :] = ft[..., :n, :]
     raw_load = x[..., n + d :, :]
@@ -362,8 +366,8 @@ def model_inputs(features: np.ndarray, mask: np.ndarray) -> np.ndarray:
     c[..., 3 * n : 3 * n + d, :] = derived
     np.subtract(derived, lo[..., n : n + d, :], out=c[..., 3 * n + d : 3 * n + 2 * d, :])
     k = 3 * n + 2 * d
-    c[..., k : k + n + d, :] = x[..., : n + d, :] <= lo[..., : n + d, :] + 1e-6
-    c[..., k + n + d : k + 2 * (n + d), :] = x[..., : n + d, :] >= hi[..., : n + d, :] - 1e-6
+    np.less_equal(x[..., : n + d, :], lo[..., : n + d, :] + 1e-6, out=c[..., k : k + n + d, :])
+    np.greater_equal(x[..., : n + d, :], hi[..., : n + d, :] - 1e-6, out=c[..., k + n + d : k + 2 * (n + d), :])
     excess = c[..., -1:, :]
     np.subtract(raw_load, lo[..., n + d :, :], out=excess)
     excess /= mean[..., n + d :, :] + 256.0
