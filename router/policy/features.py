@@ -313,7 +313,7 @@ def model_inputs(features: np.ndarray, mask: np.ndarray) -> np.ndarray:
     # to plain ones, same bits
     every = m.size > 0 and bool(m.min() > 0.5)
     valid = m[..., None, :]  # [..., 1, R]
-    is_valid = valid > 0.5
+    is_valid = None if every else valid > 0.5
     n, d = _N_REP, _N_DERIVED
     lead = f.shape[:-2]
     r = f.shape[-2]
