@@ -1,9 +1,10 @@
 """ONNX export in router/policy/onnx_policy.py's contract, plus the torch-vs-onnxruntime parity check.
 
-Contract: inputs `features` float32 [batch, replicas, N_FEATURES] and `mask` float32
-[batch, replicas]; output `logits` float32 [batch, replicas] (masked entries = -1e9);
-metadata `feature_spec_hash`, `feature_version`, `policy_version`, `training_config` (JSON).
-Observation normalisation is folded into the graph.
+Contract: inputs `features` float32 [batch, replicas, N_MODEL_INPUTS] (`model_inputs(build_features rows,
+mask)`: the cross-replica inputs are computed outside the graph) and `mask` float32 [batch, replicas];
+output `logits` float32 [batch, replicas] (masked entries = -1e9); metadata `feature_spec_hash`,
+`feature_version`, `policy_version`, `training_config` (JSON). Observation normalisation is folded into
+the graph, which the exporter constant-folds: a plain small network (MatMul/Add/LayerNorm/Softmax...).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import onnx
 import torch
 
-from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_FEATURES
+from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_MODEL_INPUTS, model_inputs
 from trainer.network import LogitsOnly, RoutingNet
 
 OPSET = 17
@@ -52,7 +53,7 @@ def export_onnx(net: RoutingNet, path: str | Path, policy_version: str, training
     path = Path(path)
     net = net.eval()
     wrapper = LogitsOnly(net).eval()
-    feats = torch.zeros(2, 5, N_FEATURES)
+    feats = torch.zeros(2, 5, N_MODEL_INPUTS)
     mask = torch.ones(2, 5)
     buf = io.BytesIO()
     # The TorchScript exporter (dynamo=False) gives a plain, small opset-17 graph with symbolic
@@ -88,7 +89,8 @@ def export_onnx(net: RoutingNet, path: str | Path, policy_version: str, training
 
 
 def parity_check(net: RoutingNet, onnx_path: str | Path, features: np.ndarray, masks: np.ndarray, batch: int = 256) -> ParityReport:
-    """Compare torch and onnxruntime logits on observations `features` [N, R, F], `masks` [N, R].
+    """Compare torch and onnxruntime logits on observations `features` [N, R, N_FEATURES] (build_features rows,
+    fed to onnxruntime through `model_inputs` as the router does), `masks` [N, R].
 
     Observations are also re-cut to their true replica count (trailing padding removed) in
     groups, so the dynamic replica axis is exercised at several widths.
@@ -110,7 +112,7 @@ def parity_check(net: RoutingNet, onnx_path: str | Path, features: np.ndarray, m
             w = int(max(width, 1))
             f = np.ascontiguousarray(features[sel, :w], dtype=np.float32)
             m = np.ascontiguousarray(masks[sel, :w], dtype=np.float32)
-            (onnx_logits,) = sess.run(["logits"], {"features": f, "mask": m})
+            (onnx_logits,) = sess.run(["logits"], {"features": model_inputs(f, m), "mask": m})
             with torch.no_grad():
                 torch_logits = net.logits(torch.from_numpy(f), torch.from_numpy(m)).numpy()
             valid = m > 0.5

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_FEATURES
+from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_FEATURES, model_inputs
 from trainer.config import NetworkConfig
 from trainer.fleet_log import FleetData, read_fleet_log
 from trainer.latency import LOGIT_SCALE, MIN_TTFT_S
@@ -167,7 +167,7 @@ def _max_logit_diff(net: RoutingNet, path: Path, feats: np.ndarray, masks: np.nd
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (ref,) = sess.run(["logits"], {"features": feats, "mask": masks})
+    (ref,) = sess.run(["logits"], {"features": model_inputs(feats, masks), "mask": masks})
     with torch.no_grad():
         got = net.logits(torch.from_numpy(feats), torch.from_numpy(masks)).numpy()
     valid = masks > 0.5

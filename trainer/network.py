@@ -1,8 +1,10 @@
 """The routing network: per-replica encoder, cross-replica self-attention, one logit per replica.
 
-Input is exactly `router.policy.build_features(...)` padded to any width R, plus a mask
-(1 = a present, healthy replica). Observation normalisation lives inside the module as
-buffers, so the exported ONNX graph takes raw features (normalisation folded in).
+Input is `router.policy.build_features(...)` padded to any width R, plus a mask (1 = a present,
+healthy replica). The cross-replica inputs are `router.policy.features.model_inputs` (numpy, no
+parameters): `logits`/`forward` compute them from the features, `logits_from_inputs` takes them
+ready-made and is what the ONNX graph exports, so the served graph is a plain small network.
+Observation normalisation lives inside the module as buffers (folded into the graph).
 Permutation-equivariant over replicas: the replica order never matters.
 """
 
@@ -14,11 +16,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from router.policy.baselines import EXPECTED_WAIT_DECODE_WEIGHT
+from router.policy.features import MODEL_INPUT_NAMES, N_MODEL_INPUTS, model_inputs
 from trainer.config import NetworkConfig
 
 MASKED_LOGIT = -1e9  # what masked replicas get (the ONNX contract allows a large negative number)
 _OBS_CLIP = 10.0
+_WAIT_COL = MODEL_INPUT_NAMES.index("expected_wait")
 
 
 class ObsNormaliser(nn.Module):
@@ -50,81 +53,6 @@ class ObsNormaliser(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         std = torch.sqrt(self.var + 1e-8).to(x.dtype)
         return torch.clamp((x - self.mean.to(x.dtype)) / std, -_OBS_CLIP, _OBS_CLIP)
-
-
-class CrossReplicaInputs(nn.Module):
-    """Derived per-replica inputs that make "the least loaded replica" easy to see.
-
-    From the raw `build_features` rows (spec scales, log1p units) it adds, for every replica
-    feature, its difference to the minimum, mean and maximum over valid replicas, plus the total
-    token load (prompt + expected decode tokens, un-logged, summed, re-logged), the token load
-    times the replica's TPOT EMA (a speed-aware load), and the expected wait for a first token
-    (prompt tokens still awaiting their first token + this request's uncached prompt + a tenth of
-    the decode tokens in flight, times the TPOT EMA relative to the fleet's mean; the
-    `expected-wait` heuristic's score), each with its difference to the minimum.
-    Permutation-equivariant; padded and masked replicas never enter the statistics.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        from router.policy.features import FEATURE_NAMES, REPLICA_FEATURES, REQUEST_FEATURES
-
-        self.n_rep = len(REPLICA_FEATURES)
-        self.i_match = FEATURE_NAMES.index("prefix_match_frac")
-        raw = ("outstanding_prompt_tokens", "outstanding_decode_tokens", "tpot_ema_ms", "awaiting_prompt_tokens",
-               "req_prompt_tokens_est")
-        all_scales = {n: s for n, _, s in REPLICA_FEATURES + REQUEST_FEATURES}
-        # not persistent: derived from the feature contract, never part of a checkpoint
-        self.register_buffer("raw_cols", torch.tensor([FEATURE_NAMES.index(n) for n in raw]), persistent=False)
-        self.register_buffer("raw_scales", torch.tensor([all_scales[n] for n in raw], dtype=torch.float32), persistent=False)
-
-    n_derived = 3
-
-    @property
-    def n_extra(self) -> int:
-        return 3 * self.n_rep + 2 * self.n_derived + 2 * (self.n_rep + self.n_derived) + 1
-
-    @staticmethod
-    def _stats(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Min, mean and max over valid replicas, per column (zeros when none is valid). Written for a small
-        exported graph: scalar fills, one mask test, and the no-valid-replica case as a multiply by 0/1."""
-        count = valid.sum(1, keepdim=True)
-        any_valid = (count > 0.5).to(x.dtype)
-        is_valid = valid > 0.5
-        lo = torch.where(is_valid, x, 1e4).min(1, keepdim=True).values
-        hi = torch.where(is_valid, x, -1e4).max(1, keepdim=True).values
-        mean = (x * valid).sum(1, keepdim=True) / count.clamp(min=1.0)
-        return lo * any_valid, mean, hi * any_valid
-
-    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(derived inputs [B, R, n_extra], the expected-wait score [B, R])."""
-        valid = mask.unsqueeze(-1)
-        rep = features[..., : self.n_rep]
-        # the five un-logged columns at once: exp/log, not expm1/log1p: ONNX opset 17 has no expm1
-        raw = torch.exp(features[..., self.raw_cols] * self.raw_scales) - 1.0
-        prompt, decode, tpot_ms, awaiting, req_prompt = torch.split(raw, 1, -1)
-        raw_load = prompt + decode
-        load = torch.log(1.0 + raw_load) / 10.0
-        speed_load = torch.log(1.0 + raw_load * tpot_ms / 10.0) / 10.0
-        uncached = req_prompt * (1.0 - features[..., self.i_match : self.i_match + 1])
-        measured = (tpot_ms > 0).to(tpot_ms.dtype) * valid
-        mean_tpot = (tpot_ms * measured).sum(1, keepdim=True) / measured.sum(1, keepdim=True).clamp(min=1.0)
-        rel_speed = torch.where(measured > 0.5, tpot_ms / mean_tpot.clamp(min=1e-6), torch.ones_like(tpot_ms))
-        wait = torch.log(1.0 + (awaiting + uncached + EXPECTED_WAIT_DECODE_WEIGHT * decode) * rel_speed) / 10.0
-        derived = torch.cat([load, speed_load, wait], -1)
-        # one pass of statistics over [replica block | derived | token load]
-        lo_all, mean_all, hi_all = self._stats(torch.cat([rep, derived, raw_load], -1), valid)
-        n, d = self.n_rep, self.n_derived
-        lo, mean, hi = lo_all[..., :n], mean_all[..., :n], hi_all[..., :n]
-        d_lo = lo_all[..., n : n + d]
-        raw_lo, raw_mean = lo_all[..., n + d :], mean_all[..., n + d :]
-        both = torch.cat([rep, derived], -1)
-        # exact "is the minimum / maximum" indicators: argmin-style heuristics become trivially representable
-        is_min = (both <= lo_all[..., : n + d] + 1e-6).to(both.dtype)
-        is_max = (both >= hi_all[..., : n + d] - 1e-6).to(both.dtype)
-        rel_load = (raw_load - raw_lo) / (raw_mean + 256.0)  # load excess in units of the mean load
-        out = torch.cat([rep - lo, rep - mean, hi - rep, derived, derived - d_lo, is_min, is_max, rel_load], -1)
-        return out * valid, wait.squeeze(-1)
 
 
 class _AttentionBlock(nn.Module):
@@ -160,8 +88,8 @@ class RoutingNet(nn.Module):
         self.n_features = n_features
         self.normaliser = ObsNormaliser(n_features)
         h = cfg.hidden
-        self.cross_inputs = CrossReplicaInputs() if cfg.relative_inputs else None
-        n_in = n_features + (self.cross_inputs.n_extra if self.cross_inputs is not None else 0)
+        self.relative_inputs = cfg.relative_inputs
+        n_in = N_MODEL_INPUTS if cfg.relative_inputs else n_features
         self.encoder = nn.Sequential(nn.Linear(n_in, h), nn.GELU(), nn.Linear(h, h))
         self.blocks = nn.ModuleList(_AttentionBlock(h, cfg.heads) for _ in range(cfg.layers))
         self.final_norm = nn.LayerNorm(h)
@@ -175,15 +103,21 @@ class RoutingNet(nn.Module):
         nn.init.zeros_(self.policy_head[-1].weight)  # start near uniform over valid replicas
         nn.init.zeros_(self.policy_head[-1].bias)
 
-    def _embed(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(per-replica embedding [B, R, H], the logit prior [B, R] or None)."""
-        x = self.normaliser(features)
+    def inputs(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The exported graph's input [B, R, N_MODEL_INPUTS] for `features` [B, R, n_features] (no gradient flows
+        into the inputs, so numpy computes them: the router's code, not a torch copy of it)."""
+        inp = model_inputs(features.detach().cpu().numpy(), mask.detach().cpu().numpy())
+        return torch.from_numpy(inp).to(features.device)
+
+    def _embed(self, inputs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(per-replica embedding [B, R, H], the logit prior [B, R] or None) from model inputs."""
+        nf = self.n_features
+        x = self.normaliser(inputs[..., :nf])
         prior = None
-        if self.cross_inputs is not None:
-            extra, wait = self.cross_inputs(features, mask)
-            x = torch.cat([x, extra], -1)
+        if self.relative_inputs:
+            x = torch.cat([x, inputs[..., nf:]], -1)
             if self.wait_weight is not None:
-                prior = -self.wait_weight * wait
+                prior = -self.wait_weight * inputs[..., _WAIT_COL]
         h = self.encoder(x)
         key_bias = ((1.0 - mask) * MASKED_LOGIT)[:, None, None, :]
         for block in self.blocks:
@@ -194,7 +128,8 @@ class RoutingNet(nn.Module):
         logits = self.policy_head(h).squeeze(-1)
         if prior is not None:
             logits = logits + prior
-        return torch.where(mask > 0.5, logits, torch.full_like(logits, MASKED_LOGIT))
+        # a scalar fill, not full_like: the same values, and two graph nodes (Shape, ConstantOfShape) fewer
+        return torch.where(mask > 0.5, logits, MASKED_LOGIT)
 
     def value_from_embedding(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         m = mask.unsqueeze(-1)
@@ -205,23 +140,27 @@ class RoutingNet(nn.Module):
         return self.value_head(torch.cat([mean_pool, max_pool], -1)).squeeze(-1)
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h, prior = self._embed(features, mask)
+        h, prior = self._embed(self.inputs(features, mask), mask)
         return self.logits_from_embedding(h, mask, prior), self.value_from_embedding(h, mask)
 
     def logits(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h, prior = self._embed(features, mask)
+        return self.logits_from_inputs(self.inputs(features, mask), mask)
+
+    def logits_from_inputs(self, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits from model inputs (`model_inputs(features, mask)`): the exported computation."""
+        h, prior = self._embed(inputs, mask)
         return self.logits_from_embedding(h, mask, prior)
 
 
 class LogitsOnly(nn.Module):
-    """The exported graph: (features, mask) -> logits."""
+    """The exported graph: (model inputs, mask) -> logits."""
 
     def __init__(self, net: RoutingNet) -> None:
         super().__init__()
         self.net = net
 
-    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.net.logits(features, mask)
+    def forward(self, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.net.logits_from_inputs(inputs, mask)
 
 
 def masked_categorical(logits: torch.Tensor, mask: torch.Tensor) -> torch.distributions.Categorical:

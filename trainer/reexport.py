@@ -4,7 +4,9 @@ and the two files must agree: identical argmax and logits within 1e-4 on simulat
 
     python -m trainer.reexport OLD.onnx NEW.onnx [--observations 4096]
 
-Used to move router/policy/models/default.onnx to the smaller graph of issue 13 without retraining.
+Used to move router/policy/models/default.onnx to the smaller graphs of issue 13 without retraining (the
+second time onto feature contract 3, whose graph takes `model_inputs`: an OLD file of the previous contract,
+whose graph took the `build_features` rows, is fed those rows).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from router.policy.features import N_FEATURES
+from router.policy.features import N_FEATURES, model_inputs
 from trainer.config import NetworkConfig, TrainConfig
 from trainer.export import export_onnx
 from trainer.network import RoutingNet
@@ -71,12 +73,16 @@ def compare_files(old: Path, new: Path, feats: np.ndarray, masks: np.ndarray) ->
 
     a = ort.InferenceSession(str(old), providers=["CPUExecutionProvider"])
     b = ort.InferenceSession(str(new), providers=["CPUExecutionProvider"])
+
+    def run(sess, x: np.ndarray, mk: np.ndarray) -> np.ndarray:
+        rows = sess.get_inputs()[0].shape[-1] == N_FEATURES  # a graph of the previous contract takes the rows
+        return sess.run(["logits"], {"features": x if rows else model_inputs(x, mk), "mask": mk})[0][0]
+
     worst, agree = 0.0, 0
     for f, m in zip(feats, masks):
         w = max(int((f[:, 0] > 0.5).sum()), 1)
         x, mk = f[None, :w].astype(np.float32), m[None, :w].astype(np.float32)
-        la = a.run(["logits"], {"features": x, "mask": mk})[0][0]
-        lb = b.run(["logits"], {"features": x, "mask": mk})[0][0]
+        la, lb = run(a, x, mk), run(b, x, mk)
         valid = mk[0] > 0.5
         if valid.any():
             worst = max(worst, float(np.abs(la - lb)[valid].max()))

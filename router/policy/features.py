@@ -4,6 +4,12 @@ Output is a float32 matrix with one row per replica: the replica's own block fol
 request block (repeated on every row), so one permutation-equivariant network serves any
 replica count. Padding rows are all zero, with `present` = 0, and are masked out.
 
+The model's input is `model_inputs(features, mask)`: those rows followed by the cross-replica
+inputs (each replica against the fleet's minimum, mean and maximum, token loads, the expected
+wait), computed here once in numpy so the exported graph is a plain small network. The decision
+log and training data keep the `build_features` rows; the cross-replica columns are a pure
+function of them and the mask.
+
 Change anything here and bump FEATURE_VERSION: the spec hash changes and the router refuses
 models trained against the old contract. `raw_features` has a row-wise and a column-wise path
 (small vs large views): change both, and the reference in tests/policy/test_features_fast.py.
@@ -17,9 +23,10 @@ import math
 
 import numpy as np
 
+from router.policy.baselines import EXPECTED_WAIT_DECODE_WEIGHT
 from router.policy.types import ClusterView, RequestInfo
 
-FEATURE_VERSION = 2
+FEATURE_VERSION = 3  # 3: cross-replica inputs moved from the network into `model_inputs`
 
 # (name, transform, scale): value = transform(x) / scale; transform is "lin" or "log1p".
 REPLICA_FEATURES: tuple[tuple[str, str, float], ...] = (
@@ -55,6 +62,22 @@ FEATURE_NAMES: tuple[str, ...] = tuple(n for n, _, _ in REPLICA_FEATURES + REQUE
 N_FEATURES = len(FEATURE_NAMES)
 STATS_AGE_CAP_S = 3600.0  # an "infinite" age (never scraped) is written as this
 
+# Cross-replica inputs (`model_inputs`), in column order after the FEATURE_NAMES block.
+_REP_NAMES = tuple(n for n, _, _ in REPLICA_FEATURES)
+DERIVED_NAMES = ("token_load", "speed_load", "expected_wait")
+CROSS_NAMES: tuple[str, ...] = (
+    tuple(f"{n}_above_min" for n in _REP_NAMES)
+    + tuple(f"{n}_above_mean" for n in _REP_NAMES)
+    + tuple(f"{n}_below_max" for n in _REP_NAMES)
+    + DERIVED_NAMES
+    + tuple(f"{n}_above_min" for n in DERIVED_NAMES)
+    + tuple(f"is_min_{n}" for n in _REP_NAMES + DERIVED_NAMES)
+    + tuple(f"is_max_{n}" for n in _REP_NAMES + DERIVED_NAMES)
+    + ("token_load_excess",)
+)
+MODEL_INPUT_NAMES: tuple[str, ...] = FEATURE_NAMES + CROSS_NAMES
+N_MODEL_INPUTS = len(MODEL_INPUT_NAMES)
+
 
 def _spec_document() -> dict:
     return {
@@ -62,6 +85,8 @@ def _spec_document() -> dict:
         "replica": [list(f) for f in REPLICA_FEATURES],
         "request": [list(f) for f in REQUEST_FEATURES],
         "stats_age_cap_s": STATS_AGE_CAP_S,
+        "cross": list(CROSS_NAMES),
+        "expected_wait_decode_weight": EXPECTED_WAIT_DECODE_WEIGHT,
     }
 
 
@@ -74,7 +99,8 @@ _SCALES = np.array([s for _, _, s in _SPECS], dtype=np.float64)
 
 def spec_info() -> dict:
     """The spec as stored in model metadata."""
-    return {"feature_version": FEATURE_VERSION, "feature_spec_hash": FEATURE_SPEC_HASH, "feature_names": list(FEATURE_NAMES)}
+    return {"feature_version": FEATURE_VERSION, "feature_spec_hash": FEATURE_SPEC_HASH, "feature_names": list(FEATURE_NAMES),
+            "model_input_names": list(MODEL_INPUT_NAMES)}
 
 
 # Views up to this many replicas are built row by row in Python; larger ones column-wise in numpy.
@@ -249,3 +275,105 @@ def action_mask(view: ClusterView, pad_to: int | None = None) -> np.ndarray:
     mask = np.zeros(pad_to, dtype=np.int8)
     mask[: len(reps)] = healthy
     return mask
+
+
+# ---- cross-replica inputs ----------------------------------------------------------------------
+_N_REP = len(REPLICA_FEATURES)
+_N_DERIVED = len(DERIVED_NAMES)
+_ALL_SCALES = {n: s for n, _, s in _SPECS}
+# the columns that are un-logged (value = expm1(feature x scale)) for the token loads and the expected wait
+_UNLOG = ("outstanding_prompt_tokens", "outstanding_decode_tokens", "tpot_ema_ms", "awaiting_prompt_tokens",
+          "req_prompt_tokens_est")
+_UNLOG_COLS = np.array([_COL[n] for n in _UNLOG])
+_UNLOG_SCALES_COL = np.array([_ALL_SCALES[n] for n in _UNLOG], dtype=np.float32)[:, None]
+_F32 = np.float32
+
+
+def model_inputs(features: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The network's input, float32 [..., R, N_MODEL_INPUTS]: `features` [..., R, N_FEATURES] (build_features
+    rows, any leading batch axes) followed by the cross-replica inputs over the replicas where `mask` [..., R]
+    is 1 (present and healthy; padded or masked rows get zeros there and never enter the statistics).
+
+    For every replica feature: its difference to the minimum, the mean and (maximum minus it) over valid
+    replicas; the token load log(1 + prompt + expected decode tokens)/10, the speed-aware load (token load x
+    TPOT EMA) and the expected wait for a first token (prompt tokens awaiting their first token + this
+    request's uncached prompt + EXPECTED_WAIT_DECODE_WEIGHT x decode tokens in flight, times the TPOT EMA
+    relative to the fleet's measured mean: the expected-wait heuristic's score), each with its difference
+    to the minimum; exact is-minimum / is-maximum indicators of all of those; and the token load's excess
+    over the minimum in units of the mean load. Float32 throughout, as the network was trained with."""
+    # Written for few numpy calls on contiguous memory (each costs about a microsecond at one decision's
+    # size, several on strided columns): the work is done transposed, one row per column, with one statistics
+    # pass over [replica features | 3 derived | raw token load] and the outputs written in place. Same float32
+    # arithmetic, in the same order, as the torch module the shipped model was trained with
+    # (tests/trainer/test_cross_inputs_rewrite.py keeps that formulation as the reference).
+    f = np.asarray(features, dtype=_F32)
+    ft = np.ascontiguousarray(np.swapaxes(f, -1, -2))  # [..., F, R]
+    m = np.asarray(mask, dtype=_F32)
+    # every replica valid (the usual live decision; mask entries are 0 or 1): the masked statistics reduce
+    # to plain ones, same bits
+    every = m.size > 0 and bool(m.min() > 0.5)
+    valid = m[..., None, :]  # [..., 1, R]
+    is_valid = None if every else valid > 0.5
+    n, d = _N_REP, _N_DERIVED
+    lead = f.shape[:-2]
+    r = f.shape[-2]
+    raw = ft[..., _UNLOG_COLS, :]
+    raw *= _UNLOG_SCALES_COL
+    np.exp(raw, out=raw)
+    raw -= 1.0
+    prompt, decode, tpot_ms = raw[..., 0:1, :], raw[..., 1:2, :], raw[..., 2:3, :]
+    awaiting, req_prompt = raw[..., 3:4, :], raw[..., 4:5, :]
+    x = np.empty(lead + (n + d + 1, r), dtype=_F32)
+    x[..., :n, :] = ft[..., :n, :]
+    raw_load = x[..., n + d :, :]
+    np.add(prompt, decode, out=raw_load)
+    derived = x[..., n : n + d, :]
+    derived[..., :1, :] = raw_load
+    speed = derived[..., 1:2, :]
+    np.multiply(raw_load, tpot_ms, out=speed)
+    speed /= 10.0
+    measured = tpot_ms > 0 if every else (tpot_ms > 0) & is_valid
+    mean_tpot = np.where(measured, tpot_ms, 0.0).sum(-1, keepdims=True)
+    mean_tpot /= np.maximum(measured.sum(-1, keepdims=True, dtype=_F32), 1.0)
+    wait = derived[..., 2:3, :]
+    np.subtract(1.0, ft[..., _MATCH_FRAC : _MATCH_FRAC + 1, :], out=wait)
+    wait *= req_prompt  # uncached prompt tokens
+    wait += awaiting
+    wait += EXPECTED_WAIT_DECODE_WEIGHT * decode
+    wait *= np.where(measured, tpot_ms / np.maximum(mean_tpot, 1e-6), 1.0)  # relative speed
+    derived += 1.0
+    np.log(derived, out=derived)
+    derived /= 10.0
+    if every:
+        lo = x.min(-1, keepdims=True)
+        hi = x.max(-1, keepdims=True)
+        mean = x.sum(-1, keepdims=True)
+        mean /= _F32(r)
+    else:
+        count = valid.sum(-1, keepdims=True)
+        any_valid = (count > 0.5).astype(_F32)
+        lo = np.where(is_valid, x, 1e4).min(-1, keepdims=True)
+        lo *= any_valid
+        hi = np.where(is_valid, x, -1e4).max(-1, keepdims=True)
+        hi *= any_valid
+        mean = (x * valid).sum(-1, keepdims=True)
+        mean /= np.maximum(count, 1.0)
+    c = np.empty(lead + (N_MODEL_INPUTS - N_FEATURES, r), dtype=_F32)
+    rep = x[..., :n, :]
+    np.subtract(rep, lo[..., :n, :], out=c[..., :n, :])
+    np.subtract(rep, mean[..., :n, :], out=c[..., n : 2 * n, :])
+    np.subtract(hi[..., :n, :], rep, out=c[..., 2 * n : 3 * n, :])
+    c[..., 3 * n : 3 * n + d, :] = derived
+    np.subtract(derived, lo[..., n : n + d, :], out=c[..., 3 * n + d : 3 * n + 2 * d, :])
+    k = 3 * n + 2 * d
+    np.less_equal(x[..., : n + d, :], lo[..., : n + d, :] + 1e-6, out=c[..., k : k + n + d, :])
+    np.greater_equal(x[..., : n + d, :], hi[..., : n + d, :] - 1e-6, out=c[..., k + n + d : k + 2 * (n + d), :])
+    excess = c[..., -1:, :]
+    np.subtract(raw_load, lo[..., n + d :, :], out=excess)
+    excess /= mean[..., n + d :, :] + 256.0
+    if not every:
+        c *= valid
+    out = np.empty(lead + (r, N_MODEL_INPUTS), dtype=_F32)
+    out[..., :N_FEATURES] = f
+    out[..., N_FEATURES:] = np.swapaxes(c, -1, -2)
+    return out

@@ -1,10 +1,11 @@
-"""A learned policy served by onnxruntime (one intra-op thread).
+"""A learned policy served by onnxruntime (one thread, sequential, no spinning).
 
 Model contract (written by `trainer export`):
-  inputs  features float32 [batch, replicas, N_FEATURES], mask float32 [batch, replicas]
+  inputs  features float32 [batch, replicas, N_MODEL_INPUTS] (`model_inputs`), mask float32 [batch, replicas]
   output  logits   float32 [batch, replicas]
   metadata feature_spec_hash, feature_version, policy_version, training_config (JSON)
-Normalisation is folded into the graph, so the input is exactly `build_features(...)`.
+The input is `model_inputs(build_features(...), mask)`: the cross-replica inputs are computed in numpy,
+once, so the graph is a small network; normalisation is folded into it.
 
 A file that is missing, corrupt, of another feature spec or another shape does not raise at
 construction: the policy records `load_error` and every decision raises PolicyUnavailable,
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from router.policy.base import Policy, PolicyUnavailable
-from router.policy.features import FEATURE_NAMES, FEATURE_SPEC_HASH, N_FEATURES, action_mask, build_features
+from router.policy.features import FEATURE_NAMES, FEATURE_SPEC_HASH, N_MODEL_INPUTS, action_mask, build_features, model_inputs
 from router.policy.types import ClusterView, RequestInfo
 
 
@@ -41,8 +42,14 @@ def load_session(path: Path):
     if not path.is_file():
         raise ModelLoadError("unavailable", f"{path}: model file not found")
     opts = ort.SessionOptions()
+    # one tiny call per request: one thread, run in order, and no thread spinning after a call (a spinning
+    # pool burns the core the event loop needs). IO binding was measured slower (its Python binding calls
+    # cost more than the copies they save), so inputs go in plainly (tests/bench/decision_latency_learned.py).
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
     opts.log_severity_level = 4  # a failing run is counted and described by FallbackPolicy, not logged per request
     try:
         session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
@@ -55,9 +62,9 @@ def load_session(path: Path):
             "spec_mismatch", f"{path}: feature_spec_hash {got!r} does not match this router's {FEATURE_SPEC_HASH!r}"
         )
     inputs = {i.name: i.shape for i in session.get_inputs()}
-    if set(inputs) != {"features", "mask"} or inputs["features"][-1] != N_FEATURES:
+    if set(inputs) != {"features", "mask"} or inputs["features"][-1] != N_MODEL_INPUTS:
         raise ModelLoadError(
-            "spec_mismatch", f"{path}: inputs {inputs} do not match features[batch, replicas, {N_FEATURES}] + mask"
+            "spec_mismatch", f"{path}: inputs {inputs} do not match features[batch, replicas, {N_MODEL_INPUTS}] + mask"
         )
     return session
 
@@ -92,7 +99,7 @@ class OnnxPolicy(Policy):
         """onnxruntime's first runs at a width allocate and plan; do them at load, not on a request's time."""
         for width in (1, 4, 16):
             try:
-                self._session.run(["logits"], {"features": np.zeros((1, width, N_FEATURES), np.float32),
+                self._session.run(["logits"], {"features": np.zeros((1, width, N_MODEL_INPUTS), np.float32),
                                                "mask": np.ones((1, width), np.float32)}, self._run_options)
             except Exception:  # noqa: BLE001 - a model that fails here fails per decision, counted there
                 return
@@ -113,8 +120,9 @@ class OnnxPolicy(Policy):
         feats = build_features(view, request)
         self.last_input = (view, feats)
         # the `healthy` feature is exactly action_mask(view) as float32 (1.0 / 0.0): no second pass over the view
-        mask = np.ascontiguousarray(feats[:, _HEALTHY_COL])
-        (logits,) = self._session.run(["logits"], {"features": feats[None], "mask": mask[None]}, self._run_options)
+        mask = np.ascontiguousarray(feats[None, :, _HEALTHY_COL])
+        inputs = model_inputs(feats[None], mask)
+        (logits,) = self._session.run(["logits"], {"features": inputs, "mask": mask}, self._run_options)
         return logits[0]
 
     def choose(self, view: ClusterView, request: RequestInfo) -> int:

@@ -32,9 +32,10 @@ def is_learned(name: str) -> bool:
 class DecisionCost:
     """Deterministic decision time for simulations: `base_s + per_replica_s x replicas`.
 
-    The learned figures fit the decide p50s of tests/bench/decision_latency_learned.py (features +
-    onnxruntime + guards: 312 us at 16 replicas, 1,217 us at 128) on the shared 2-core development
-    machine (load average ~14), so they err on the slow side; the baseline's is least-outstanding's."""
+    The learned figures fit the decide p50s of tests/bench/decision_latency_learned.py with feature
+    contract 3 (rows + model_inputs + onnxruntime + guards: 383 us at 16 replicas, 838 us at 128, the
+    mean of two runs on the shared 2-core development machine, load average ~1, 2026-11-25; contract 2
+    in the same runs: 403 us and 1,022 us); the baseline's is least-outstanding's."""
 
     base_s: float
     per_replica_s: float
@@ -43,7 +44,7 @@ class DecisionCost:
         return self.base_s + self.per_replica_s * len(view.replicas)
 
 
-LEARNED_COST = DecisionCost(185e-6, 8.1e-6)  # over a 0.5 ms budget from 39 replicas on
+LEARNED_COST = DecisionCost(318e-6, 4.06e-6)  # over a 0.5 ms budget from 45 replicas on (contract 2: 39)
 BASELINE_COST = DecisionCost(20e-6, 0.7e-6)
 
 

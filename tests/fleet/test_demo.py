@@ -119,8 +119,12 @@ def test_ctrl_c_stops_the_fleet(sigint_ignored: bool):
 def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
     """Issue 13: the router with the shipped model in front of emulated replicas (the demo's A/B, treatment =
     learned) lets the model decide. Issue 13's target (under 1 % fallbacks) is NOT met on this 2-core machine:
-    the demo's 4 emulated replicas, router and load generator share the cores and 57 % of the learned arm's
-    decisions fell back (2026-11-25). This bound keeps what was won: before issue 13 it was 100 %."""
+    the demo's 4 emulated replicas, router and load generator share the cores, the learned decision's rolling
+    p99 is over the 0.5 ms budget at the rule's first judgement (after BUDGET_MIN_SAMPLES decisions) and the
+    cool-down covers the rest of the run: 57 % of ~230 decisions in 30 s, 35 % (53 of 153) in 20 s, with
+    feature contract 2 and 3 alike (2026-11-25; contract 3 halved the live decision latency's p50/p99
+    buckets, 1,460/4,926 us -> 973/2,189 us). The bound checks the model decided at least the first
+    judgement window of the ~230 decisions (0.7 > 130/230; before issue 13 it was 100 %)."""
     import json
 
     from router.policy.fallback import BUDGET_MIN_SAMPLES
@@ -139,7 +143,7 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
     assert doc["treatment"] == "learned" and doc["ab"], doc.get("treatment")
     learned = doc["decisions"]["treatment"]
     assert learned["decisions"] > 2 * BUDGET_MIN_SAMPLES, learned  # enough for the budget rule to have judged it
-    assert learned["fallback_share"] < 0.8, learned  # before issue 13: 100 % over_budget
+    assert learned["fallback_share"] < 0.7, learned  # before issue 13: 100 % over_budget
 
 
 def test_decision_summary_reads_fallback_share_and_latency_per_arm():

@@ -4,7 +4,7 @@ corrupt bytes) and a model of the shipped architecture family (per-replica MLP e
 cross-replica self-attention + per-replica logit head).
 
 Every model follows router/policy/onnx_policy.py's contract: inputs `features` float32
-[batch, replicas, N_FEATURES] and `mask` float32 [batch, replicas]; output `logits` float32
+[batch, replicas, N_MODEL_INPUTS] (`model_inputs`) and `mask` float32 [batch, replicas]; output `logits` float32
 [batch, replicas]; masked entries -1e9; metadata `feature_spec_hash` etc.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from router.policy.features import FEATURE_NAMES, FEATURE_SPEC_HASH, FEATURE_VERSION, N_FEATURES
+from router.policy.features import MODEL_INPUT_NAMES, FEATURE_SPEC_HASH, FEATURE_VERSION, N_MODEL_INPUTS
 
 OPSET = 17
 MASKED_LOGIT = -1e9
@@ -25,7 +25,7 @@ MASKED_LOGIT = -1e9
 
 def _io() -> tuple[list, list]:
     inputs = [
-        helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", "replicas", N_FEATURES]),
+        helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", "replicas", N_MODEL_INPUTS]),
         helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", "replicas"]),
     ]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "replicas"])]
@@ -70,10 +70,10 @@ def _save(nodes, inits, path: str | Path, spec_hash: str, version: str) -> Path:
 
 
 def feature_weights(**by_name: float) -> np.ndarray:
-    """A weight vector over FEATURE_NAMES (unnamed features weigh 0)."""
-    w = np.zeros(N_FEATURES, dtype=np.float32)
+    """A weight vector over the model inputs (MODEL_INPUT_NAMES) (unnamed features weigh 0)."""
+    w = np.zeros(N_MODEL_INPUTS, dtype=np.float32)
     for name, value in by_name.items():
-        w[FEATURE_NAMES.index(name)] = value
+        w[MODEL_INPUT_NAMES.index(name)] = value
     return w
 
 
@@ -84,7 +84,7 @@ def linear_model(path, weights: np.ndarray | None = None, spec_hash: str = FEATU
         helper.make_node("MatMul", ["features", "w"], ["score3"]),
         helper.make_node("Squeeze", ["score3", "last_axis"], ["raw"]),
     ]
-    inits = [_const("w", w.reshape(N_FEATURES, 1)), _const("last_axis", np.array([-1], dtype=np.int64))]
+    inits = [_const("w", w.reshape(N_MODEL_INPUTS, 1)), _const("last_axis", np.array([-1], dtype=np.int64))]
     mn, mi = _mask_nodes("raw")
     return _save(nodes + mn, inits + mi, path, spec_hash, version)
 
@@ -147,7 +147,7 @@ def slow_model(path, size: int = 384, depth: int = 6) -> Path:
     inits = [
         _const("c", c),
         _const("zero", np.float32(0.0)),
-        _const("w", feature_weights(outstanding=-1.0).reshape(N_FEATURES, 1)),
+        _const("w", feature_weights(outstanding=-1.0).reshape(N_MODEL_INPUTS, 1)),
         _const("last_axis", np.array([-1], dtype=np.int64)),
     ]
     mn, mi = _mask_nodes("raw")
@@ -162,8 +162,8 @@ def fixed_width_model(path, replicas: int = 4) -> Path:
         helper.make_node("Squeeze", ["score3", "last_axis"], ["raw"]),
     ]
     inits = [
-        _const("fixed_shape", np.array([1, replicas, N_FEATURES], dtype=np.int64)),
-        _const("w", feature_weights(outstanding=-1.0).reshape(N_FEATURES, 1)),
+        _const("fixed_shape", np.array([1, replicas, N_MODEL_INPUTS], dtype=np.int64)),
+        _const("w", feature_weights(outstanding=-1.0).reshape(N_MODEL_INPUTS, 1)),
         _const("last_axis", np.array([-1], dtype=np.int64)),
     ]
     mn, mi = _mask_nodes("raw")
@@ -220,10 +220,10 @@ def attention_model(path, hidden: int = 64, heads: int = 4, layers: int = 2, see
     self-attention blocks with key masking -> final norm -> MLP head -> masked logits."""
     g = _G(np.random.default_rng(seed))
     d = hidden // heads
-    mean = g.const(np.zeros(N_FEATURES, np.float32))
-    std = g.const(np.ones(N_FEATURES, np.float32))
+    mean = g.const(np.zeros(N_MODEL_INPUTS, np.float32))
+    std = g.const(np.ones(N_MODEL_INPUTS, np.float32))
     x = g.op("Clip", [g.op("Div", [g.op("Sub", ["features", mean]), std]), g.const(np.float32(-10)), g.const(np.float32(10))])
-    h = g.linear(g.gelu(g.linear(x, N_FEATURES, hidden)), hidden, hidden)
+    h = g.linear(g.gelu(g.linear(x, N_MODEL_INPUTS, hidden)), hidden, hidden)
     # key bias [B, 1, 1, R]: 0 for valid keys, -1e9 for masked ones
     bias = g.op("Mul", [g.op("Sub", [g.const(np.float32(1.0)), "mask"]), g.const(np.float32(MASKED_LOGIT))])
     bias = g.op("Unsqueeze", [bias, g.const(np.array([1, 2], np.int64))])
@@ -250,9 +250,9 @@ def pooled_model(path, hidden: int = 64, layers: int = 2, seed: int = 0, version
     replica's embedding with the masked mean and max of all of them (DeepSets-style), still
     permutation-equivariant and width-agnostic."""
     g = _G(np.random.default_rng(seed))
-    x = g.op("Clip", [g.op("Div", [g.op("Sub", ["features", g.const(np.zeros(N_FEATURES, np.float32))]),
-                                   g.const(np.ones(N_FEATURES, np.float32))]), g.const(np.float32(-10)), g.const(np.float32(10))])
-    h = g.linear(g.gelu(g.linear(x, N_FEATURES, hidden)), hidden, hidden)
+    x = g.op("Clip", [g.op("Div", [g.op("Sub", ["features", g.const(np.zeros(N_MODEL_INPUTS, np.float32))]),
+                                   g.const(np.ones(N_MODEL_INPUTS, np.float32))]), g.const(np.float32(-10)), g.const(np.float32(10))])
+    h = g.linear(g.gelu(g.linear(x, N_MODEL_INPUTS, hidden)), hidden, hidden)
     m3 = g.op("Unsqueeze", ["mask", g.const(np.array([-1], np.int64))])  # [B, R, 1]
     count = g.op("Max", [g.op("ReduceSum", [m3, g.const(np.array([1], np.int64))], keepdims=1), g.const(np.float32(1.0))])
     neg = g.op("Mul", [g.op("Sub", [g.const(np.float32(1.0)), m3]), g.const(np.float32(-1e4))])

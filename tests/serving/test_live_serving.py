@@ -259,6 +259,7 @@ def test_router_serve_refuses_bad_serving_flags(argv, field, capsys):
 async def test_decision_log_holds_the_model_input_of_each_decision(tmp_path, fakes, router_client):
     import numpy as np
 
+    from router.policy.features import N_FEATURES, model_inputs
     from router.serving.decision_log import decode_features
 
     from .onnx_models import feature_weights
@@ -274,9 +275,10 @@ async def test_decision_log_holds_the_model_input_of_each_decision(tmp_path, fak
     records = [json.loads(line) for p in log_files(log_dir) for line in p.read_text().splitlines()]
     assert len(records) == 40
     for r in records:
-        feats = decode_features(r)
-        assert feats.shape == (2, w.size) and r["fallback"] is None and r["policy"] == "lin"
-        scores = np.where(np.array(r["mask"]) > 0, feats.astype(np.float64) @ w, -np.inf)
+        feats = decode_features(r)  # the build_features rows; the model input is model_inputs(rows, mask)
+        assert feats.shape == (2, N_FEATURES) and r["fallback"] is None and r["policy"] == "lin"
+        mask = np.array(r["mask"], dtype=np.float32)
+        scores = np.where(mask > 0, model_inputs(feats, mask).astype(np.float64) @ w, -np.inf)
         assert r["index"] == int(np.argmax(scores))  # the logged input reproduces the model's decision
 
 
