@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -70,6 +70,27 @@ def router_guard() -> FallbackPolicy:
     """The served learned policy's guards and budget (router.policy.served), its primary replaced by
     scores computed outside (batched)."""
     return served_policy(LEARNED, primary=_FixedScores())
+
+
+@dataclass
+class Episode:
+    """One whole episode of the network, as a rollout worker sends it to the learner (one row per decision)."""
+
+    features: np.ndarray  # [T, R, F] float32
+    masks: np.ndarray  # [T, R] float32
+    actions: np.ndarray  # [T] int64
+    logprobs: np.ndarray  # [T] float32
+    values: np.ndarray  # [T] float32
+    rewards: np.ndarray  # [T] float64; paired (policy - heuristic) once a worker has paired them
+    times: np.ndarray  # [T] float64, simulated decision times
+    fallback_free_share: float  # share of decisions the router's guards let through (nan: not judged)
+    terminal: bool = True  # the episode really ended (no bootstrap from `last_value`)
+    last_value: float = 0.0
+    spec: InstanceSpec | None = None
+    summary: dict[str, float] = field(default_factory=dict)  # simulator.metrics.summarize of the run
+    raw_return: float = float("nan")  # sum of the unpaired rewards
+    paired_return: float | None = None  # the paired heuristic's return on the same arrivals
+    records: list | None = None  # the simulator's request records; summarised and dropped in the worker
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,7 +155,7 @@ def paired_baseline_rewards(times: np.ndarray, curve: tuple[np.ndarray, np.ndarr
 
 def policy_episodes(
     envs: list[SpecEnv], specs: list[InstanceSpec], net: RoutingNet, greedy: bool, guard: FallbackPolicy | None = None
-) -> list[dict]:
+) -> list[Episode]:
     """Whole episodes of the network on `specs`, stepped in lockstep with batched forward passes.
 
     Sampling uses torch's global generator: seed it per task (`torch.manual_seed`).
@@ -177,18 +198,18 @@ def policy_episodes(
     episodes = []
     for i, b in enumerate(bufs):
         episodes.append(
-            {
-                "features": np.stack(b["features"]).astype(np.float32),
-                "masks": np.stack(b["masks"]).astype(np.float32),
-                "actions": np.asarray(b["actions"], dtype=np.int64),
-                "logprobs": np.asarray(b["logprobs"], dtype=np.float32),
-                "values": np.asarray(b["values"], dtype=np.float32),
-                "rewards": np.asarray(b["rewards"], dtype=np.float64),
-                "times": np.asarray(b["times"], dtype=np.float64),
-                "terminal": True,
-                "fallback_free_share": b.get("fallback_free", 0) / max(1, len(b["actions"])) if guard is not None else float("nan"),
-                "records": envs[i].records(),
-            }
+            Episode(
+                features=np.stack(b["features"]).astype(np.float32),
+                masks=np.stack(b["masks"]).astype(np.float32),
+                actions=np.asarray(b["actions"], dtype=np.int64),
+                logprobs=np.asarray(b["logprobs"], dtype=np.float32),
+                values=np.asarray(b["values"], dtype=np.float32),
+                rewards=np.asarray(b["rewards"], dtype=np.float64),
+                times=np.asarray(b["times"], dtype=np.float64),
+                fallback_free_share=b.get("fallback_free", 0) / max(1, len(b["actions"])) if guard is not None else float("nan"),
+                spec=specs[i],
+                records=envs[i].records(),
+            )
         )
     return episodes
 
@@ -265,23 +286,23 @@ class WorkerState:
             net = self.net.eval()
         return [{"spec": job.spec} | explore_episode(self._henv(), job, net) for job in jobs]
 
-    def cmd_rollout(self, state_dict: dict, jobs: list[tuple[InstanceSpec, str | None]], greedy: bool, seed: int) -> list[dict]:
+    def cmd_rollout(self, state_dict: dict, jobs: list[tuple[InstanceSpec, str | None]], greedy: bool, seed: int) -> list[Episode]:
         """Network episodes; where a paired heuristic is named, rewards become (policy - heuristic)."""
         self.net.load_state_dict(state_dict)
         torch.manual_seed(seed)
         specs = [s for s, _ in jobs]
         episodes = policy_episodes(self._envs(len(specs)), specs, self.net, greedy, router_guard() if greedy else None)
         for ep, (spec, paired) in zip(episodes, jobs):
-            ep["spec"] = spec
-            ep["raw_return"] = float(ep["rewards"].sum())
-            ep["summary"] = summarise_records(ep.pop("records"), self._slo(spec))
+            ep.raw_return = float(ep.rewards.sum())
+            ep.summary = summarise_records(ep.records, self._slo(spec))
+            ep.records = None
             if paired is not None:
                 curve = self.paired_curve(spec, paired)
-                base = paired_baseline_rewards(ep["times"], curve)
-                ep["paired_return"] = float(base.sum())
-                ep["rewards"] = ep["rewards"] - base
+                base = paired_baseline_rewards(ep.times, curve)
+                ep.paired_return = float(base.sum())
+                ep.rewards = ep.rewards - base
                 if self.cfg.ppo.relative_paired:  # in units of the heuristic's mean cost per decision
-                    ep["rewards"] = ep["rewards"] / max(1e-6, curve[2] / max(1, len(curve[0])))
+                    ep.rewards = ep.rewards / max(1e-6, curve[2] / max(1, len(curve[0])))
         return episodes
 
 

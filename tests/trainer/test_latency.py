@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from router.policy.features import FEATURE_NAMES, N_FEATURES
-from trainer.config import ConfigError, NetworkConfig, config_from_dict
+from trainer.config import ConfigError, NetworkConfig, config_from_dict, load_config
 from trainer.instances import InstanceBuilder, InstanceSpec
 from trainer.latency import ExploreJob, explore_episode, fit_latency
 from trainer.network import RoutingNet
@@ -65,14 +65,29 @@ def test_fit_ranks_replicas_by_the_latency_it_learned():
 
 
 def test_config_names_bad_behaviours_and_epsilons():
-    with pytest.raises(ConfigError, match="bc.behaviours.*no-such-router"):
-        config_from_dict({"env": ENV, "bc": {"behaviours": ["least-outstanding", "no-such-router"]}})
-    with pytest.raises(ConfigError, match="bc.explore_epsilon.*1.5"):
-        config_from_dict({"env": ENV, "bc": {"explore_epsilon": [0.1, 1.5]}})
-    with pytest.raises(ConfigError, match="bc.ttft_floor_s"):
-        config_from_dict({"env": ENV, "bc": {"ttft_floor_s": -0.1}})
-    with pytest.raises(ConfigError, match="bc.target"):
-        config_from_dict({"env": ENV, "bc": {"target": "guess"}})
+    with pytest.raises(ConfigError, match="warm_start.behaviours.*no-such-router"):
+        config_from_dict({"env": ENV, "warm_start": {"behaviours": ["least-outstanding", "no-such-router"]}})
+    with pytest.raises(ConfigError, match="warm_start.explore_epsilon.*1.5"):
+        config_from_dict({"env": ENV, "warm_start": {"explore_epsilon": [0.1, 1.5]}})
+    with pytest.raises(ConfigError, match="warm_start.ttft_floor_s"):
+        config_from_dict({"env": ENV, "warm_start": {"ttft_floor_s": -0.1}})
+    with pytest.raises(ConfigError, match="warm_start.target"):
+        config_from_dict({"env": ENV, "warm_start": {"target": "guess"}})
+
+
+def test_old_bc_key_is_read_as_warm_start_with_one_warning(tmp_path):
+    """Configs and checkpoints written before the rename say `bc:`; they still load, with a warning naming both keys."""
+    with pytest.warns(FutureWarning, match="'bc' is deprecated, use 'warm_start'") as caught:
+        cfg = config_from_dict({"env": ENV, "bc": {"epochs": 3, "target": "imitate"}})
+    assert len(caught) == 1
+    assert cfg.warm_start.epochs == 3 and cfg.warm_start.target == "imitate"
+    old = tmp_path / "old.yaml"
+    old.write_text("env: {scenarios: [heterogeneous]}\nbc: {epochs: 3}\n")
+    with pytest.warns(FutureWarning, match="'bc' is deprecated") as caught:
+        cfg = load_config(old, ["bc.lr=0.01", "warm_start.batch_size=64"])
+    assert (cfg.warm_start.epochs, cfg.warm_start.lr, cfg.warm_start.batch_size) == (3, 0.01, 64)
+    with pytest.raises(ConfigError, match="both 'bc' .*and 'warm_start'"):
+        config_from_dict({"env": ENV, "bc": {"epochs": 3}, "warm_start": {"epochs": 4}}, "x.yaml")
 
 
 def test_untrained_network_with_wait_prior_ranks_like_expected_wait():

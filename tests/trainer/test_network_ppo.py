@@ -177,3 +177,5 @@ def test_train_state_round_trips_and_reads_checkpoints_written_before_it():
     state.phase, state.update = Phase.PPO, 4
     again = TrainState.from_dict(state.to_dict())
     assert again == state and state.to_dict()["phase"] == "ppo"
+    state.phase = Phase.WARM_START
+    assert TrainState.from_dict(state.to_dict()).phase is Phase.WARM_START

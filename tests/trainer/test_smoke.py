@@ -1,4 +1,4 @@
-"""End to end in seconds: train (selection, BC, 2 PPO updates), resume, export, ONNX parity, bad files."""
+"""End to end in seconds: train (selection, warm start, 2 PPO updates), resume, export, ONNX parity, bad files."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def run(tmp_path_factory) -> Path:
 
 
 def test_train_writes_checkpoints_logs_and_summary(run: Path):
-    for name in ("bc.pt", "best.pt", "last.pt", "metrics.csv", "summary.json"):
+    for name in ("warm_start.pt", "best.pt", "last.pt", "metrics.csv", "summary.json"):
         assert (run / name).is_file(), name
     assert list((run / "tb").glob("events.out.tfevents.*"))
     header, *rows = (run / "metrics.csv").read_text().splitlines()
@@ -41,7 +41,7 @@ def test_train_writes_checkpoints_logs_and_summary(run: Path):
     doc = read_checkpoint(run / "last.pt")
     assert doc["config"]["env"]["scenarios"] == ["steady-chat", "heterogeneous"]
     assert doc["progress"]["update"] == 2
-    assert float(doc["model"]["normaliser.count"]) > 100  # statistics from the BC data are saved
+    assert float(doc["model"]["normaliser.count"]) > 100  # statistics from the warm-start data are saved
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["best_heuristic"]) == {"steady-chat", "heterogeneous"}
 
