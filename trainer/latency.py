@@ -40,7 +40,18 @@ class ExploreJob:
     epsilon: float
 
 
-def explore_episode(env, job: ExploreJob, net: RoutingNet | None) -> dict[str, np.ndarray]:
+@dataclass
+class LatencySamples:
+    """One exploration episode's decisions and the decision-to-first-token time of each (what a worker sends back)."""
+
+    spec: object  # trainer.instances.InstanceSpec
+    features: np.ndarray  # [T, R, F]
+    masks: np.ndarray  # [T, R]
+    actions: np.ndarray  # [T] int64
+    ttft_s: np.ndarray  # [T] float64
+
+
+def explore_episode(env, job: ExploreJob, net: RoutingNet | None) -> LatencySamples:
     """Run one episode on `env` (a trainer.rollout.SpecEnv); returns features, masks, actions and
     the decision-to-first-token time of each decision (decisions of rejected or unfinished
     requests are left out)."""
@@ -70,12 +81,13 @@ def explore_episode(env, job: ExploreJob, net: RoutingNet | None) -> dict[str, n
     first_token = {str(r.request_id): (r.first_token_s if not r.error else np.nan) for r in env.records()}
     ttft = np.array([first_token[i] - t for i, t in zip(ids, times)], dtype=np.float64)
     keep = np.isfinite(ttft)
-    return {
-        "features": np.stack(feats)[keep],
-        "masks": np.stack(masks)[keep],
-        "actions": np.asarray(acts, dtype=np.int64)[keep],
-        "ttft_s": ttft[keep],
-    }
+    return LatencySamples(
+        spec=job.spec,
+        features=np.stack(feats)[keep],
+        masks=np.stack(masks)[keep],
+        actions=np.asarray(acts, dtype=np.int64)[keep],
+        ttft_s=ttft[keep],
+    )
 
 
 def fit_latency(

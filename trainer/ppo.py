@@ -47,7 +47,7 @@ from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
 from trainer.config import PPOConfig, TrainConfig
 from trainer.instances import InstanceSpec
 from trainer.network import RoutingNet, masked_categorical
-from trainer.rollout import Episode, WorkerPool
+from trainer.rollout import Episode, HeuristicJob, HeuristicRun, RolloutJob, WorkerPool
 
 
 # ==============================================================================================
@@ -138,9 +138,9 @@ def select_best_heuristics(pool: WorkerPool, cfg: TrainConfig) -> tuple[dict[str
 
     specs = eval_specs(cfg, max(cfg.warm_start.selection_seeds, cfg.run.eval_seeds))
     names = [n for n in BASELINES if n != "random"]
-    jobs = [(s, p) for s in specs for p in names]
-    results = pool.run("heuristics", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j[0].seed)])
-    runs = {(r["spec"].scenario, r["spec"].seed, r["policy"]): r["summary"] for r in results}
+    jobs = [HeuristicJob(s, p) for s in specs for p in names]
+    results: list[HeuristicRun] = pool.run("heuristics", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j.spec.seed)])
+    runs = {(r.spec.scenario, r.spec.seed, r.policy): r.summary for r in results}
     best, table = {}, {}
     for sc in cfg.env.scenarios:
         p99 = {p: float(np.mean([runs[(sc, s.seed, p)]["ttft_p99_s"] for s in specs if s.scenario == sc])) for p in names}
@@ -149,9 +149,7 @@ def select_best_heuristics(pool: WorkerPool, cfg: TrainConfig) -> tuple[dict[str
     return best, table, runs
 
 
-def ppo_jobs(
-    cfg: TrainConfig, best: dict[str, str], update: int, rng: np.random.Generator, n: int
-) -> tuple[list[tuple[InstanceSpec, str | None]], float]:
+def ppo_jobs(cfg: TrainConfig, best: dict[str, str], update: int, rng: np.random.Generator, n: int) -> tuple[list[RolloutJob], float]:
     """The `n` instances of one update (scenario, seed, curriculum load) with their paired heuristic; and the mean load."""
     c = cfg.env.curriculum
     ramp = min(1.0, update / max(1.0, c.ramp_frac * cfg.ppo.updates)) if c.ramp_frac > 0 else 1.0
@@ -162,7 +160,7 @@ def ppo_jobs(
         sc = cfg.env.scenarios[int(rng.integers(len(cfg.env.scenarios)))]
         load = round(float(rng.uniform(lo, hi)) * 20) / 20  # a 0.05 grid keeps paired heuristic runs cacheable
         spec = InstanceSpec(sc, int(rng.integers(cfg.ppo.seed_pool)), load, cfg.env.randomise, cfg.env.max_requests)
-        jobs.append((spec, best[sc] if cfg.ppo.paired_baseline else None))
+        jobs.append(RolloutJob(spec, best[sc] if cfg.ppo.paired_baseline else None))
     return jobs, (lo + hi) / 2
 
 
@@ -172,7 +170,7 @@ def ppo_jobs(
 def _latency_warm_start(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, rng: np.random.Generator, progress: bool) -> list[dict]:
     """Warm start by TTFT regression (trainer/latency.py): heuristic-routed exploration episodes,
     then `dagger_rounds` rounds routed by the fitted network, each followed by more fitting on all data."""
-    from trainer.latency import ExploreJob, fit_latency
+    from trainer.latency import ExploreJob, LatencySamples, fit_latency
 
     c, w = cfg.env.curriculum, cfg.warm_start
 
@@ -186,15 +184,15 @@ def _latency_warm_start(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, rng
         ExploreJob(spec, w.behaviours[k % len(w.behaviours)], w.explore_epsilon[k % len(w.explore_epsilon)])
         for k, spec in specs(WARM_START_SEED_BASE, w.episodes_per_scenario)
     ]
-    data = pool.run("explore", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j.spec.seed)])
+    data: list[LatencySamples] = pool.run("explore", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j.spec.seed)])
     history: list[dict] = []
     for rnd in range(w.dagger_rounds + 1):
-        feats = np.concatenate([d["features"] for d in data])
+        feats = np.concatenate([d.features for d in data])
         if rnd == 0:  # observation statistics from the heuristic-routed data, kept fixed afterwards
             net.normaliser.update(feats, feats[..., 0])
         history += fit_latency(  # later rounds continue on all data so far, with half the epochs
-            net, feats, np.concatenate([d["masks"] for d in data]), np.concatenate([d["actions"] for d in data]),
-            np.concatenate([d["ttft_s"] for d in data]), w.epochs if rnd == 0 else max(1, w.epochs // 2),
+            net, feats, np.concatenate([d.masks for d in data]), np.concatenate([d.actions for d in data]),
+            np.concatenate([d.ttft_s for d in data]), w.epochs if rnd == 0 else max(1, w.epochs // 2),
             w.batch_size, w.lr, cfg.run.seed + rnd, progress, w.ttft_floor_s,
         )  # fmt: skip
         if rnd == w.dagger_rounds:
@@ -216,11 +214,11 @@ def _imitation_warm_start(
     for sc in cfg.env.scenarios:
         for k in range(w.episodes_per_scenario):
             load = float(rng.uniform(c.start, c.end_hi))
-            jobs.append((InstanceSpec(sc, WARM_START_SEED_BASE + k, round(load, 2), cfg.env.randomise, cfg.env.max_requests), best[sc]))
-    data = pool.run("record", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j[0].seed)])
-    feats = np.concatenate([d["features"] for d in data])
-    masks = np.concatenate([d["masks"] for d in data])
-    acts = np.concatenate([d["actions"] for d in data])
+            jobs.append(HeuristicJob(InstanceSpec(sc, WARM_START_SEED_BASE + k, round(load, 2), cfg.env.randomise, cfg.env.max_requests), best[sc]))
+    data: list[HeuristicRun] = pool.run("record", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j.spec.seed)])
+    feats = np.concatenate([d.features for d in data])
+    masks = np.concatenate([d.masks for d in data])
+    acts = np.concatenate([d.actions for d in data])
     net.normaliser.update(feats, feats[..., 0])
     return behaviour_clone(net, feats, masks, acts, np.zeros(len(acts)), w.epochs, w.batch_size, w.lr, cfg.run.seed, progress)
 
@@ -278,11 +276,11 @@ def build_batch(episodes: list[Episode], gamma: float, lam: float, reward_scale:
 # 5. Rollout: each environment plays one whole episode with the current (sampling) policy
 # ==============================================================================================
 def collect_rollout(
-    pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, jobs: list[tuple[InstanceSpec, str | None]], update: int
+    pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, jobs: list[RolloutJob], update: int
 ) -> list[Episode]:
     """Episodes of the sampling policy on `jobs`, rewards paired with the named heuristics, spread over the workers."""
     sd = {k: v.clone() for k, v in net.state_dict().items()}
-    parts = pool.split(jobs, key=lambda j: j[0].seed)
+    parts = pool.split(jobs, key=lambda j: j.spec.seed)
     return pool.run(
         "rollout",
         [{"state_dict": sd, "jobs": part, "greedy": False, "seed": cfg.run.seed * 100003 + update * 7 + k} for k, part in enumerate(parts)],
@@ -408,7 +406,7 @@ def evaluate_on_train(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, best:
     """Greedy network vs the best heuristic on TRAIN-window instances: p99 ratio per scenario and overall."""
     specs = eval_specs(cfg)
     sd = {k: v.clone() for k, v in net.state_dict().items()}
-    parts = pool.split([(s, None) for s in specs], key=lambda j: j[0].seed)
+    parts = pool.split([RolloutJob(s) for s in specs], key=lambda j: j.spec.seed)
     eps: list[Episode] = pool.run("rollout", [{"state_dict": sd, "jobs": part, "greedy": True, "seed": 0} for part in parts])
     out: dict[str, float] = {}
     logs, goodput_gaps, ff = [], [], []

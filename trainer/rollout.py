@@ -25,6 +25,7 @@ from router.policy.types import ClusterView, RequestInfo
 from simulator.env import DecisionEnv
 from trainer.config import TrainConfig
 from trainer.instances import InstanceBuilder, InstanceSpec
+from trainer.latency import ExploreJob, LatencySamples, explore_episode
 from trainer.network import RoutingNet, masked_categorical
 
 
@@ -70,6 +71,34 @@ def router_guard() -> FallbackPolicy:
     """The served learned policy's guards and budget (router.policy.served), its primary replaced by
     scores computed outside (batched)."""
     return served_policy(LEARNED, primary=_FixedScores())
+
+
+@dataclass(frozen=True)
+class HeuristicJob:
+    """One episode routed by the baseline `policy`."""
+
+    spec: InstanceSpec
+    policy: str
+
+
+@dataclass(frozen=True)
+class RolloutJob:
+    """One episode of the network; with `paired` (a baseline name), rewards become (policy - that baseline)."""
+
+    spec: InstanceSpec
+    paired: str | None = None
+
+
+@dataclass
+class HeuristicRun:
+    """A baseline's episode as a worker sends it back: its summary, and its decisions when recorded."""
+
+    spec: InstanceSpec
+    policy: str
+    summary: dict[str, float]
+    features: np.ndarray | None = None  # [T, R, F], recorded runs only
+    masks: np.ndarray | None = None  # [T, R]
+    actions: np.ndarray | None = None  # [T]
 
 
 @dataclass
@@ -264,35 +293,33 @@ class WorkerState:
         return self.heuristic_curves[key]
 
     # --- commands ---------------------------------------------------------------------------
-    def cmd_heuristics(self, jobs: list[tuple[InstanceSpec, str]]) -> list[dict]:
+    def cmd_heuristics(self, jobs: list[HeuristicJob]) -> list[HeuristicRun]:
         """Summaries of baseline episodes (their cost curves are cached for pairing)."""
-        return [{"spec": spec, "policy": p, "summary": self.heuristic(spec, p)["summary"]} for spec, p in jobs]
+        return [HeuristicRun(job.spec, job.policy, self.heuristic(job.spec, job.policy)["summary"]) for job in jobs]
 
-    def cmd_record(self, jobs: list[tuple[InstanceSpec, str]]) -> list[dict]:
-        """Heuristic episodes with observations (behaviour-cloning data)."""
+    def cmd_record(self, jobs: list[HeuristicJob]) -> list[HeuristicRun]:
+        """Heuristic episodes with observations (imitation data)."""
         out = []
-        for spec, p in jobs:
-            ep = self.heuristic(spec, p, record=True)
-            out.append({"spec": spec, "policy": p} | {k: ep[k] for k in ("features", "masks", "actions", "summary")})
+        for job in jobs:
+            ep = self.heuristic(job.spec, job.policy, record=True)
+            out.append(HeuristicRun(job.spec, job.policy, ep["summary"], ep["features"], ep["masks"], ep["actions"]))
         return out
 
-    def cmd_explore(self, jobs: list, state_dict: dict | None = None) -> list[dict]:
+    def cmd_explore(self, jobs: list[ExploreJob], state_dict: dict | None = None) -> list[LatencySamples]:
         """Exploration episodes for the latency warm start (trainer/latency.py)."""
-        from trainer.latency import explore_episode
-
         net = None
         if state_dict is not None:
             self.net.load_state_dict(state_dict)
             net = self.net.eval()
-        return [{"spec": job.spec} | explore_episode(self._henv(), job, net) for job in jobs]
+        return [explore_episode(self._henv(), job, net) for job in jobs]
 
-    def cmd_rollout(self, state_dict: dict, jobs: list[tuple[InstanceSpec, str | None]], greedy: bool, seed: int) -> list[Episode]:
+    def cmd_rollout(self, state_dict: dict, jobs: list[RolloutJob], greedy: bool, seed: int) -> list[Episode]:
         """Network episodes; where a paired heuristic is named, rewards become (policy - heuristic)."""
         self.net.load_state_dict(state_dict)
         torch.manual_seed(seed)
-        specs = [s for s, _ in jobs]
+        specs = [job.spec for job in jobs]
         episodes = policy_episodes(self._envs(len(specs)), specs, self.net, greedy, router_guard() if greedy else None)
-        for ep, (spec, paired) in zip(episodes, jobs):
+        for ep, (spec, paired) in zip(episodes, ((job.spec, job.paired) for job in jobs)):
             ep.raw_return = float(ep.rewards.sum())
             ep.summary = summarise_records(ep.records, self._slo(spec))
             ep.records = None

@@ -27,12 +27,12 @@ def test_targets_are_decision_to_first_token_times_of_the_run():
     ep = explore_episode(env, job, None)
     records = {r.request_id: r for r in env.records()}
     served = [r for r in records.values() if not r.error and np.isfinite(r.first_token_s)]
-    assert len(ep["ttft_s"]) == len(served) > 50  # one decision per request here (no crash), none lost
+    assert len(ep.ttft_s) == len(served) > 50  # one decision per request here (no crash), none lost
     # every request is routed at its arrival, so the targets are exactly the run's TTFTs
-    assert sorted(np.round(ep["ttft_s"], 9)) == sorted(round(r.ttft_s, 9) for r in served)
-    assert np.all(ep["ttft_s"] > 0)
-    assert len(set(ep["actions"].tolist())) > 2  # epsilon 0.5 explores several replicas
-    assert np.all(ep["masks"][np.arange(len(ep["actions"])), ep["actions"]] == 1)  # only healthy replicas
+    assert sorted(np.round(ep.ttft_s, 9)) == sorted(round(r.ttft_s, 9) for r in served)
+    assert np.all(ep.ttft_s > 0)
+    assert len(set(ep.actions.tolist())) > 2  # epsilon 0.5 explores several replicas
+    assert np.all(ep.masks[np.arange(len(ep.actions)), ep.actions] == 1)  # only healthy replicas
 
 
 def test_exploring_with_the_network_needs_its_weights():
