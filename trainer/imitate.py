@@ -1,4 +1,5 @@
-"""Imitation warm start (`warm_start.target: imitate`), i.e. behaviour cloning: fit the network's logits to a heuristic's decisions (cross-entropy).
+"""Imitation warm start (`warm_start.target: imitate`), i.e. behaviour cloning: fit the network's
+logits to a heuristic's decisions (cross-entropy).
 
 Heuristics break ties at random, so the target is soft where several replicas were equally
 good to the heuristic is unknowable from one sample; plain cross-entropy on the chosen index
