@@ -16,39 +16,17 @@ by the fitted network itself with a little exploration, fitting further on all d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from router.policy.registry import make_policy
+from trainer.episode import ExploreJob, LatencySamples
 from trainer.network import RoutingNet
 
 LOGIT_SCALE = 10.0  # logit difference per unit of log-TTFT difference: 10 % faster -> ~0.95 more logit
 MIN_TTFT_S = 1e-3  # targets are clipped below, before the log
-
-
-@dataclass(frozen=True)
-class ExploreJob:
-    """One exploration episode: route with `behaviour` (a baseline name, or None for the network
-    in `state_dict`), picking a uniformly random healthy replica with probability `epsilon`."""
-
-    spec: object  # trainer.instances.InstanceSpec
-    behaviour: str | None
-    epsilon: float
-
-
-@dataclass
-class LatencySamples:
-    """One exploration episode's decisions and the decision-to-first-token time of each (what a worker sends back)."""
-
-    spec: object  # trainer.instances.InstanceSpec
-    features: np.ndarray  # [T, R, F]
-    masks: np.ndarray  # [T, R]
-    actions: np.ndarray  # [T] int64
-    ttft_s: np.ndarray  # [T] float64
 
 
 def explore_episode(env, job: ExploreJob, net: RoutingNet | None) -> LatencySamples:

@@ -47,7 +47,8 @@ from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
 from trainer.config import PPOConfig, TrainConfig
 from trainer.instances import InstanceSpec
 from trainer.network import RoutingNet, masked_categorical
-from trainer.rollout import Episode, HeuristicJob, HeuristicRun, RolloutJob, WorkerPool
+from trainer.episode import Episode, ExploreJob, HeuristicJob, HeuristicRun, LatencySamples, RolloutJob
+from trainer.rollout import WorkerPool
 
 
 # ==============================================================================================
@@ -170,7 +171,7 @@ def ppo_jobs(cfg: TrainConfig, best: dict[str, str], update: int, rng: np.random
 def _latency_warm_start(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, rng: np.random.Generator, progress: bool) -> list[dict]:
     """Warm start by TTFT regression (trainer/latency.py): heuristic-routed exploration episodes,
     then `dagger_rounds` rounds routed by the fitted network, each followed by more fitting on all data."""
-    from trainer.latency import ExploreJob, LatencySamples, fit_latency
+    from trainer.latency import fit_latency
 
     c, w = cfg.env.curriculum, cfg.warm_start
 

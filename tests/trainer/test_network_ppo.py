@@ -12,7 +12,8 @@ from router.policy.features import N_FEATURES
 from trainer.config import ConfigError, NetworkConfig, PPOConfig, config_from_dict, load_config
 from trainer.network import MASKED_LOGIT, RoutingNet, masked_categorical
 from trainer.ppo import Batch, Coefs, build_batch, gae, ppo_update
-from trainer.rollout import Episode, paired_baseline_rewards
+from trainer.episode import Episode
+from trainer.rollout import paired_baseline_rewards
 
 
 def _obs(rng: np.random.Generator, b: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
