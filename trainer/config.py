@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -88,13 +89,14 @@ class NetworkConfig(_Strict):
         return self
 
 
-class BCConfig(_Strict):
-    """The warm start before PPO, which is also PPO's KL reference policy."""
+class WarmStartConfig(_Strict):
+    """The warm start before PPO, which is also PPO's KL reference policy (config key `warm_start`;
+    the old key `bc` is still read, with a deprecation warning)."""
 
     target: Literal["latency", "imitate"] = Field(
         "latency",
         description="latency: regress each decision's time to first token on the chosen replica (trainer/latency.py); "
-        "imitate: cross-entropy on the best heuristic's choices (trainer/bc.py)",
+        "imitate: cross-entropy on the best heuristic's choices (trainer/imitate.py)",
     )
     episodes_per_scenario: int = Field(6, ge=0, description="episodes recorded per scenario (0 = no warm start)")
     epochs: int = Field(8, ge=0)
@@ -153,7 +155,7 @@ class PPOConfig(_Strict):
     vf_coef: float = Field(0.5, ge=0)
     max_grad_norm: float = Field(0.5, gt=0)
     target_kl: float | None = Field(0.02, gt=0, description="stop the epoch loop when approx KL exceeds this (null = never)")
-    ref_kl_coef_start: float = Field(1.0, ge=0, description="weight of KL(policy || BC reference) at the start")
+    ref_kl_coef_start: float = Field(1.0, ge=0, description="weight of KL(policy || warm-start reference) at the start")
     ref_kl_coef_end: float = Field(0.02, ge=0, description="... decayed linearly to this")
     paired_baseline: bool = Field(
         True, description="subtract the best heuristic's per-decision reward on the same arrival sequence (variance cut)"
@@ -185,13 +187,36 @@ class EvalConfig(_Strict):
     policies: list[str] | None = Field(None, description="baselines to compare (null = all)")
 
 
+DEPRECATED_KEYS = {"bc": "warm_start"}  # old top-level key -> new one (configs and checkpoints in the wild)
+
+
+def _deprecated_key_warning(old: str, new: str) -> None:
+    warnings.warn(f"trainer config: key '{old}' is deprecated, use '{new}'", FutureWarning, stacklevel=3)
+
+
+def rename_deprecated_keys(data: dict) -> dict:
+    """`data` with deprecated top-level keys renamed (one warning each); both old and new given is an error."""
+    for old, new in DEPRECATED_KEYS.items():
+        if old in data:
+            if new in data:
+                raise ValueError(f"both '{old}' (deprecated) and '{new}' are given; keep only '{new}'")
+            _deprecated_key_warning(old, new)
+            data = {(new if k == old else k): v for k, v in data.items()}
+    return data
+
+
 class TrainConfig(_Strict):
     env: EnvConfig
     network: NetworkConfig = NetworkConfig()
-    bc: BCConfig = BCConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
     ppo: PPOConfig = PPOConfig()
     run: RunConfig = RunConfig()
     eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_deprecated(cls, data: object) -> object:
+        return rename_deprecated_keys(data) if isinstance(data, dict) else data
 
 
 class ConfigError(ValueError):
@@ -226,12 +251,19 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        data = rename_deprecated_keys(data)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected dotted.key=value")
         key, raw = item.split("=", 1)
         node = data
         parts = key.split(".")
+        if parts[0] in DEPRECATED_KEYS:
+            _deprecated_key_warning(parts[0], DEPRECATED_KEYS[parts[0]])
+            parts[0] = DEPRECATED_KEYS[parts[0]]
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):

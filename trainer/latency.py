@@ -16,31 +16,20 @@ by the fitted network itself with a little exploration, fitting further on all d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from router.policy.registry import make_policy
+from trainer.episode import ExploreJob, LatencySamples
 from trainer.network import RoutingNet
 
 LOGIT_SCALE = 10.0  # logit difference per unit of log-TTFT difference: 10 % faster -> ~0.95 more logit
 MIN_TTFT_S = 1e-3  # targets are clipped below, before the log
 
 
-@dataclass(frozen=True)
-class ExploreJob:
-    """One exploration episode: route with `behaviour` (a baseline name, or None for the network
-    in `state_dict`), picking a uniformly random healthy replica with probability `epsilon`."""
-
-    spec: object  # trainer.instances.InstanceSpec
-    behaviour: str | None
-    epsilon: float
-
-
-def explore_episode(env, job: ExploreJob, net: RoutingNet | None) -> dict[str, np.ndarray]:
+def explore_episode(env, job: ExploreJob, net: RoutingNet | None) -> LatencySamples:
     """Run one episode on `env` (a trainer.rollout.SpecEnv); returns features, masks, actions and
     the decision-to-first-token time of each decision (decisions of rejected or unfinished
     requests are left out)."""
@@ -70,12 +59,13 @@ def explore_episode(env, job: ExploreJob, net: RoutingNet | None) -> dict[str, n
     first_token = {str(r.request_id): (r.first_token_s if not r.error else np.nan) for r in env.records()}
     ttft = np.array([first_token[i] - t for i, t in zip(ids, times)], dtype=np.float64)
     keep = np.isfinite(ttft)
-    return {
-        "features": np.stack(feats)[keep],
-        "masks": np.stack(masks)[keep],
-        "actions": np.asarray(acts, dtype=np.int64)[keep],
-        "ttft_s": ttft[keep],
-    }
+    return LatencySamples(
+        spec=job.spec,
+        features=np.stack(feats)[keep],
+        masks=np.stack(masks)[keep],
+        actions=np.asarray(acts, dtype=np.int64)[keep],
+        ttft_s=ttft[keep],
+    )
 
 
 def fit_latency(

@@ -26,10 +26,10 @@ def simulator_observations(net: RoutingNet, cfg: TrainConfig, n: int, seed: int 
         sc = cfg.env.scenarios[k % len(cfg.env.scenarios)]
         spec = InstanceSpec(sc, seed + k, 1.0, True, per_episode)
         ep = policy_episodes([env], [spec], net, greedy=True)[0]
-        feats.append(ep["features"])
-        masks.append(ep["masks"])
-        got += len(ep["actions"])
-        bar.update(len(ep["actions"]))
+        feats.append(ep.features)
+        masks.append(ep.masks)
+        got += len(ep.actions)
+        bar.update(len(ep.actions))
         k += 1
     bar.close()
     return np.concatenate(feats)[:n], np.concatenate(masks)[:n]

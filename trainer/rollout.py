@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import traceback
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,7 +23,9 @@ from router.policy.registry import make_policy
 from router.policy.types import ClusterView, RequestInfo
 from simulator.env import DecisionEnv
 from trainer.config import TrainConfig
+from trainer.episode import Episode, ExploreJob, HeuristicJob, HeuristicRun, LatencySamples, RolloutJob
 from trainer.instances import InstanceBuilder, InstanceSpec
+from trainer.latency import explore_episode
 from trainer.network import RoutingNet, masked_categorical
 
 
@@ -134,7 +135,7 @@ def paired_baseline_rewards(times: np.ndarray, curve: tuple[np.ndarray, np.ndarr
 
 def policy_episodes(
     envs: list[SpecEnv], specs: list[InstanceSpec], net: RoutingNet, greedy: bool, guard: FallbackPolicy | None = None
-) -> list[dict]:
+) -> list[Episode]:
     """Whole episodes of the network on `specs`, stepped in lockstep with batched forward passes.
 
     Sampling uses torch's global generator: seed it per task (`torch.manual_seed`).
@@ -177,18 +178,18 @@ def policy_episodes(
     episodes = []
     for i, b in enumerate(bufs):
         episodes.append(
-            {
-                "features": np.stack(b["features"]).astype(np.float32),
-                "masks": np.stack(b["masks"]).astype(np.float32),
-                "actions": np.asarray(b["actions"], dtype=np.int64),
-                "logprobs": np.asarray(b["logprobs"], dtype=np.float32),
-                "values": np.asarray(b["values"], dtype=np.float32),
-                "rewards": np.asarray(b["rewards"], dtype=np.float64),
-                "times": np.asarray(b["times"], dtype=np.float64),
-                "terminal": True,
-                "fallback_free_share": b.get("fallback_free", 0) / max(1, len(b["actions"])) if guard is not None else float("nan"),
-                "records": envs[i].records(),
-            }
+            Episode(
+                features=np.stack(b["features"]).astype(np.float32),
+                masks=np.stack(b["masks"]).astype(np.float32),
+                actions=np.asarray(b["actions"], dtype=np.int64),
+                logprobs=np.asarray(b["logprobs"], dtype=np.float32),
+                values=np.asarray(b["values"], dtype=np.float32),
+                rewards=np.asarray(b["rewards"], dtype=np.float64),
+                times=np.asarray(b["times"], dtype=np.float64),
+                fallback_free_share=b.get("fallback_free", 0) / max(1, len(b["actions"])) if guard is not None else float("nan"),
+                spec=specs[i],
+                records=envs[i].records(),
+            )
         )
     return episodes
 
@@ -243,45 +244,43 @@ class WorkerState:
         return self.heuristic_curves[key]
 
     # --- commands ---------------------------------------------------------------------------
-    def cmd_heuristics(self, jobs: list[tuple[InstanceSpec, str]]) -> list[dict]:
+    def cmd_heuristics(self, jobs: list[HeuristicJob]) -> list[HeuristicRun]:
         """Summaries of baseline episodes (their cost curves are cached for pairing)."""
-        return [{"spec": spec, "policy": p, "summary": self.heuristic(spec, p)["summary"]} for spec, p in jobs]
+        return [HeuristicRun(job.spec, job.policy, self.heuristic(job.spec, job.policy)["summary"]) for job in jobs]
 
-    def cmd_record(self, jobs: list[tuple[InstanceSpec, str]]) -> list[dict]:
-        """Heuristic episodes with observations (behaviour-cloning data)."""
+    def cmd_record(self, jobs: list[HeuristicJob]) -> list[HeuristicRun]:
+        """Heuristic episodes with observations (imitation data)."""
         out = []
-        for spec, p in jobs:
-            ep = self.heuristic(spec, p, record=True)
-            out.append({"spec": spec, "policy": p} | {k: ep[k] for k in ("features", "masks", "actions", "summary")})
+        for job in jobs:
+            ep = self.heuristic(job.spec, job.policy, record=True)
+            out.append(HeuristicRun(job.spec, job.policy, ep["summary"], ep["features"], ep["masks"], ep["actions"]))
         return out
 
-    def cmd_explore(self, jobs: list, state_dict: dict | None = None) -> list[dict]:
+    def cmd_explore(self, jobs: list[ExploreJob], state_dict: dict | None = None) -> list[LatencySamples]:
         """Exploration episodes for the latency warm start (trainer/latency.py)."""
-        from trainer.latency import explore_episode
-
         net = None
         if state_dict is not None:
             self.net.load_state_dict(state_dict)
             net = self.net.eval()
-        return [{"spec": job.spec} | explore_episode(self._henv(), job, net) for job in jobs]
+        return [explore_episode(self._henv(), job, net) for job in jobs]
 
-    def cmd_rollout(self, state_dict: dict, jobs: list[tuple[InstanceSpec, str | None]], greedy: bool, seed: int) -> list[dict]:
+    def cmd_rollout(self, state_dict: dict, jobs: list[RolloutJob], greedy: bool, seed: int) -> list[Episode]:
         """Network episodes; where a paired heuristic is named, rewards become (policy - heuristic)."""
         self.net.load_state_dict(state_dict)
         torch.manual_seed(seed)
-        specs = [s for s, _ in jobs]
+        specs = [job.spec for job in jobs]
         episodes = policy_episodes(self._envs(len(specs)), specs, self.net, greedy, router_guard() if greedy else None)
-        for ep, (spec, paired) in zip(episodes, jobs):
-            ep["spec"] = spec
-            ep["raw_return"] = float(ep["rewards"].sum())
-            ep["summary"] = summarise_records(ep.pop("records"), self._slo(spec))
+        for ep, (spec, paired) in zip(episodes, ((job.spec, job.paired) for job in jobs)):
+            ep.raw_return = float(ep.rewards.sum())
+            ep.summary = summarise_records(ep.records, self._slo(spec))
+            ep.records = None
             if paired is not None:
                 curve = self.paired_curve(spec, paired)
-                base = paired_baseline_rewards(ep["times"], curve)
-                ep["paired_return"] = float(base.sum())
-                ep["rewards"] = ep["rewards"] - base
+                base = paired_baseline_rewards(ep.times, curve)
+                ep.paired_return = float(base.sum())
+                ep.rewards = ep.rewards - base
                 if self.cfg.ppo.relative_paired:  # in units of the heuristic's mean cost per decision
-                    ep["rewards"] = ep["rewards"] / max(1e-6, curve[2] / max(1, len(curve[0])))
+                    ep.rewards = ep.rewards / max(1e-6, curve[2] / max(1, len(curve[0])))
         return episodes
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from router.policy.features import FEATURE_NAMES, N_FEATURES
-from trainer.config import ConfigError, NetworkConfig, config_from_dict
+from trainer.config import ConfigError, NetworkConfig, config_from_dict, load_config
 from trainer.instances import InstanceBuilder, InstanceSpec
 from trainer.latency import ExploreJob, explore_episode, fit_latency
 from trainer.network import RoutingNet
@@ -27,12 +27,12 @@ def test_targets_are_decision_to_first_token_times_of_the_run():
     ep = explore_episode(env, job, None)
     records = {r.request_id: r for r in env.records()}
     served = [r for r in records.values() if not r.error and np.isfinite(r.first_token_s)]
-    assert len(ep["ttft_s"]) == len(served) > 50  # one decision per request here (no crash), none lost
+    assert len(ep.ttft_s) == len(served) > 50  # one decision per request here (no crash), none lost
     # every request is routed at its arrival, so the targets are exactly the run's TTFTs
-    assert sorted(np.round(ep["ttft_s"], 9)) == sorted(round(r.ttft_s, 9) for r in served)
-    assert np.all(ep["ttft_s"] > 0)
-    assert len(set(ep["actions"].tolist())) > 2  # epsilon 0.5 explores several replicas
-    assert np.all(ep["masks"][np.arange(len(ep["actions"])), ep["actions"]] == 1)  # only healthy replicas
+    assert sorted(np.round(ep.ttft_s, 9)) == sorted(round(r.ttft_s, 9) for r in served)
+    assert np.all(ep.ttft_s > 0)
+    assert len(set(ep.actions.tolist())) > 2  # epsilon 0.5 explores several replicas
+    assert np.all(ep.masks[np.arange(len(ep.actions)), ep.actions] == 1)  # only healthy replicas
 
 
 def test_exploring_with_the_network_needs_its_weights():
@@ -65,14 +65,29 @@ def test_fit_ranks_replicas_by_the_latency_it_learned():
 
 
 def test_config_names_bad_behaviours_and_epsilons():
-    with pytest.raises(ConfigError, match="bc.behaviours.*no-such-router"):
-        config_from_dict({"env": ENV, "bc": {"behaviours": ["least-outstanding", "no-such-router"]}})
-    with pytest.raises(ConfigError, match="bc.explore_epsilon.*1.5"):
-        config_from_dict({"env": ENV, "bc": {"explore_epsilon": [0.1, 1.5]}})
-    with pytest.raises(ConfigError, match="bc.ttft_floor_s"):
-        config_from_dict({"env": ENV, "bc": {"ttft_floor_s": -0.1}})
-    with pytest.raises(ConfigError, match="bc.target"):
-        config_from_dict({"env": ENV, "bc": {"target": "guess"}})
+    with pytest.raises(ConfigError, match="warm_start.behaviours.*no-such-router"):
+        config_from_dict({"env": ENV, "warm_start": {"behaviours": ["least-outstanding", "no-such-router"]}})
+    with pytest.raises(ConfigError, match="warm_start.explore_epsilon.*1.5"):
+        config_from_dict({"env": ENV, "warm_start": {"explore_epsilon": [0.1, 1.5]}})
+    with pytest.raises(ConfigError, match="warm_start.ttft_floor_s"):
+        config_from_dict({"env": ENV, "warm_start": {"ttft_floor_s": -0.1}})
+    with pytest.raises(ConfigError, match="warm_start.target"):
+        config_from_dict({"env": ENV, "warm_start": {"target": "guess"}})
+
+
+def test_old_bc_key_is_read_as_warm_start_with_one_warning(tmp_path):
+    """Configs and checkpoints written before the rename say `bc:`; they still load, with a warning naming both keys."""
+    with pytest.warns(FutureWarning, match="'bc' is deprecated, use 'warm_start'") as caught:
+        cfg = config_from_dict({"env": ENV, "bc": {"epochs": 3, "target": "imitate"}})
+    assert len(caught) == 1
+    assert cfg.warm_start.epochs == 3 and cfg.warm_start.target == "imitate"
+    old = tmp_path / "old.yaml"
+    old.write_text("env: {scenarios: [heterogeneous]}\nbc: {epochs: 3}\n")
+    with pytest.warns(FutureWarning, match="'bc' is deprecated") as caught:
+        cfg = load_config(old, ["bc.lr=0.01", "warm_start.batch_size=64"])
+    assert (cfg.warm_start.epochs, cfg.warm_start.lr, cfg.warm_start.batch_size) == (3, 0.01, 64)
+    with pytest.raises(ConfigError, match="both 'bc' .*and 'warm_start'"):
+        config_from_dict({"env": ENV, "bc": {"epochs": 3}, "warm_start": {"epochs": 4}}, "x.yaml")
 
 
 def test_untrained_network_with_wait_prior_ranks_like_expected_wait():

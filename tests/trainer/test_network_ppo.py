@@ -11,7 +11,8 @@ import torch
 from router.policy.features import N_FEATURES
 from trainer.config import ConfigError, NetworkConfig, PPOConfig, config_from_dict, load_config
 from trainer.network import MASKED_LOGIT, RoutingNet, masked_categorical
-from trainer.ppo import Batch, Coefs, gae, ppo_update
+from trainer.ppo import Batch, Coefs, build_batch, gae, ppo_update
+from trainer.episode import Episode
 from trainer.rollout import paired_baseline_rewards
 
 
@@ -177,3 +178,30 @@ def test_train_state_round_trips_and_reads_checkpoints_written_before_it():
     state.phase, state.update = Phase.PPO, 4
     again = TrainState.from_dict(state.to_dict())
     assert again == state and state.to_dict()["phase"] == "ppo"
+    state.phase = Phase.WARM_START
+    assert TrainState.from_dict(state.to_dict()).phase is Phase.WARM_START
+
+
+def test_batch_is_the_episodes_in_order_with_gae_per_episode():
+    """Episodes are typed across the worker boundary (pickled as they are); GAE never runs across two of them."""
+    import pickle
+
+    rng = np.random.default_rng(3)
+
+    def episode(t: int, terminal: bool, last_value: float) -> Episode:
+        return Episode(
+            features=rng.random((t, 3, N_FEATURES)).astype(np.float32), masks=np.ones((t, 3), np.float32),
+            actions=rng.integers(3, size=t), logprobs=rng.random(t).astype(np.float32) - 2,
+            values=rng.random(t).astype(np.float32), rewards=rng.random(t) - 0.5, times=np.arange(t, dtype=float),
+            fallback_free_share=float("nan"), terminal=terminal, last_value=last_value,
+        )  # fmt: skip
+
+    eps = [pickle.loads(pickle.dumps(e)) for e in (episode(5, True, 0.0), episode(4, False, 2.0))]
+    batch = build_batch(eps, gamma=0.9, lam=0.8, reward_scale=2.0)
+    assert len(batch) == 9 and batch.features.shape == (9, 3, N_FEATURES)
+    assert torch.equal(batch.actions, torch.from_numpy(np.concatenate([e.actions for e in eps])))
+    for ep, rows in zip(eps, (slice(0, 5), slice(5, 9))):
+        adv, ret = gae(ep.rewards * 2.0, ep.values.astype(np.float64), ep.last_value, ep.terminal, 0.9, 0.8)
+        assert np.allclose(batch.advantages[rows].numpy(), adv, atol=1e-6)
+        assert np.allclose(batch.returns[rows].numpy(), ret, atol=1e-6)
+    assert not np.isclose(batch.advantages[8].item(), (eps[1].rewards[-1] * 2.0 - eps[1].values[-1]))  # bootstrapped tail

@@ -1,4 +1,4 @@
-"""End to end in seconds: train (selection, BC, 2 PPO updates), resume, export, ONNX parity, bad files."""
+"""End to end in seconds: train (selection, warm start, 2 PPO updates), resume, export, ONNX parity, bad files."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
 from router.policy.registry import make_policy
@@ -32,7 +33,7 @@ def run(tmp_path_factory) -> Path:
 
 
 def test_train_writes_checkpoints_logs_and_summary(run: Path):
-    for name in ("bc.pt", "best.pt", "last.pt", "metrics.csv", "summary.json"):
+    for name in ("warm_start.pt", "best.pt", "last.pt", "metrics.csv", "summary.json"):
         assert (run / name).is_file(), name
     assert list((run / "tb").glob("events.out.tfevents.*"))
     header, *rows = (run / "metrics.csv").read_text().splitlines()
@@ -41,7 +42,7 @@ def test_train_writes_checkpoints_logs_and_summary(run: Path):
     doc = read_checkpoint(run / "last.pt")
     assert doc["config"]["env"]["scenarios"] == ["steady-chat", "heterogeneous"]
     assert doc["progress"]["update"] == 2
-    assert float(doc["model"]["normaliser.count"]) > 100  # statistics from the BC data are saved
+    assert float(doc["model"]["normaliser.count"]) > 100  # statistics from the warm-start data are saved
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["best_heuristic"]) == {"steady-chat", "heterogeneous"}
 
@@ -54,6 +55,23 @@ def test_resume_continues_from_last_checkpoint(run: Path, tmp_path: Path):
     assert summary["updates"] == 3
     rows = (copy / "metrics.csv").read_text().splitlines()
     assert [r.split(",")[:2] for r in rows if r.startswith("ppo")] == [["ppo", "1"], ["ppo", "2"], ["ppo", "3"]]
+
+
+def test_a_run_from_before_the_rename_resumes_with_its_bc_checkpoint_as_kl_reference(run: Path, tmp_path: Path):
+    """Run directories written before the warm start was renamed hold `bc.pt`; PPO's KL reference is read from it."""
+    from types import SimpleNamespace
+
+    from trainer.ppo import _reference_net
+
+    old = tmp_path / "old"
+    shutil.copytree(run, old)
+    (old / "warm_start.pt").rename(old / "bc.pt")
+    cfg = load_config(ROOT / "trainer/configs/smoke.yaml", [f"run.run_dir={old}"])
+    ref = _reference_net(SimpleNamespace(cfg=cfg, run_dir=old))
+    expected = load_network(run / "warm_start.pt")[0].state_dict()
+    assert ref is not None and all(torch.equal(v, expected[k]) for k, v in ref.state_dict().items())
+    (old / "bc.pt").unlink()
+    assert _reference_net(SimpleNamespace(cfg=cfg, run_dir=old)) is None
 
 
 def test_export_parity_and_router_loads_it(run: Path, tmp_path: Path):

@@ -1,4 +1,5 @@
-"""Behaviour cloning: fit the network's logits to a heuristic's decisions (cross-entropy).
+"""Imitation warm start (`warm_start.target: imitate`), i.e. behaviour cloning: fit the network's
+logits to a heuristic's decisions (cross-entropy).
 
 Heuristics break ties at random, so the target is soft where several replicas were equally
 good to the heuristic is unknowable from one sample; plain cross-entropy on the chosen index
@@ -28,7 +29,7 @@ def behaviour_clone(
     seed: int = 0,
     progress: bool = True,
 ) -> list[dict[str, float]]:
-    """Train `net` in place; returns per-epoch {"bc/loss", "bc/accuracy", "bc/value_loss"}."""
+    """Train `net` in place; returns per-epoch {"imitate/loss", "imitate/accuracy", "imitate/value_loss"}."""
     gen = torch.Generator().manual_seed(seed)
     f = torch.from_numpy(features.astype(np.float32))
     m = torch.from_numpy(masks.astype(np.float32))
@@ -60,8 +61,8 @@ def behaviour_clone(
             tot_loss += ce.item() * k
             tot_v += v_loss.item() * k
             tot_acc += (logits.argmax(1) == a[idx]).float().sum().item()
-        stats = {"bc/loss": tot_loss / n, "bc/accuracy": tot_acc / n, "bc/value_loss": tot_v / n}
+        stats = {"imitate/loss": tot_loss / n, "imitate/accuracy": tot_acc / n, "imitate/value_loss": tot_v / n}
         history.append(stats)
-        bar.set_postfix(loss=f"{stats['bc/loss']:.3f}", acc=f"{stats['bc/accuracy']:.3f}")
+        bar.set_postfix(loss=f"{stats['imitate/loss']:.3f}", acc=f"{stats['imitate/accuracy']:.3f}")
     net.eval()
     return history
