@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
@@ -75,6 +76,7 @@ def admin_routes(proxy: Proxy, token: str, started_at: float) -> list[web.RouteD
     async def status(request: web.Request) -> web.Response:
         return web.json_response({
             "uptime_s": round(time.monotonic() - started_at, 3),
+            "pid": os.getpid(),  # which worker answered (router serve --workers N)
             "draining": proxy.draining,
             "inflight": proxy.inflight,
             "replicas": {"total": len(replicas.ordered), "routable": sum(r.routable for r in replicas.ordered)},
