@@ -25,6 +25,7 @@ from router.routing import Router
 from router.scraper import Scraper
 from router.settings import RouterSettings
 from router.shared import SharedClusterTracker, SharedLoad
+from router.worker_sync import WorkerSync
 from router.telemetry import RouterMetrics
 from router.h1client import H1Client
 from router.upstream import make_h1_client, make_session
@@ -89,6 +90,7 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         shared[0], shared[1], prefix_capacity_blocks=settings.prefix_capacity_blocks)
     replicas = ReplicaSet(settings, session_getter, clock, metrics, cluster)
     router = Router(settings, replicas, metrics, clock)
+    sync = None if shared is None else WorkerSync(shared[0], replicas, router.serving.reloaders)
     proxy = Proxy(settings, replicas, router, metrics, session_getter, lambda: app[H1])
     scraper = Scraper(replicas, session_getter, metrics, settings.scrape_interval_s, settings.scrape_timeout_s)
     metrics.add_replica_state(replica_rows(replicas))
@@ -114,8 +116,8 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         tasks = [asyncio.create_task(replicas.run_prober(), name="health-prober")]
         if settings.discover:
             tasks.append(asyncio.create_task(replicas.run_discovery(), name="dns-discovery"))
-        if shared is not None:
-            tasks.append(asyncio.create_task(replicas.run_shared_follower(), name="shared-draining"))
+        if sync is not None:
+            tasks.append(asyncio.create_task(sync.run(), name="worker-sync"))
         log.info("%d replicas, %d healthy", len(replicas.ordered), sum(r.routable for r in replicas.ordered))
         yield
         for t in tasks:
@@ -153,5 +155,6 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         ops.add_routes(probes)
     ops.add_routes([web.get("/metrics", metrics_handler)])
     if settings.admin_token is not None:
-        ops.add_routes(admin_routes(proxy, settings.admin_token.get_secret_value(), time.monotonic()))
+        ops.add_routes(admin_routes(proxy, settings.admin_token.get_secret_value(), time.monotonic(),
+                                    on_reload=None if sync is None else sync.published_reload))
     return app

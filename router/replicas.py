@@ -234,11 +234,6 @@ class ReplicaSet:
                     rep.draining = flag
                     rep.sync()
 
-    async def run_shared_follower(self, interval_s: float = 0.1) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            self.follow_shared_draining()
-
     # health probes
     async def probe(self, rep: Replica) -> bool:
         timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)

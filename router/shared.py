@@ -13,6 +13,7 @@ the policy hooks run unchanged on the worker's own counters and publish them; vi
 
 from __future__ import annotations
 
+import json
 import logging
 from multiprocessing import shared_memory
 from multiprocessing.synchronize import Lock
@@ -27,25 +28,29 @@ log = logging.getLogger("router.shared")
 FIELDS = ("outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "awaiting_first_token",
           "awaiting_prompt_tokens", "dispatched_since_scrape")
 _NAME_BYTES = 128
+_COMMAND_BYTES = 4096
 
 
 class SharedLoad:
     """The segment: counters int64[workers, max_replicas, len(FIELDS)], draining flags int64[max_replicas],
-    replica names bytes[max_replicas, 128]. The parent creates (and unlinks) it; forked workers use it."""
+    replica names bytes[max_replicas, 128], the last admin command (sequence, length, JSON bytes) for the
+    other workers to repeat. The parent creates (and unlinks) it; forked workers use it."""
 
     def __init__(self, workers: int, lock: Lock, max_replicas: int = 256, name: str | None = None) -> None:
         self.workers, self.max_replicas, self.lock = workers, max_replicas, lock
         n_counters = workers * max_replicas * len(FIELDS)
-        size = 8 * (n_counters + max_replicas) + _NAME_BYTES * max_replicas
+        names_at = 8 * (n_counters + max_replicas)
+        command_at = names_at + _NAME_BYTES * max_replicas
+        size = command_at + 16 + _COMMAND_BYTES
         self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=size)
         buf = self.shm.buf
         self.counters = np.ndarray((workers, max_replicas, len(FIELDS)), np.int64, buf)
         self.draining = np.ndarray((max_replicas,), np.int64, buf, offset=8 * n_counters)
-        self.names = np.ndarray((max_replicas, _NAME_BYTES), np.uint8, buf, offset=8 * (n_counters + max_replicas))
+        self.names = np.ndarray((max_replicas, _NAME_BYTES), np.uint8, buf, offset=names_at)
+        self.command_head = np.ndarray((2,), np.int64, buf, offset=command_at)  # sequence, length
+        self.command_body = np.ndarray((_COMMAND_BYTES,), np.uint8, buf, offset=command_at + 16)
         if name is None:
-            self.counters[:] = 0
-            self.draining[:] = 0
-            self.names[:] = 0
+            buf[:size] = bytes(size)
 
     def column(self, replica_id: str) -> int | None:
         """The column of `replica_id` (claimed if new); None when the table is full or the id too long."""
@@ -64,12 +69,29 @@ class SharedLoad:
                     return col
         return None
 
+    def publish_command(self, command: dict) -> int:
+        """Stores `command` (JSON) for the other workers; returns its sequence number."""
+        raw = json.dumps(command).encode()
+        if len(raw) > _COMMAND_BYTES:
+            raise ValueError(f"admin command too long to share ({len(raw)} bytes > {_COMMAND_BYTES})")
+        with self.lock:
+            self.command_body[: len(raw)] = np.frombuffer(raw, np.uint8)
+            self.command_head[1] = len(raw)
+            self.command_head[0] += 1
+            return int(self.command_head[0])
+
+    def last_command(self) -> tuple[int, dict | None]:
+        """(sequence, command): sequence 0 when none was published."""
+        with self.lock:
+            seq, n = int(self.command_head[0]), int(self.command_head[1])
+            return seq, (json.loads(self.command_body[:n].tobytes()) if seq else None)
+
     def clear_slot(self, slot: int) -> None:
         """A worker that died left its in-flight requests counted: the parent zeroes its row before a restart."""
         self.counters[slot] = 0
 
     def close(self) -> None:
-        del self.counters, self.draining, self.names  # release the buffer exports before closing
+        del self.counters, self.draining, self.names, self.command_head, self.command_body  # release the buffer exports before closing
         self.shm.close()
 
     def unlink(self) -> None:

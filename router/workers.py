@@ -38,6 +38,14 @@ def bind(host: str, port: int, backlog: int = 1024) -> socket.socket:
     return sock
 
 
+def worker_settings(settings: RouterSettings, slot: int) -> RouterSettings:
+    """Worker `slot`'s settings: its own decision log directory, DIR/worker-<slot> (files of one writer each,
+    so rotation and `keep` stay per file set; read each worker's directory)."""
+    if settings.decision_log_dir is None:
+        return settings
+    return settings.model_copy(update={"decision_log_dir": settings.decision_log_dir / f"worker-{slot}"})
+
+
 def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> int:
     """Runs settings.workers workers until SIGTERM/SIGINT; `worker_main(settings, socks, shared)` is one
     worker's life (router.cli.serve_worker). Returns the exit status."""
@@ -66,7 +74,7 @@ def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> in
                     if other is not socks[slot]:
                         for s in other:
                             s.close()
-                code = worker_main(settings, socks[slot], (load, slot))
+                code = worker_main(worker_settings(settings, slot), socks[slot], (load, slot))
             except BaseException:  # noqa: BLE001 - a worker's crash is logged, the parent restarts it
                 log.exception("worker %d failed", slot)
             finally:

@@ -183,3 +183,31 @@ async def test_metrics_aggregate_and_drain_reaches_every_worker(fakes):
         assert reps[0].requests == before
         w.proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(w.proc.wait(), 20) == 0
+
+
+@pytest.mark.timeout(90)
+async def test_an_admin_reload_through_one_worker_reloads_every_worker(fakes, tmp_path):
+    reps = await fakes(2)
+    async with workers(reps, "--policy", "learned", "--decision-log", str(tmp_path)) as w:
+        sa, sb = w.by_pid.values()
+
+        async def reloads(s: aiohttp.ClientSession) -> int:
+            async with s.get(w.url + "/admin/serving", headers=AUTH) as resp:
+                return len((await resp.json())["reload"]["main"]["history"])
+
+        before = await reloads(sb)
+        async with sa.post(w.url + "/admin/policy/reload", headers=AUTH) as resp:
+            assert resp.status == 200, await resp.text()
+        for _ in range(100):
+            if await reloads(sb) == before + 1:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("a reload through worker A did not reach worker B")
+        await asyncio.sleep(0.3)
+        assert await reloads(sa) == before + 1  # worker A does not repeat its own reload
+        async with sb.post(w.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}) as resp:
+            assert resp.status == 200
+        w.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(w.proc.wait(), 20) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-0", "worker-1"]  # one writer per log file
