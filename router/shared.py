@@ -165,11 +165,17 @@ class SharedClusterTracker(ClusterTracker):
         self.load, self.slot = load, slot
         self._cols: dict[str, int] = {}
         self._ncols = 0
+        self._removed: dict[str, ReplicaTracker] = {}  # a removed replica's tracker still owns its column's row
         super().__init__([], **kwargs)
 
     def add(self, replica_id: str) -> ReplicaTracker:
         if replica_id in self.by_id:
             return self.by_id[replica_id]
+        t = self._removed.pop(replica_id, None)
+        if t is not None:  # back (DNS flap): the same tracker, so its requests in flight stay counted once
+            self.trackers.append(t)
+            self.by_id[replica_id] = t
+            return t
         col = self.load.column(replica_id)
         if col is None:
             log.warning("replica %s: no shared column left, its load is this worker's only", replica_id)
@@ -181,6 +187,12 @@ class SharedClusterTracker(ClusterTracker):
         self.trackers.append(t)
         self.by_id[replica_id] = t
         return t
+
+    def remove(self, replica_id: str) -> None:
+        t = self.by_id.get(replica_id)
+        super().remove(replica_id)
+        if isinstance(t, SharedReplicaTracker):
+            self._removed[replica_id] = t
 
     def refresh(self) -> None:
         """Reads every worker's counters into the trackers' host-wide sums (one numpy sum per call)."""

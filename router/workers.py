@@ -10,7 +10,7 @@ router's (no staleness across processes) for N small scrapes per interval per re
 N = cores is negligible next to vLLM's own /metrics cost.
 
 SIGTERM/SIGINT to the parent is passed to every worker, which drains as a single router does; the
-parent then removes the shared memory and the metrics directory. A worker that dies is restarted with
+parent then removes the metrics directory (the shared memory has no name once the workers are forked). A worker that dies is restarted with
 its slot of in-flight counts zeroed.
 """
 
@@ -56,6 +56,7 @@ def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> in
     from router.shared import SharedLoad
 
     load = SharedLoad(settings.workers, multiprocessing.get_context("fork").Lock())
+    load.unlink()  # forked workers inherit the mapping: no name is needed, and none is left behind even on SIGKILL
     socks = [[bind(settings.host, settings.port)] for _ in range(settings.workers)]  # [worker][listener, ops]
     if settings.ops_port is not None:
         for ws in socks:
@@ -121,7 +122,6 @@ def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> in
             for s in ws:
                 s.close()
         load.close()
-        load.unlink()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         log.info("stopped")
 

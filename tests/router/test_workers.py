@@ -211,3 +211,19 @@ async def test_an_admin_reload_through_one_worker_reloads_every_worker(fakes, tm
         w.proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(w.proc.wait(), 20) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-0", "worker-1"]  # one writer per log file
+
+
+def test_a_replica_removed_and_added_again_keeps_its_requests_in_flight_counted_once():
+    load = SharedLoad(1, multiprocessing.get_context("fork").Lock())
+    try:
+        c = SharedClusterTracker(load, 0)
+        c.add("r0:1")
+        old = c.dispatch(0, RequestInfo("q1", 10))
+        c.remove("r0:1")
+        assert c.add("r0:1") is old
+        c.dispatch(0, RequestInfo("q2", 10))
+        old.on_complete("q1")
+        assert c.view(0.0, RequestInfo("q3", 1)).replicas[0].outstanding == 1
+    finally:
+        load.close()
+        load.unlink()
