@@ -120,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     if settings.workers > 1:
         from router.workers import run_workers
 
-        return run_workers(settings, serve_worker)
+        try:
+            return run_workers(settings, serve_worker)
+        except OSError as exc:
+            print(f"router: {exc.strerror}", file=sys.stderr)
+            return 2
     return serve_worker(settings)
 
 

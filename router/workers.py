@@ -38,6 +38,24 @@ def bind(host: str, port: int, backlog: int = 1024) -> socket.socket:
     return sock
 
 
+def listeners(settings: RouterSettings) -> list[list[socket.socket]]:
+    """[worker][public, ops?] sockets; OSError names the address that could not be bound."""
+    socks: list[list[socket.socket]] = []
+    addrs = [(settings.host, settings.port)]
+    if settings.ops_port is not None:
+        addrs.append((settings.ops_host or settings.host, settings.ops_port))
+    try:
+        for _ in range(settings.workers):
+            socks.append([])
+            for host, port in addrs:
+                socks[-1].append(bind(host, port))
+    except OSError as exc:
+        for s in (s for ws in socks for s in ws):
+            s.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return socks
+
+
 def worker_settings(settings: RouterSettings, slot: int) -> RouterSettings:
     """Worker `slot`'s settings: its own decision log directory, DIR/worker-<slot> (files of one writer each,
     so rotation and `keep` stay per file set; read each worker's directory)."""
@@ -49,6 +67,7 @@ def worker_settings(settings: RouterSettings, slot: int) -> RouterSettings:
 def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> int:
     """Runs settings.workers workers until SIGTERM/SIGINT; `worker_main(settings, socks, shared)` is one
     worker's life (router.cli.serve_worker). Returns the exit status."""
+    socks = listeners(settings)
     if "prometheus_client" in __import__("sys").modules:
         raise RuntimeError("prometheus_client was imported before the workers' metrics directory was set")
     metrics_dir = tempfile.mkdtemp(prefix="routewise-metrics-")
@@ -57,10 +76,6 @@ def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> in
 
     load = SharedLoad(settings.workers, multiprocessing.get_context("fork").Lock())
     load.unlink()  # forked workers inherit the mapping: no name is needed, and none is left behind even on SIGKILL
-    socks = [[bind(settings.host, settings.port)] for _ in range(settings.workers)]  # [worker][listener, ops]
-    if settings.ops_port is not None:
-        for ws in socks:
-            ws.append(bind(settings.ops_host or settings.host, settings.ops_port))
     children: dict[int, int] = {}  # pid -> slot
     stopping = False
 
