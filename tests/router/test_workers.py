@@ -227,3 +227,23 @@ def test_a_replica_removed_and_added_again_keeps_its_requests_in_flight_counted_
     finally:
         load.close()
         load.unlink()
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_that_dies_is_restarted_with_its_in_flight_counts_cleared(fakes):
+    reps = await fakes(2, token_delay_s=0.05)
+    async with workers(reps) as w:
+        pid_a, pid_b = w.by_pid
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 200}  # 10 s: still in flight when A dies
+        doomed = asyncio.create_task(w.by_pid[pid_a].post(w.url + "/v1/completions", json=body))
+        await wait_for(lambda: reps[0].active + reps[1].active == 1)
+        assert await _metric(w.by_pid[pid_b], w.url, "llm_router_outstanding_requests") == 1
+        os.kill(pid_a, signal.SIGKILL)
+        with pytest.raises(aiohttp.ClientError):
+            await asyncio.wait_for(doomed, 10)
+        w.by_pid.pop(pid_a)
+        restarted = await w.pinned()  # a connection to a worker that is neither B nor the dead A
+        assert await _pid(restarted, w.url) not in (pid_a, pid_b)
+        assert await _metric(w.by_pid[pid_b], w.url, "llm_router_outstanding_requests") == 0
+        w.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(w.proc.wait(), 20) == 0
