@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hmac
+import json
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
@@ -51,7 +53,10 @@ def replica_info(rep: Replica, now: float) -> dict[str, Any]:
     }
 
 
-def admin_routes(proxy: Proxy, token: str, started_at: float) -> list[web.RouteDef]:
+def admin_routes(proxy: Proxy, token: str, started_at: float,
+                 on_reload: Callable[[str, str], None] | None = None) -> list[web.RouteDef]:
+    """`on_reload(arm, path)` after a successful POST /admin/policy/reload (router.worker_sync: the other
+    workers repeat it)."""
     expected = f"Bearer {token}".encode()
 
     def guarded(handler: Handler) -> Handler:
@@ -75,6 +80,7 @@ def admin_routes(proxy: Proxy, token: str, started_at: float) -> list[web.RouteD
     async def status(request: web.Request) -> web.Response:
         return web.json_response({
             "uptime_s": round(time.monotonic() - started_at, 3),
+            "pid": os.getpid(),  # which worker answered (router serve --workers N)
             "draining": proxy.draining,
             "inflight": proxy.inflight,
             "replicas": {"total": len(replicas.ordered), "routable": sum(r.routable for r in replicas.ordered)},
@@ -103,10 +109,24 @@ def admin_routes(proxy: Proxy, token: str, started_at: float) -> list[web.RouteD
         replicas.restore(rep.id)
         return web.json_response(replica_info(rep, replicas.clock()))
 
-    return serving_routes(proxy.router.serving, proxy.router.main.arm, guarded) + [
+    served = serving_routes(proxy.router.serving, proxy.router.main.arm, guarded)
+    if on_reload is not None:
+        served = [_after_reload(r, on_reload) if r.path == "/admin/policy/reload" else r for r in served]
+    return served + [
         web.get("/admin/status", guarded(status)),
         web.get("/admin/replicas", guarded(list_replicas)),
         web.get("/admin/policy", guarded(policy)),
         web.post("/admin/replicas/{id}/drain", guarded(drain)),
         web.post("/admin/replicas/{id}/restore", guarded(restore)),
     ]
+
+
+def _after_reload(route: web.RouteDef, on_reload: Callable[[str, str], None]) -> web.RouteDef:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = await route.handler(request)
+        if resp.status == 200 and isinstance(resp, web.Response) and resp.body is not None:
+            done = json.loads(resp.body)
+            on_reload(done["arm"], done["path"])
+        return resp
+
+    return web.route(route.method, route.path, handler)

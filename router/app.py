@@ -24,6 +24,8 @@ from router.replicas import ReplicaSet
 from router.routing import Router
 from router.scraper import Scraper
 from router.settings import RouterSettings
+from router.shared import SharedClusterTracker, SharedLoad
+from router.worker_sync import WorkerSync
 from router.telemetry import RouterMetrics
 from router.h1client import H1Client
 from router.upstream import make_h1_client, make_session
@@ -52,6 +54,8 @@ def replica_rows(replicas: ReplicaSet):
 
     def rows():
         now = replicas.clock()
+        if isinstance(replicas.cluster, SharedClusterTracker):
+            replicas.cluster.refresh()  # host-wide in-flight counts
         for rep in replicas.ordered:
             t = rep.tracker
             yield rep.id, {
@@ -72,15 +76,21 @@ def handler_args(settings: RouterSettings) -> dict[str, Any]:
     return {"max_field_size": 65536, "keepalive_timeout": settings.keepalive_timeout_s, "lingering_time": 1.0}
 
 
-def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.monotonic) -> web.Application:
+def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.monotonic,
+               shared: tuple[SharedLoad, int] | None = None) -> web.Application:
     """The public app. With settings.ops_port, /metrics and /admin/* live on app[OPS_APP] instead (serve it
-    on its own listener); /health and /ready are on both."""
+    on its own listener); /health and /ready are on both. `shared` = (segment, worker slot) makes it one
+    worker of several (router.workers): decisions see the host's in-flight load, drain/restore are host-wide
+    and /metrics aggregates all workers (prometheus_client multiprocess mode)."""
     app = web.Application(client_max_size=settings.max_body_bytes, handler_args=handler_args(settings),
                           middlewares=[openai_errors])
     metrics = RouterMetrics()
     session_getter = lambda: app[SESSION]  # noqa: E731 - the session exists once the app starts
-    replicas = ReplicaSet(settings, session_getter, clock, metrics)
+    cluster = None if shared is None else SharedClusterTracker(
+        shared[0], shared[1], prefix_capacity_blocks=settings.prefix_capacity_blocks)
+    replicas = ReplicaSet(settings, session_getter, clock, metrics, cluster)
     router = Router(settings, replicas, metrics, clock)
+    sync = None if shared is None else WorkerSync(shared[0], replicas, router.serving.reloaders)
     proxy = Proxy(settings, replicas, router, metrics, session_getter, lambda: app[H1])
     scraper = Scraper(replicas, session_getter, metrics, settings.scrape_interval_s, settings.scrape_timeout_s)
     metrics.add_replica_state(replica_rows(replicas))
@@ -106,6 +116,8 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         tasks = [asyncio.create_task(replicas.run_prober(), name="health-prober")]
         if settings.discover:
             tasks.append(asyncio.create_task(replicas.run_discovery(), name="dns-discovery"))
+        if sync is not None:
+            tasks.append(asyncio.create_task(sync.run(), name="worker-sync"))
         log.info("%d replicas, %d healthy", len(replicas.ordered), sum(r.routable for r in replicas.ordered))
         yield
         for t in tasks:
@@ -123,8 +135,10 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     app.cleanup_ctx.extend([session_ctx, replicas_ctx, scraper_ctx, router.serving.cleanup_ctx])
     app.on_shutdown.append(on_shutdown)
 
+    exposed = metrics.registry if shared is None else metrics.multiprocess_registry()
+
     async def metrics_handler(request: web.Request) -> web.Response:
-        resp = web.Response(body=generate_latest(metrics.registry))
+        resp = web.Response(body=generate_latest(exposed))
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
@@ -141,5 +155,6 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         ops.add_routes(probes)
     ops.add_routes([web.get("/metrics", metrics_handler)])
     if settings.admin_token is not None:
-        ops.add_routes(admin_routes(proxy, settings.admin_token.get_secret_value(), time.monotonic()))
+        ops.add_routes(admin_routes(proxy, settings.admin_token.get_secret_value(), time.monotonic(),
+                                    on_reload=None if sync is None else sync.published_reload))
     return app

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 
 from aiohttp import web
@@ -54,20 +55,27 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ops-port", type=int, help="serve /metrics and /admin/* on this port only, not on --port")
     s.add_argument("--ops-host", help="listen address of --ops-port (default: --host)")
     s.add_argument("--scrape-interval", type=float, dest="scrape_interval_s", help="seconds between /metrics scrapes")
+    s.add_argument("--workers", type=int, help="worker processes sharing the port and one view of the in-flight "
+                   "load (default 1; on a dedicated host, its core count)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])
     return p
 
 
-async def serve(settings: RouterSettings) -> None:
+async def serve(settings: RouterSettings, socks: list[socket.socket] | None = None, shared=None) -> None:
+    """Serves until SIGTERM/SIGINT, then drains. `socks` (listening, ops) and `shared` (router.shared.SharedLoad,
+    slot) make this one worker of `router serve --workers N` (router.workers)."""
     from router.app import OPS_APP, PROXY, create_app
     from router.listener import RouterRunner
 
-    app = create_app(settings)
+    app = create_app(settings, shared=shared)
     access_log = logging.getLogger("router.access") if settings.access_log else None
     runner = RouterRunner(app, settings=settings, handle_signals=False, access_log=access_log,
                           handler_cancellation=True, shutdown_timeout=settings.drain_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_address=True)
+    if socks is None:
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_address=True)
+    else:
+        site = web.SockSite(runner, socks[0])
     await site.start()
     log = logging.getLogger("router")
     log.info("routewise router on http://%s:%d, policy %s", settings.host, settings.port, settings.policy)
@@ -77,7 +85,10 @@ async def serve(settings: RouterSettings) -> None:
                                   shutdown_timeout=1.0)
         await ops_runner.setup()
         ops_host = settings.ops_host or settings.host
-        await web.TCPSite(ops_runner, ops_host, settings.ops_port, reuse_address=True).start()
+        if socks is None:
+            await web.TCPSite(ops_runner, ops_host, settings.ops_port, reuse_address=True).start()
+        else:
+            await web.SockSite(ops_runner, socks[1]).start()
         log.info("metrics and admin API on http://%s:%d", ops_host, settings.ops_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -104,7 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    pid = " %(process)d" if settings.workers > 1 else ""
+    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s")
+    if settings.workers > 1:
+        from router.workers import run_workers
+
+        try:
+            return run_workers(settings, serve_worker)
+        except OSError as exc:
+            print(f"router: {exc.strerror}", file=sys.stderr)
+            return 2
+    return serve_worker(settings)
+
+
+def serve_worker(settings: RouterSettings, socks: list[socket.socket] | None = None, shared=None) -> int:
     try:
         import uvloop
 
@@ -112,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as r:
-        r.run(serve(settings))
+        r.run(serve(settings, socks, shared))
     return 0
 
 

@@ -21,6 +21,7 @@ from yarl import URL
 from router.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
 from router.policy.tracking import ClusterTracker, ReplicaTracker
 from router.settings import RouterSettings, replica_id
+from router.shared import SharedClusterTracker
 from router.telemetry import RouterMetrics
 
 log = logging.getLogger("router.replicas")
@@ -105,12 +106,14 @@ class ReplicaSet:
     def __init__(
         self, settings: RouterSettings, session_getter: Callable[[], aiohttp.ClientSession],
         clock: Callable[[], float] = time.monotonic, metrics: RouterMetrics | None = None,
+        cluster: ClusterTracker | None = None,
     ) -> None:
         self.settings = settings
         self._session = session_getter
         self.clock = clock
         self.metrics = metrics
-        self.cluster = ClusterTracker([], prefix_capacity_blocks=settings.prefix_capacity_blocks)
+        # a SharedClusterTracker with `router serve --workers N`: in-flight load and draining host-wide
+        self.cluster = cluster or ClusterTracker([], prefix_capacity_blocks=settings.prefix_capacity_blocks)
         self.by_id: dict[str, Replica] = {}
         self.ordered: list[Replica] = []  # aligned with self.cluster.trackers (view indices)
         self.known_models: frozenset[str] = frozenset()
@@ -208,16 +211,28 @@ class ReplicaSet:
 
     # admin
     def drain(self, rid: str) -> Replica:
-        rep = self.by_id[rid]
-        rep.draining = True
-        rep.sync()
-        return rep
+        return self._set_draining(rid, True)
 
     def restore(self, rid: str) -> Replica:
+        return self._set_draining(rid, False)
+
+    def _set_draining(self, rid: str, draining: bool) -> Replica:
         rep = self.by_id[rid]
-        rep.draining = False
+        rep.draining = draining
         rep.sync()
+        if isinstance(self.cluster, SharedClusterTracker):
+            self.cluster.publish_draining(rid, draining)
         return rep
+
+    def follow_shared_draining(self) -> None:
+        """Applies drain/restore done through another worker's admin API (--workers N)."""
+        if isinstance(self.cluster, SharedClusterTracker):
+            for rep in self.ordered:
+                flag = self.cluster.draining_of(rep.id)
+                if flag is not None and flag != rep.draining:
+                    log.info("replica %s %s by another worker", rep.id, "drained" if flag else "restored")
+                    rep.draining = flag
+                    rep.sync()
 
     # health probes
     async def probe(self, rep: Replica) -> bool:

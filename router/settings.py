@@ -154,6 +154,8 @@ class RouterSettings(BaseSettings):
     admin_token: SecretStr | None = None
     admin_token_file: Path | None = Field(None, description="read admin_token from this file (not visible in ps)")
     drain_timeout_s: float = Field(30.0, ge=0)
+    workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port and the host's in-flight "
+                         "load (router.workers); 1 = a single process")
 
     @field_validator("passthrough_paths", mode="before")
     @classmethod

@@ -108,8 +108,21 @@ class RouterMetrics:
         )
         self.policy_info = Gauge(
             "llm_router_policy_info", "The policy serving each arm (always 1).",
-            ["arm", "name", "version", "feature_hash"], registry=r,
+            ["arm", "name", "version", "feature_hash"], registry=r, multiprocess_mode="max",
         )
+        self.replica_state: ReplicaStateCollector | None = None
 
     def add_replica_state(self, rows: Callable[[], Iterable[tuple[str, dict[str, float | None]]]]) -> None:
-        self.registry.register(ReplicaStateCollector(rows))
+        self.replica_state = ReplicaStateCollector(rows)
+        self.registry.register(self.replica_state)
+
+    def multiprocess_registry(self) -> CollectorRegistry:
+        """With several workers (PROMETHEUS_MULTIPROC_DIR set before prometheus_client was imported): every
+        worker's counters and histograms summed, plus the per-replica state, which reads host-wide counts."""
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        if self.replica_state is not None:
+            registry.register(self.replica_state)
+        return registry

@@ -1,11 +1,14 @@
-"""Router overhead benchmark: backend direct vs nginx vs the routewise router (a script, not a test).
+"""Router overhead benchmark: backend direct vs nginx vs vllm-router vs the routewise router (a script, not a test).
 
-    .venv/bin/python tests/bench/router_bench.py [--duration 20] [--wrk-duration 10] [--json]
+    .venv/bin/python tests/bench/router_bench.py [--duration 20] [--wrk-duration 10] [--workers 1,2]
+        [--vllm-router .venv-vr/bin/vllm-router] [--policy least-outstanding] [--json]
 
 Starts a trivial fast backend (raw asyncio HTTP server answering OpenAI-shaped completions,
-streamed or not, plus /health, /metrics, /v1/models), the router in a subprocess
-(`router serve --policy least-outstanding`), and nginx (one worker, proxy_buffering off) in front
-of the same backend. Measures
+streamed or not, plus /health, /metrics, /v1/models), the router in a subprocess per --workers
+count (`router serve --workers N --policy least-outstanding`, named routewise-wN), nginx (one
+worker, proxy_buffering off) and, with --vllm-router (or .venv-vr/bin/vllm-router when present:
+`python -m venv .venv-vr && .venv-vr/bin/pip install vllm-router==0.1.17`), vllm-router
+(round_robin) in front of the same backend. Measures
   (a) added latency p50/p99 vs direct at a fixed open-loop rate (default 50 req/s, 20 s), and
   (b) max requests/s with wrk, non-streaming and streaming, for direct, nginx and router.
 Everything listens on 127.0.0.1 and runs in its own process group; all are stopped at the end.
@@ -241,6 +244,11 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of open-loop load per target")
     ap.add_argument("--wrk-duration", type=int, default=10, help="seconds per wrk run")
     ap.add_argument("--connections", type=int, default=32, help="wrk connections")
+    ap.add_argument("--workers", default="1", help="comma-separated router worker counts, one target each (e.g. 1,2)")
+    ap.add_argument("--policy", default="least-outstanding", help="routewise policy")
+    ap.add_argument("--vllm-router", default=str(REPO / ".venv-vr/bin/vllm-router"),
+                    help="vllm-router executable (skipped when absent)")
+    ap.add_argument("--nice", type=int, default=0, help="run the proxies under nice -n N (shared machines)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--backend-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -252,22 +260,32 @@ def main() -> int:
             sys.exit(f"{tool} not found")
 
     tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    bport, rport, nport = free_port(), free_port(), free_port()
+    bport, nport = free_port(), free_port()
+    nice = ["nice", "-n", str(args.nice)] if args.nice else []
     procs: list[subprocess.Popen] = []
     try:
         procs.append(subprocess.Popen([sys.executable, __file__, "--backend-only", str(bport)], start_new_session=True))
         wait_port(bport)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(rport),
-             "--replica", f"http://127.0.0.1:{bport}", "--policy", "least-outstanding", "--log-level", "warning"],
-            cwd=REPO, start_new_session=True))
+        targets = {"direct": bport, "nginx": nport}
         (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, backend=bport, port=nport))
         nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-        procs.append(subprocess.Popen([nginx, "-c", str(tmp / "nginx.conf"), "-p", str(tmp), "-g", "daemon off;"],
+        procs.append(subprocess.Popen([*nice, nginx, "-c", str(tmp / "nginx.conf"), "-p", str(tmp), "-g", "daemon off;"],
                                       start_new_session=True))
-        wait_port(rport, "/ready")
         wait_port(nport)
-        targets = {"direct": bport, "nginx": nport, "router": rport}
+        if Path(args.vllm_router).exists():
+            vport = targets["vllm-router"] = free_port()
+            procs.append(subprocess.Popen(
+                [*nice, args.vllm_router, "--host", "127.0.0.1", "--port", str(vport), "--worker-urls",
+                 f"http://127.0.0.1:{bport}", "--policy", "round_robin", "--log-level", "warning"],
+                start_new_session=True, stdout=subprocess.DEVNULL))
+            wait_port(vport, "/health", timeout=60)
+        for n in (int(w) for w in args.workers.split(",")):
+            rport = targets[f"routewise-w{n}"] = free_port()
+            procs.append(subprocess.Popen(
+                [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
+                 "--port", str(rport), "--replica", f"http://127.0.0.1:{bport}", "--policy", args.policy,
+                 "--log-level", "warning"], cwd=REPO, start_new_session=True))
+            wait_port(rport, "/ready")
         results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}
         for name, port in targets.items():
             lat = asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/completions", args.rate, args.duration))
@@ -284,23 +302,24 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     d = results["latency_ms"]["direct"]
-    for name in ("nginx", "router"):
+    proxies = [t for t in targets if t != "direct"]
+    for name in proxies:
         r = results["latency_ms"][name]
         r["added_p50"], r["added_p99"] = r["p50"] - d["p50"], r["p99"] - d["p99"]
-    for key, row in results["rps"].items():
-        row["router_vs_nginx"] = row["router"] / row["nginx"]
+    results["rps_vs_nginx"] = {key: {t: row[t] / row["nginx"] for t in proxies} for key, row in results["rps"].items()}
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
     print(f"(a) latency at {args.rate:g} req/s open loop, {args.duration:g} s each, non-streaming (ms)")
-    print(f"{'target':<8} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8}")
-    for name in ("direct", "nginx", "router"):
+    print(f"{'target':<14} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8}")
+    for name in targets:
         r = results["latency_ms"][name]
-        print(f"{name:<8} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f}")
-    print(f"\n(b) max requests/s with wrk -t1 -c{args.connections} -d{args.wrk_duration}s")
-    print(f"{'mode':<14} {'direct':>9} {'nginx':>9} {'router':>9} {'router/nginx':>13}")
-    for key, row in results["rps"].items():
-        print(f"{key:<14} {row['direct']:9.0f} {row['nginx']:9.0f} {row['router']:9.0f} {row['router_vs_nginx']:13.2f}")
+        print(f"{name:<14} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f}")
+    print(f"\n(b) max requests/s with wrk -t1 -c{args.connections} -d{args.wrk_duration}s (x nginx)")
+    print(f"{'target':<14} " + " ".join(f"{key:>22}" for key in results["rps"]))
+    for name in targets:
+        cells = [f"{row[name]:9.0f} ({row[name] / row['nginx']:4.2f}x)" for row in results["rps"].values()]
+        print(f"{name:<14} " + " ".join(f"{c:>22}" for c in cells))
     return 0
 
 

@@ -1,0 +1,219 @@
+"""One host's in-flight load shared by the router's worker processes (`router serve --workers N`).
+
+A shared-memory segment holds, per worker slot and per replica column, the counters decisions read
+(outstanding requests, outstanding prompt/decode tokens, requests awaiting a first token and their
+prompt tokens, dispatches since the last scrape). Each worker writes only its own slot row; readers
+sum the rows, so a worker's view counts every request the host has in flight, not its own slice.
+Replica ids map to columns through a name table (claimed under a lock, so every worker agrees), and a
+per-column draining flag carries admin drain/restore to all workers.
+
+`SharedClusterTracker` is a `ClusterTracker` whose trackers keep this sharing out of router/policy:
+the policy hooks run unchanged on the worker's own counters and publish them; views read the sums.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from multiprocessing import shared_memory
+from multiprocessing.synchronize import Lock
+
+import numpy as np
+
+from router.policy.tracking import ClusterTracker, ReplicaTracker
+from router.policy.types import ClusterView, RequestInfo
+
+log = logging.getLogger("router.shared")
+
+FIELDS = ("outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "awaiting_first_token",
+          "awaiting_prompt_tokens", "dispatched_since_scrape")
+_NAME_BYTES = 128
+_COMMAND_BYTES = 4096
+
+
+class SharedLoad:
+    """The segment: counters int64[workers, max_replicas, len(FIELDS)], draining flags int64[max_replicas],
+    replica names bytes[max_replicas, 128], the last admin command (sequence, length, JSON bytes) for the
+    other workers to repeat. The parent creates (and unlinks) it; forked workers use it."""
+
+    def __init__(self, workers: int, lock: Lock, max_replicas: int = 256, name: str | None = None) -> None:
+        self.workers, self.max_replicas, self.lock = workers, max_replicas, lock
+        n_counters = workers * max_replicas * len(FIELDS)
+        names_at = 8 * (n_counters + max_replicas)
+        command_at = names_at + _NAME_BYTES * max_replicas
+        size = command_at + 16 + _COMMAND_BYTES
+        self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=size)
+        buf = self.shm.buf
+        self.counters = np.ndarray((workers, max_replicas, len(FIELDS)), np.int64, buf)
+        self.draining = np.ndarray((max_replicas,), np.int64, buf, offset=8 * n_counters)
+        self.names = np.ndarray((max_replicas, _NAME_BYTES), np.uint8, buf, offset=names_at)
+        self.command_head = np.ndarray((2,), np.int64, buf, offset=command_at)  # sequence, length
+        self.command_body = np.ndarray((_COMMAND_BYTES,), np.uint8, buf, offset=command_at + 16)
+        if name is None:
+            buf[:size] = bytes(size)
+
+    def column(self, replica_id: str) -> int | None:
+        """The column of `replica_id` (claimed if new); None when the table is full or the id too long."""
+        raw = replica_id.encode()
+        if len(raw) >= _NAME_BYTES:
+            return None
+        key = np.zeros(_NAME_BYTES, np.uint8)
+        key[: len(raw)] = np.frombuffer(raw, np.uint8)
+        with self.lock:
+            for col in range(self.max_replicas):
+                row = self.names[col]
+                if not row[0]:
+                    row[:] = key
+                    return col
+                if np.array_equal(row, key):
+                    return col
+        return None
+
+    def publish_command(self, command: dict) -> int:
+        """Stores `command` (JSON) for the other workers; returns its sequence number."""
+        raw = json.dumps(command).encode()
+        if len(raw) > _COMMAND_BYTES:
+            raise ValueError(f"admin command too long to share ({len(raw)} bytes > {_COMMAND_BYTES})")
+        with self.lock:
+            self.command_body[: len(raw)] = np.frombuffer(raw, np.uint8)
+            self.command_head[1] = len(raw)
+            self.command_head[0] += 1
+            return int(self.command_head[0])
+
+    def last_command(self) -> tuple[int, dict | None]:
+        """(sequence, command): sequence 0 when none was published."""
+        with self.lock:
+            seq, n = int(self.command_head[0]), int(self.command_head[1])
+            return seq, (json.loads(self.command_body[:n].tobytes()) if seq else None)
+
+    def clear_slot(self, slot: int) -> None:
+        """A worker that died left its in-flight requests counted: the parent zeroes its row before a restart."""
+        self.counters[slot] = 0
+
+    def close(self) -> None:
+        del self.counters, self.draining, self.names, self.command_head, self.command_body  # release the buffer exports before closing
+        self.shm.close()
+
+    def unlink(self) -> None:
+        self.shm.unlink()
+
+
+class SharedReplicaTracker(ReplicaTracker):
+    """A ReplicaTracker whose FIELDS are this worker's own counts inside its hooks (which the policy code
+    runs unchanged, then published to the worker's slot) and the host's sums everywhere else (views,
+    metrics, admin), as of the cluster's last `refresh()`."""
+
+    def __init__(self, replica_id: str, row: np.ndarray) -> None:
+        self._row = row  # this worker's slot, this replica's column: written by this process only
+        self._own = [0] * len(FIELDS)
+        self._total = [0] * len(FIELDS)
+        self._hook = True
+        super().__init__(replica_id)
+        self._hook = False
+
+    def on_dispatch(self, request: RequestInfo) -> None:
+        self._hook = True
+        try:
+            super().on_dispatch(request)
+        finally:
+            self._publish()
+
+    def on_first_token(self, request_id: str, ttft_s: float) -> None:
+        self._hook = True
+        try:
+            super().on_first_token(request_id, ttft_s)
+        finally:
+            self._publish()
+
+    def on_complete(self, request_id: str, tpot_s: float | None = None) -> None:
+        self._hook = True
+        try:
+            super().on_complete(request_id, tpot_s)
+        finally:
+            self._publish()
+
+    def on_scrape(self, *args, **kwargs) -> None:
+        self._hook = True
+        try:
+            super().on_scrape(*args, **kwargs)
+        finally:
+            self._publish()
+
+    def _publish(self) -> None:
+        self._row[:] = self._own
+        self._hook = False
+
+
+def _field(i: int) -> property:
+    def get(self: SharedReplicaTracker) -> int:
+        return self._own[i] if self._hook else self._total[i]
+
+    def set_(self: SharedReplicaTracker, value: int) -> None:
+        self._own[i] = value
+
+    return property(get, set_)
+
+
+for _i, _name in enumerate(FIELDS):
+    setattr(SharedReplicaTracker, _name, _field(_i))
+
+
+class SharedClusterTracker(ClusterTracker):
+    """A ClusterTracker over SharedReplicaTrackers of worker `slot`: every view sums all workers' rows."""
+
+    def __init__(self, load: SharedLoad, slot: int, **kwargs) -> None:
+        self.load, self.slot = load, slot
+        self._cols: dict[str, int] = {}
+        self._ncols = 0
+        self._removed: dict[str, ReplicaTracker] = {}  # a removed replica's tracker still owns its column's row
+        super().__init__([], **kwargs)
+
+    def add(self, replica_id: str) -> ReplicaTracker:
+        if replica_id in self.by_id:
+            return self.by_id[replica_id]
+        t = self._removed.pop(replica_id, None)
+        if t is not None:  # back (DNS flap): the same tracker, so its requests in flight stay counted once
+            self.trackers.append(t)
+            self.by_id[replica_id] = t
+            return t
+        col = self.load.column(replica_id)
+        if col is None:
+            log.warning("replica %s: no shared column left, its load is this worker's only", replica_id)
+            t = ReplicaTracker(replica_id)
+        else:
+            t = SharedReplicaTracker(replica_id, self.load.counters[self.slot, col])
+            self._cols[replica_id] = col
+            self._ncols = max(self._ncols, col + 1)
+        self.trackers.append(t)
+        self.by_id[replica_id] = t
+        return t
+
+    def remove(self, replica_id: str) -> None:
+        t = self.by_id.get(replica_id)
+        super().remove(replica_id)
+        if isinstance(t, SharedReplicaTracker):
+            self._removed[replica_id] = t
+
+    def refresh(self) -> None:
+        """Reads every worker's counters into the trackers' host-wide sums (one numpy sum per call)."""
+        if not self._cols:
+            return
+        totals = self.load.counters[:, : self._ncols].sum(axis=0)
+        for rid, col in self._cols.items():
+            t = self.by_id.get(rid)
+            if t is not None:
+                t._total = totals[col].tolist()  # type: ignore[attr-defined]
+
+    def view(self, now_s: float, request: RequestInfo) -> ClusterView:
+        self.refresh()
+        return super().view(now_s, request)
+
+    # admin: draining is host-wide
+    def publish_draining(self, replica_id: str, draining: bool) -> None:
+        col = self._cols.get(replica_id)
+        if col is not None:
+            self.load.draining[col] = int(draining)
+
+    def draining_of(self, replica_id: str) -> bool | None:
+        col = self._cols.get(replica_id)
+        return None if col is None else bool(self.load.draining[col])
