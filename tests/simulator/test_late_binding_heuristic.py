@@ -84,3 +84,15 @@ def test_with_room_everywhere_late_binding_routes_like_the_policy_alone():
     late, reasons = simulate_late(cfg, reqs, make_policy("least-outstanding"), seed=0)
     assert reasons["hold"] == 0
     assert [(r.replica_id, r.first_token_s) for r in plain] == [(r.replica_id, r.first_token_s) for r in late]
+
+
+def test_compare_adds_late_rows_against_the_best_per_request_heuristic():
+    from simulator.experiments import compare
+
+    doc = compare(["bursty-code"], ["least-outstanding", "expected-wait"], [0], progress=False, late_binding=True)
+    rows = {r["policy"]: r for r in doc["results"]}
+    assert set(rows) == {"least-outstanding", "expected-wait", "least-outstanding+late", "expected-wait+late"}
+    best = min(rows["least-outstanding"]["ttft_p99_s"], rows["expected-wait"]["ttft_p99_s"])
+    late = rows["expected-wait+late"]
+    assert late["ttft_p99_vs_best_heuristic"] == late["ttft_p99_s"] / best
+    assert late["metrics"]["held_share"] > 0  # bursty-code saturates its replicas: late binding holds
