@@ -86,6 +86,8 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=3, help="number of seeds 0..N-1, the same for every policy (default 3)")
     p.add_argument("--workers", type=int, default=1, help="worker processes, one (scenario, seed) per task (default 1)")
     p.add_argument("--json", action="store_true", help="print the comparison document as JSON instead of a table")
+    p.add_argument("--late-binding", action="store_true",
+                   help="also run every heuristic with heuristic late binding (rows `<name>+late`, simulator.late_binding)")
     _split_argument(p)  # fmt: skip
 
 
@@ -97,7 +99,7 @@ def _compare(args: argparse.Namespace) -> int:
     scenarios = resolve_scenarios(args.scenario)
     policies = resolve_policies(args.policies)
     start = time.perf_counter()
-    doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers)
+    doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers, late_binding=args.late_binding)
     wall = time.perf_counter() - start
     if args.json:
         print(to_json(doc))

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED, policy_names
 from router.policy.served import served_policy
 from simulator.cluster import ClusterSim, simulate
+from simulator.late_binding import simulate_late
 from simulator.metrics import aggregate, render_table, summarize
 from simulator.scenario import ScenarioError, load_scenario, scenario_names
 
@@ -73,8 +74,14 @@ def run_once(scenario: str, policy: str, seed: int, split: str = "eval", library
     return run_policies(scenario, [policy], seed, split, library)[policy]
 
 
-def run_policies(scenario: str, policies: Sequence[str], seed: int, split: str, library=None) -> dict[str, dict]:
-    """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy."""
+LATE_SUFFIX = "+late"  # a heuristic run with heuristic late binding (simulator.late_binding)
+
+
+def run_policies(
+    scenario: str, policies: Sequence[str], seed: int, split: str, library=None, late_binding: bool = False
+) -> dict[str, dict]:
+    """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy.
+    With `late_binding`, every heuristic also runs with late binding, as `<name>+late`."""
     sc = load_scenario(scenario, split=split, library=library)
     cluster, requests = sc.build(np.random.default_rng(seed))
     out = {}
@@ -82,6 +89,16 @@ def run_policies(scenario: str, policies: Sequence[str], seed: int, split: str, 
         policy = served_policy(name, seed=seed)  # guards + deterministic decision-cost budget, as the router serves it
         records = simulate(cluster, requests, policy, seed=seed)
         out[name] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster)) | {"fallback_share": policy.fallback_share}
+        if late_binding and name in BASELINES:
+            policy = served_policy(name, seed=seed)
+            records, reasons = simulate_late(cluster, requests, policy, seed=seed)
+            n = max(1, len(requests))
+            out[name + LATE_SUFFIX] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster)) | {
+                "fallback_share": policy.fallback_share,
+                "held_share": reasons["held_requests"] / n,
+                "timeout_share": reasons["timeout"] / n,
+                "full_share": reasons["full"] / n,
+            }
     return out
 
 
@@ -90,9 +107,9 @@ def _replica_ids(cluster) -> list[str]:
     return list(ClusterSim(cluster, [], seed=0).replica_ids)
 
 
-def _task(args: tuple[str, tuple[str, ...], int, str]) -> tuple[str, int, dict[str, dict]]:
-    scenario, policies, seed, split = args
-    return scenario, seed, run_policies(scenario, policies, seed, split)
+def _task(args: tuple[str, tuple[str, ...], int, str, bool]) -> tuple[str, int, dict[str, dict]]:
+    scenario, policies, seed, split, late_binding = args
+    return scenario, seed, run_policies(scenario, policies, seed, split, late_binding=late_binding)
 
 
 RESULT_FIELDS = ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "goodput", "throughput_rps")
@@ -105,6 +122,7 @@ def compare(
     split: str = "eval",
     workers: int = 1,
     progress: bool = True,
+    late_binding: bool = False,
 ) -> dict:
     """Every policy on every scenario for each seed; seeds fix the arrivals, so policies see the same requests.
 
@@ -113,7 +131,9 @@ def compare(
     one record per (scenario, policy), averaged over seeds with 95 % t-interval half-widths.
     """
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    tasks = [(s, tuple(policies), seed, split) for s in scenarios for seed in seed_list]
+    tasks = [(s, tuple(policies), seed, split, late_binding) for s in scenarios for seed in seed_list]
+    if late_binding:
+        policies = list(policies) + [p + LATE_SUFFIX for p in policies if p in BASELINES]
     runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in scenarios for p in policies}
     bar = tqdm(total=len(tasks) * len(policies), desc="simulating", unit="run", disable=not progress, file=sys.stderr)
     if workers > 1:

@@ -356,7 +356,8 @@ class TraceWorkload(_Strict):
     """Replay of a known trace inside the split's window (or a narrower `windows` entry).
 
     At most `max_requests` consecutive requests are replayed, starting at a random request of the window
-    (`segment: random`, different per seed) or at its first (`segment: first`). Traces whose requests
+    (`segment: random`, different per seed) or at its first (`segment: first`); `eval_max_requests` shortens
+    the segment on the eval split only, where the window is too small for long segments to differ. Traces whose requests
     continue earlier prefix chains (Mooncake) first replay the `WARMUP_S` seconds before the segment as
     tenant `warmup` (metrics skip them), unless `warmup: false`. With `target_rps`, the segment is sped up
     to that mean rate (so every segment and both splits run at the same average load), times `time_scale`.
@@ -365,6 +366,9 @@ class TraceWorkload(_Strict):
     kind: Literal["trace"]
     trace: str
     max_requests: int = Field(5000, ge=1)
+    eval_max_requests: int | None = Field(
+        None, ge=1, description="shorter segment on the eval split, so random starts differ between seeds (None = max_requests)"
+    )
     segment: Literal["random", "first"] = "random"
     warmup: bool | None = Field(None, description="None = automatic (Mooncake traces)")
     windows: dict[Literal["train", "eval"], tuple[float, float]] = Field(
@@ -397,7 +401,8 @@ class TraceWorkload(_Strict):
         idx = np.flatnonzero((full.arrival_s >= start) & (full.arrival_s < end))
         if len(idx) == 0:
             raise ValueError(f"trace {self.trace!r} has no requests in [{start}, {end})")
-        n = min(self.max_requests, len(idx))
+        cap = self.eval_max_requests if split == "eval" and self.eval_max_requests is not None else self.max_requests
+        n = min(cap, len(idx))
         first = int(rng.integers(len(idx) - n + 1)) if self.segment == "random" else 0
         segment = idx[first : first + n]
         seg_start = float(full.arrival_s[segment[0]])

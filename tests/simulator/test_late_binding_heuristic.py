@@ -1,0 +1,98 @@
+"""simulator.late_binding: the heuristic hold-or-dispatch rule and its simulation over ClusterSim.hold()."""
+
+from __future__ import annotations
+
+import math
+
+from router.policy.registry import make_policy
+from router.policy.types import ClusterView, ReplicaSnapshot
+from simulator.cluster import simulate
+from simulator.config import ClusterConfig, ReplicaGroup
+from simulator.late_binding import LateBindingConfig, ReplicaLimit, decide, simulate_late
+from simulator.types import SimRequest
+
+LIMIT = ReplicaLimit(max_outstanding=1, max_prefill_tokens=10_000)
+
+
+def view(*outstanding: int, healthy: tuple[bool, ...] | None = None) -> ClusterView:
+    healthy = healthy or (True,) * len(outstanding)
+    return ClusterView(
+        tuple(ReplicaSnapshot(f"r{i}", h, o, 0) for i, (o, h) in enumerate(zip(outstanding, healthy)))
+    )
+
+
+def test_rule_holds_when_no_replica_has_room_and_dispatches_to_those_with_room():
+    cfg = LateBindingConfig(timeout_s=5.0, queue_per_replica=2)
+    assert decide(view(1, 1), [LIMIT] * 2, 0, False, 0.0, cfg).reason == "hold"
+    d = decide(view(1, 0, 0), [LIMIT] * 3, 0, False, 0.0, cfg)
+    assert d.reason == "room" and d.candidates == (1, 2)
+    # FIFO: a new arrival queues behind held requests even if a replica has room
+    assert decide(view(1, 0), [LIMIT] * 2, 1, False, 0.0, cfg).reason == "hold"
+
+
+def test_a_full_queue_dispatches_immediately_and_a_timeout_goes_to_the_least_loaded():
+    cfg = LateBindingConfig(timeout_s=5.0, queue_per_replica=2)
+    full = decide(view(1, 1), [LIMIT] * 2, 4, False, 0.0, cfg)
+    assert full.reason == "full" and full.candidates == (0, 1)
+    timed_out = decide(view(3, 1, 2), [LIMIT] * 3, 0, True, 5.0, cfg)
+    assert timed_out.reason == "timeout" and timed_out.candidates == (1,)
+    unhealthy = decide(view(3, 1, 2, healthy=(True, False, True)), [LIMIT] * 3, 0, True, 6.0, cfg)
+    assert unhealthy.candidates == (2,)
+
+
+def test_nothing_in_flight_never_holds():
+    assert decide(view(0, 0), [ReplicaLimit(0, 0)] * 2, 3, False, 0.0, LateBindingConfig()).reason == "idle"
+
+
+def one_slot_cluster() -> ClusterConfig:
+    return ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=2, max_num_seqs=1)])
+
+
+def burst(n: int) -> list[SimRequest]:
+    return [SimRequest(i, 0.001 * i, 500, 50) for i in range(n)]
+
+
+def test_held_requests_all_complete_and_holding_time_counts_in_ttft():
+    records, reasons = simulate_late(one_slot_cluster(), burst(12), make_policy("least-outstanding"), seed=0,
+                                     late=LateBindingConfig(timeout_s=1e9))  # fmt: skip
+    assert reasons["held_requests"] >= 10 and reasons["timeout"] == 0 and reasons["full"] == 0
+    assert all(math.isfinite(r.finish_s) and not r.error for r in records)  # nothing dropped
+    service = records[0].e2e_s
+    assert records[11].ttft_s > 4 * service  # five rounds of service ahead, waited in the router's queue
+    first = [r.first_token_s for r in records]
+    assert first == sorted(first)  # first in, first out
+
+
+def test_queue_timeout_is_counted_and_dispatches_to_a_busy_replica():
+    records, reasons = simulate_late(one_slot_cluster(), burst(12), make_policy("least-outstanding"), seed=0,
+                                     late=LateBindingConfig(timeout_s=0.0))  # fmt: skip
+    assert reasons["timeout"] >= 1
+    assert all(math.isfinite(r.finish_s) for r in records)
+
+
+def test_a_full_queue_dispatches_at_once():
+    cfg = LateBindingConfig(timeout_s=1e9, queue_per_replica=1)  # capacity 2 held requests
+    records, reasons = simulate_late(one_slot_cluster(), burst(12), make_policy("least-outstanding"), seed=0, late=cfg)
+    assert reasons["full"] >= 1
+    assert all(math.isfinite(r.finish_s) for r in records)
+
+
+def test_with_room_everywhere_late_binding_routes_like_the_policy_alone():
+    reqs = [SimRequest(i, 2.0 * i, 100, 10) for i in range(10)]  # one at a time: never a hold
+    cfg = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=2)])
+    plain = simulate(cfg, reqs, make_policy("least-outstanding"), seed=0)
+    late, reasons = simulate_late(cfg, reqs, make_policy("least-outstanding"), seed=0)
+    assert reasons["hold"] == 0
+    assert [(r.replica_id, r.first_token_s) for r in plain] == [(r.replica_id, r.first_token_s) for r in late]
+
+
+def test_compare_adds_late_rows_against_the_best_per_request_heuristic():
+    from simulator.experiments import compare
+
+    doc = compare(["bursty-code"], ["least-outstanding", "expected-wait"], [0], progress=False, late_binding=True)
+    rows = {r["policy"]: r for r in doc["results"]}
+    assert set(rows) == {"least-outstanding", "expected-wait", "least-outstanding+late", "expected-wait+late"}
+    best = min(rows["least-outstanding"]["ttft_p99_s"], rows["expected-wait"]["ttft_p99_s"])
+    late = rows["expected-wait+late"]
+    assert late["ttft_p99_vs_best_heuristic"] == late["ttft_p99_s"] / best
+    assert late["metrics"]["held_share"] > 0  # bursty-code saturates its replicas: late binding holds
