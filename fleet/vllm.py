@@ -174,8 +174,9 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _group_alive(pgid: int) -> bool:
-    """True while any non-zombie process is in the process group (zombies may linger under a non-reaping PID 1)."""
+def _group_pids(pgid: int) -> list[int]:
+    """The non-zombie processes of a process group (zombies may linger under a non-reaping PID 1)."""
+    pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
@@ -184,8 +185,30 @@ def _group_alive(pgid: int) -> bool:
         # fields after the ")" that closes comm: state ppid pgrp ...
         fields = text[text.rfind(")") + 2:].split()
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(_group_pids(pgid))
+
+
+def _shared_memory_of(pgid: int) -> set[Path]:
+    """POSIX shared-memory files (/dev/shm) the group's processes have mapped. vLLM's engine and API server
+    exchange messages through such segments and unlink them only on a clean exit: a process killed mid-way
+    leaves hundreds of MB of RAM behind in /dev/shm."""
+    found: set[Path] = set()
+    for pid in _group_pids(pgid):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            path = fields[5] if len(fields) == 6 else ""
+            if path.startswith("/dev/shm/"):
+                found.add(Path(path.removesuffix(" (deleted)")))
+    return found
 
 
 @dataclass
@@ -235,9 +258,14 @@ class VllmServer:
                 )
             time.sleep(0.5)
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the whole group (API server, EngineCore, workers), wait until it is empty, SIGKILL after grace_s."""
+    def shared_memory(self) -> set[Path]:
+        return _shared_memory_of(self.process.pid)
+
+    def stop(self, grace_s: float = 20.0, segments: set[Path] | None = None) -> None:
+        """SIGTERM the whole group (API server, EngineCore, workers), wait until it is empty, SIGKILL after grace_s;
+        then remove the shared-memory files it had mapped (`segments`, read before any signal) and left behind."""
         pgid = self.process.pid  # start_new_session=True makes the leader's pid the group id
+        segments = _shared_memory_of(pgid) if segments is None else segments
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
@@ -261,6 +289,9 @@ class VllmServer:
             self.process.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             pass
+        if not _group_alive(pgid):  # nobody of the group maps them any more: what is left was leaked
+            for path in segments:
+                path.unlink(missing_ok=True)
 
 
 def _cpu_ids() -> list[int]:
@@ -356,13 +387,14 @@ def start_servers(
 
 def stop_servers(servers: list[VllmServer]) -> None:
     """Stop all servers: SIGTERM every group first so they shut down in parallel, then wait for each."""
+    segments = [server.shared_memory() for server in servers]
     for server in servers:
         try:
             os.killpg(server.process.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    for server in servers:
-        server.stop()
+    for server, mapped in zip(servers, segments):
+        server.stop(segments=mapped)
 
 
 def _main(argv: list[str]) -> int:
