@@ -219,6 +219,7 @@ class VllmServer:
     process: subprocess.Popen
     log_path: Path
     args: list[str] = field(default_factory=list)
+    segments: set[Path] = field(default_factory=set)  # /dev/shm files it mapped once healthy (see stop)
 
     @property
     def base_url(self) -> str:
@@ -249,7 +250,8 @@ class VllmServer:
                     f"vLLM server on port {self.port} exited with rc={self.process.returncode} during startup; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
-            if self.healthy():
+            if self.healthy():  # its engine is up: remember its shared memory, in case it is killed later
+                self.segments = self.shared_memory()
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -265,7 +267,7 @@ class VllmServer:
         """SIGTERM the whole group (API server, EngineCore, workers), wait until it is empty, SIGKILL after grace_s;
         then remove the shared-memory files it had mapped (`segments`, read before any signal) and left behind."""
         pgid = self.process.pid  # start_new_session=True makes the leader's pid the group id
-        segments = _shared_memory_of(pgid) if segments is None else segments
+        segments = (_shared_memory_of(pgid) if segments is None else segments) | self.segments
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
