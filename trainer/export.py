@@ -3,7 +3,8 @@
 Contract: inputs `features` float32 [batch, replicas, N_MODEL_INPUTS] (`model_inputs(build_features rows,
 mask)`: the cross-replica inputs are computed outside the graph) and `mask` float32 [batch, replicas];
 output `logits` float32 [batch, replicas] (masked entries = -1e9); metadata `feature_spec_hash`,
-`feature_version`, `policy_version`, `training_config` (JSON). Observation normalisation is folded into
+`feature_version`, `policy_version`, `training_config` (JSON), and `fastnet`: the same weights for the
+router's compiled fast path (router/policy/fastnet.py), checked against onnxruntime on every export. Observation normalisation is folded into
 the graph, which the exporter constant-folds: a plain small network (MatMul/Add/LayerNorm/Softmax...).
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 import onnx
 import torch
 
+from router.policy import fastnet
 from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_MODEL_INPUTS, model_inputs
 from trainer.network import LogitsOnly, RoutingNet
 
@@ -78,6 +80,8 @@ def export_onnx(net: RoutingNet, path: str | Path, policy_version: str, training
         "policy_version": policy_version,
         "training_config": json.dumps(training_config, sort_keys=True),
     }
+    if net.relative_inputs:  # the only input layout the fast path reads
+        meta[fastnet.METADATA_KEY] = fastnet_weights(net)
     del model.metadata_props[:]
     for k, v in meta.items():
         entry = model.metadata_props.add()
@@ -85,7 +89,22 @@ def export_onnx(net: RoutingNet, path: str | Path, policy_version: str, training
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
+    if fastnet.METADATA_KEY in meta and fastnet.available():
+        from router.policy.onnx_policy import OnnxPolicy
+
+        served = OnnxPolicy(path)
+        if served.describe()["executor"] != "fastnet":
+            raise ExportError(f"{path}: {served.executor_note}")
     return path
+
+
+def fastnet_weights(net: RoutingNet) -> str:
+    """The `fastnet` metadata value: the policy path's weights in router.policy.fastnet's layout."""
+    state = {k: v.detach().cpu().numpy() for k, v in net.state_dict().items()}
+    if net.wait_weight is not None:
+        state["wait_weight"] = net.wait_weight.detach().cpu().numpy().reshape(1)
+    heads = net.blocks[0].heads if len(net.blocks) else 1
+    return fastnet.pack(state, net.encoder[0].out_features, heads, len(net.blocks))
 
 
 def parity_check(net: RoutingNet, onnx_path: str | Path, features: np.ndarray, masks: np.ndarray, batch: int = 256) -> ParityReport:

@@ -90,6 +90,28 @@ def compare_files(old: Path, new: Path, feats: np.ndarray, masks: np.ndarray) ->
     return worst, agree / len(feats)
 
 
+def compare_fast_path(path: Path, feats: np.ndarray, masks: np.ndarray) -> tuple[float, float] | None:
+    """(max |logit diff|, identical-argmax share) of the router's fast path against onnxruntime on the same
+    observations, or None when the file has no fast path here (router/policy/fastnet.py)."""
+    from router.policy.onnx_policy import OnnxPolicy
+
+    policy = OnnxPolicy(path)
+    fast = policy._fast
+    if fast is None:
+        return None
+    worst, agree = 0.0, 0
+    for f, m in zip(feats, masks):
+        w = max(int((f[:, 0] > 0.5).sum()), 1)
+        rows = np.array(f[:w], dtype=np.float32)  # a copy: the healthy column is set below
+        rows[:, 1] = m[:w]  # the mask is the healthy column
+        ref, got = policy.onnxruntime_logits(rows), fast.logits(rows)
+        valid = m[:w] > 0.5
+        if valid.any():
+            worst = max(worst, float(np.abs(ref - got)[valid].max()))
+        agree += int(np.argmax(ref) == np.argmax(got))
+    return worst, agree / len(feats)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("old")
@@ -107,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     worst, agree = compare_files(Path(args.old), Path(args.new), feats, masks)
     print(f"{args.old} -> {args.new}: {len(feats)} simulator observations, max |logit diff| {worst:.3g}, "
           f"identical argmax {agree:.2%}; nodes {len(model.graph.node)} -> {len(onnx.load(args.new).graph.node)}")
-    return 0 if agree == 1.0 and worst < 1e-4 else 1
+    fast = compare_fast_path(Path(args.new), feats, masks)
+    if fast is not None:
+        print(f"fast path vs onnxruntime on the same observations: max |logit diff| {fast[0]:.3g}, identical argmax {fast[1]:.2%}")
+    return 0 if agree == 1.0 and worst < 1e-4 and (fast is None or fast[1] == 1.0) else 1
 
 
 if __name__ == "__main__":

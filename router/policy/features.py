@@ -253,10 +253,11 @@ def raw_features(view: ClusterView, request: RequestInfo) -> np.ndarray:
 
 def build_features(view: ClusterView, request: RequestInfo, pad_to: int | None = None) -> np.ndarray:
     """Model input, float32, shape (n, N_FEATURES) or (pad_to, N_FEATURES) with zero padding."""
-    raw = raw_features(view, request)
-    raw = np.maximum(raw, 0.0)
-    raw[:, _LOG_COLS] = np.log1p(raw[:, _LOG_COLS])
-    out = (raw / _SCALES).astype(np.float32)
+    raw = raw_features(view, request)  # a fresh array: transformed in place
+    np.maximum(raw, 0.0, out=raw)
+    raw = np.where(_LOG_COLS, np.log1p(raw), raw)  # fewer calls than indexing the log columns
+    raw /= _SCALES
+    out = raw.astype(np.float32)
     if pad_to is not None:
         if pad_to < out.shape[0]:
             raise ValueError(f"pad_to={pad_to} is smaller than the replica count {out.shape[0]}")

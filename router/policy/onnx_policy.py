@@ -7,6 +7,10 @@ Model contract (written by `trainer export`):
 The input is `model_inputs(build_features(...), mask)`: the cross-replica inputs are computed in numpy,
 once, so the graph is a small network; normalisation is folded into it.
 
+Decisions run on the compiled fast path (router/policy/fastnet.py) when the model carries its weights
+and the fast path agrees with this file's onnxruntime session at load; otherwise onnxruntime decides.
+`describe()["executor"]` says which, and why.
+
 A file that is missing, corrupt, of another feature spec or another shape does not raise at
 construction: the policy records `load_error` and every decision raises PolicyUnavailable,
 so a FallbackPolicy keeps serving with LOR and says why.
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from router.policy import fastnet
 from router.policy.base import Policy, PolicyUnavailable
 from router.policy.features import FEATURE_NAMES, FEATURE_SPEC_HASH, N_MODEL_INPUTS, action_mask, build_features, model_inputs
 from router.policy.types import ClusterView, RequestInfo
@@ -72,7 +77,7 @@ def load_session(path: Path):
 class OnnxPolicy(Policy):
     name = "learned"
 
-    def __init__(self, path: str | Path, seed: int | None = None, greedy: bool = True) -> None:
+    def __init__(self, path: str | Path, seed: int | None = None, greedy: bool = True, fast: bool = True) -> None:
         super().__init__(seed)
         self.path = Path(path)
         self.greedy = greedy
@@ -80,6 +85,8 @@ class OnnxPolicy(Policy):
         self.metadata: dict[str, str] = {}
         self._session = None
         self._run_options = None
+        self._fast: fastnet.FastNet | None = None
+        self.executor_note = "no model loaded"
         # (view, features) of the last scores() call, so a decision log can reuse the input it built.
         # The features array is a fresh one per call (another thread may still be encoding an older one).
         self.last_input: tuple[ClusterView, np.ndarray] | None = None
@@ -94,6 +101,10 @@ class OnnxPolicy(Policy):
             self.load_error = exc
             return
         self._warm_up()
+        if fast:
+            self._fast, self.executor_note = fastnet.load(self.metadata, self.onnxruntime_logits)
+        else:
+            self.executor_note = "the fast path is turned off"
 
     def _warm_up(self) -> None:
         """onnxruntime's first runs at a width allocate and plan; do them at load, not on a request's time."""
@@ -111,7 +122,15 @@ class OnnxPolicy(Policy):
             "version": self.metadata.get("policy_version", "unknown"),
             "feature_spec_hash": self.metadata.get("feature_spec_hash", ""),
             "load_error": None if self.load_error is None else str(self.load_error),
+            "executor": "fastnet" if self._fast is not None else "onnxruntime",
+            "executor_note": self.executor_note,
         }
+
+    def onnxruntime_logits(self, rows: np.ndarray) -> np.ndarray:
+        """The reference: this file's onnxruntime session on build_features rows float32 [R, N_FEATURES]."""
+        mask = np.ascontiguousarray(rows[None, :, _HEALTHY_COL])
+        (logits,) = self._session.run(["logits"], {"features": model_inputs(rows[None], mask), "mask": mask}, self._run_options)
+        return logits[0]
 
     def scores(self, view: ClusterView, request: RequestInfo) -> np.ndarray:
         if self._session is None:
@@ -119,11 +138,10 @@ class OnnxPolicy(Policy):
             raise PolicyUnavailable(err.reason, str(err))
         feats = build_features(view, request)
         self.last_input = (view, feats)
+        if self._fast is not None:
+            return self._fast.logits(feats)
         # the `healthy` feature is exactly action_mask(view) as float32 (1.0 / 0.0): no second pass over the view
-        mask = np.ascontiguousarray(feats[None, :, _HEALTHY_COL])
-        inputs = model_inputs(feats[None], mask)
-        (logits,) = self._session.run(["logits"], {"features": inputs, "mask": mask}, self._run_options)
-        return logits[0]
+        return self.onnxruntime_logits(feats)
 
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
         logits = self.scores(view, request).astype(np.float64)

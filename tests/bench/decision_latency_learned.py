@@ -1,7 +1,10 @@
 """Decision latency with the learned policy on: FallbackPolicy(OnnxPolicy) + build_features, as the live
-router runs it (routing.PolicyRunner), at 16 and 128 replicas. Prints p50/p99 per replica count and a
-breakdown (view, build_features rows, cross-replica model_inputs, onnxruntime, and the rest of decide:
-mask, argmax and guards). Targets: p99 <= 100 us at 16 replicas, <= 300 us at 128 (view + decide).
+router runs it (routing.PolicyRunner), at 16 and 128 replicas, with each executor side by side in one run:
+`fastnet` (the compiled fast path, router/policy/fastnet.py, what the router uses when the model carries its
+weights and the C extension is built) and `onnxruntime` (model_inputs in numpy + the ONNX graph). Prints
+p50/p99 per replica count and a breakdown (view, build_features rows, the executor's part: cross-replica
+inputs and network, and the rest of decide: mask, argmax and guards). Targets: p99 <= 100 us at 16
+replicas, <= 300 us at 128 (view + decide).
 
     .venv/bin/python tests/bench/decision_latency_learned.py                    # shipped default.onnx if present,
                                                                                 # else a same-architecture model
@@ -80,16 +83,20 @@ def percentiles(samples_ns: list[int]) -> tuple[float, float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99)), float(a.mean())
 
 
-def bench(model: Path, n: int, iters: int, budget_s: float, seed: int) -> dict:
+def bench(model: Path, n: int, iters: int, budget_s: float, seed: int, fast: bool) -> dict:
     rng = np.random.default_rng(seed)
     cluster = busy_cluster(n, rng)
     # no budget here, so every decision is the model's: the share over `budget_s` is counted instead
     # (the router skips a model whose rolling p99 is over budget, router/policy/fallback.py)
-    policy = FallbackPolicy(OnnxPolicy(model), LeastOutstanding(seed=1), clock=time.perf_counter,
+    primary = OnnxPolicy(model, fast=fast)
+    policy = FallbackPolicy(primary, LeastOutstanding(seed=1), clock=time.perf_counter,
                             max_stats_age_s=10.0, overload_margin=32)
-    if policy.primary.load_error is not None:
-        raise SystemExit(f"model did not load: {policy.primary.load_error}")
-    session = policy.primary._session
+    if primary.load_error is not None:
+        raise SystemExit(f"model did not load: {primary.load_error}")
+    executor = primary.describe()["executor"]
+    if fast and executor != "fastnet":
+        return {"skipped": primary.executor_note}
+    session = primary._session
     requests = [RequestInfo(f"q{i}", int(rng.integers(50, 4000)), int(rng.integers(16, 512)),
                             tuple(int(x) for x in rng.integers(0, 50, int(rng.integers(0, 12))))) for i in range(256)]
     views = [cluster.view(1.0, r) for r in requests]
@@ -105,11 +112,16 @@ def bench(model: Path, n: int, iters: int, budget_s: float, seed: int) -> dict:
         t2 = clock()
         feats = build_features(view, req)
         t3 = clock()
-        mask = np.ascontiguousarray(feats[None, :, 1])  # the `healthy` column, as OnnxPolicy takes it
-        inputs = model_inputs(feats[None], mask)
-        t4 = clock()
-        session.run(["logits"], {"features": inputs, "mask": mask})
-        t5 = clock()
+        if fast:  # the executor's whole part (cross-replica inputs + network) in one call
+            t4 = t3
+            primary._fast.logits(feats)
+            t5 = clock()
+        else:
+            mask = np.ascontiguousarray(feats[None, :, 1])  # the `healthy` column, as OnnxPolicy takes it
+            inputs = model_inputs(feats[None], mask)
+            t4 = clock()
+            session.run(["logits"], {"features": inputs, "mask": mask})
+            t5 = clock()
         if i >= 200:
             view_t.append(t1 - t0)
             decide.append(t2 - t1)
@@ -123,7 +135,7 @@ def bench(model: Path, n: int, iters: int, budget_s: float, seed: int) -> dict:
                 fallbacks["over budget"] = fallbacks.get("over budget", 0) + 1
     del views
     rest = np.asarray(decide) - np.asarray(feat_t) - np.asarray(cross_t) - np.asarray(ort_t)
-    return {"n": n, "decide": percentiles(decide), "view": percentiles(view_t), "features": percentiles(feat_t),
+    return {"n": n, "executor": executor, "decide": percentiles(decide), "view": percentiles(view_t), "features": percentiles(feat_t),
             "cross": percentiles(cross_t), "onnxruntime": percentiles(ort_t), "total": percentiles(total),
             "rest_p50": float(np.percentile(rest, 50)) / 1e3, "fallbacks": fallbacks, "iters": iters}
 
@@ -142,25 +154,35 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=5000)
     p.add_argument("--budget-us", type=float, default=500.0, help="FallbackPolicy budget (router default 500 us)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--executor", choices=["both", "fastnet", "onnxruntime"], default="both",
+                   help="which executor(s) to time (both: side by side, interleaved per replica count)")
     args = p.parse_args()
+    executors = {"both": (True, False), "fastnet": (True,), "onnxruntime": (False,)}[args.executor]
     with tempfile.TemporaryDirectory() as tmp:
         model, what = make_model(args, Path(tmp))
         print(f"model: {what}")
         print(f"{args.iters} decisions per replica count after 200 warm-up; times in microseconds; "
               f"budget {args.budget_us:.0f} us; 1 onnxruntime thread")
-        print(f"{'replicas':>8} | {'view+decide p50':>15} {'p99':>7} | {'decide p50':>10} {'p99':>7} | {'view p50':>8} | "
-              f"{'rows p50':>8} | {'cross p50':>9} | {'ort p50':>7} {'p99':>7} | {'rest p50':>8} | fallbacks / over budget")
+        print(f"{'replicas':>8} {'executor':>11} | {'view+decide p50':>15} {'p99':>7} | {'decide p50':>10} {'p99':>7} | "
+              f"{'view p50':>8} | {'rows p50':>8} | {'cross p50':>9} | {'net p50':>7} {'p99':>7} | {'rest p50':>8} | "
+              "fallbacks / over budget")
         gc.collect()
         for n in (int(x) for x in args.replicas.split(",")):
-            r = bench(model, n, args.iters, args.budget_us / 1e6, args.seed)
-            t, d, v, f, c, o = r["total"], r["decide"], r["view"], r["features"], r["cross"], r["onnxruntime"]
-            fb = ", ".join(f"{k} {c / r['iters']:.1%}" for k, c in r["fallbacks"].items()) or "none"
-            print(f"{n:>8} | {t[0]:>15.1f} {t[1]:>7.1f} | {d[0]:>10.1f} {d[1]:>7.1f} | {v[0]:>8.1f} | {f[0]:>8.1f} | "
-                  f"{c[0]:>9.1f} | {o[0]:>7.1f} {o[1]:>7.1f} | {r['rest_p50']:>8.1f} | {fb}")
-    print("decide = FallbackPolicy.decide (rows + cross + onnxruntime + rest), the router's decision latency minus "
-          "the view; view = ClusterTracker.view (snapshots + prefix match), paid once per request; rows = "
-          "build_features; cross = model_inputs (cross-replica inputs); rest = decide - rows - cross - ort (mask, "
-          "argmax, guards); the breakdown columns are timed in separate calls after each decision.")
+            for fast in executors:
+                r = bench(model, n, args.iters, args.budget_us / 1e6, args.seed, fast)
+                if "skipped" in r:
+                    print(f"{n:>8} {'fastnet':>11} | not timed: {r['skipped']}")
+                    continue
+                t, d, v, f, c, o = r["total"], r["decide"], r["view"], r["features"], r["cross"], r["onnxruntime"]
+                fb = ", ".join(f"{k} {c / r['iters']:.1%}" for k, c in r["fallbacks"].items()) or "none"
+                cross = f"{c[0]:>9.1f}" if not fast else f"{'(in net)':>9}"
+                print(f"{n:>8} {r['executor']:>11} | {t[0]:>15.1f} {t[1]:>7.1f} | {d[0]:>10.1f} {d[1]:>7.1f} | {v[0]:>8.1f} | "
+                      f"{f[0]:>8.1f} | {cross} | {o[0]:>7.1f} {o[1]:>7.1f} | {r['rest_p50']:>8.1f} | {fb}")
+    print("decide = FallbackPolicy.decide (rows + cross + net + rest), the router's decision latency minus the view; "
+          "view = ClusterTracker.view (snapshots + prefix match), paid once per request; rows = build_features; "
+          "cross = model_inputs (numpy; fastnet computes it inside its one call); net = onnxruntime's run, or "
+          "fastnet's whole call; rest = decide - rows - cross - net (mask, argmax, guards); the breakdown columns "
+          "are timed in separate calls after each decision.")
     return 0
 
 

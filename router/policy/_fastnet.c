@@ -1,0 +1,462 @@
+/* The routing network's forward pass for one decision, in plain C (router/policy/fastnet.py explains when it
+ * is used and how it is checked against onnxruntime).
+ *
+ * At one decision the network is tiny (a few hundred thousand multiply-adds at 16 replicas), so onnxruntime's
+ * cost is per-operator overhead and numpy's is per-call overhead; one compiled pass over contiguous memory
+ * does the same arithmetic in a few microseconds.
+ *
+ *   inputs(rows, n_rows, spec_i, spec_f, out)            out = model_inputs(rows, healthy column), float32
+ *   logits(rows, n_rows, spec_i, spec_f, weights, dims, out)   out = the exported graph's logits, float32
+ *
+ * rows: build_features rows, float32 [n_rows, F]; spec_i / spec_f: the feature contract's columns and
+ * constants (fastnet.py builds them from router/policy/features.py, the one source of truth); weights: one
+ * float32 blob in the layout of fastnet.pack_layout; dims: (F, C, hidden, heads, layers, ff, has_prior, wait_col).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* x86-64 builds carry an AVX2+FMA copy of the hot loops, chosen at load by the CPU (portable wheels, fast loops). */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("fma", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+
+/* spec_i: n_rep, healthy_col, match_frac_col, unlog_cols[5] (prompt, decode, tpot_ms, awaiting, req_prompt)
+ * spec_f: unlog_scales[5], wait_decode_weight */
+enum { SI_NREP, SI_HEALTHY, SI_MATCH, SI_UNLOG, SI_LEN = SI_UNLOG + 5 };
+enum { SF_SCALES, SF_DECODE_W = SF_SCALES + 5, SF_LEN };
+#define N_DERIVED 3
+
+static int cross_inputs(const float *f, int R, int F, const long *si, const float *sf, float *out, int C)
+{
+    const int n = (int)si[SI_NREP], d = N_DERIVED, nx = n + d + 1;
+    const int k_ind = 3 * n + 2 * d;
+    if (C != F + k_ind + 2 * (n + d) + 1 || n > F)
+        return -1;
+    float *x = malloc(sizeof(float) * ((size_t)R * nx + 3 * (size_t)nx + 5 * (size_t)R));
+    if (!x)
+        return -2;
+    float *lo = x + (size_t)R * nx, *hi = lo + nx, *mean = hi + nx;
+    float *u = mean + nx; /* [5][R]: prompt, decode, tpot_ms, awaiting, req_prompt */
+    float *tpot = u + 2 * R;
+    int n_valid = 0, n_measured = 0;
+    float tpot_sum = 0.0f;
+    for (int r = 0; r < R; r++) {
+        const float *row = f + (size_t)r * F;
+        const int valid = row[si[SI_HEALTHY]] > 0.5f;
+        n_valid += valid;
+        for (int j = 0; j < 5; j++) {
+            float t = row[si[SI_UNLOG + j]] * sf[SF_SCALES + j];
+            u[j * R + r] = expf(t) - 1.0f;
+        }
+        if (valid && tpot[r] > 0.0f) {
+            tpot_sum += tpot[r];
+            n_measured++;
+        }
+    }
+    const float mean_tpot = tpot_sum / (float)(n_measured > 1 ? n_measured : 1);
+    const float tpot_ref = mean_tpot > 1e-6f ? mean_tpot : 1e-6f;
+    for (int r = 0; r < R; r++) {
+        const float *row = f + (size_t)r * F;
+        float *xr = x + (size_t)r * nx;
+        const int valid = row[si[SI_HEALTHY]] > 0.5f;
+        const float prompt = u[r], decode = u[R + r], tp = u[2 * R + r], awaiting = u[3 * R + r], req = u[4 * R + r];
+        memcpy(xr, row, sizeof(float) * n);
+        const float load = prompt + decode;
+        float wait = (1.0f - row[si[SI_MATCH]]) * req;
+        wait += awaiting;
+        wait += sf[SF_DECODE_W] * decode;
+        wait *= (valid && tp > 0.0f) ? tp / tpot_ref : 1.0f;
+        xr[n] = logf(load + 1.0f) / 10.0f;
+        xr[n + 1] = logf(load * tp / 10.0f + 1.0f) / 10.0f;
+        xr[n + 2] = logf(wait + 1.0f) / 10.0f;
+        xr[n + 3] = load;
+    }
+    for (int j = 0; j < nx; j++) {
+        float l = INFINITY, h = -INFINITY, s = 0.0f;
+        for (int r = 0; r < R; r++) {
+            if (!(f[(size_t)r * F + si[SI_HEALTHY]] > 0.5f))
+                continue;
+            const float v = x[(size_t)r * nx + j];
+            l = v < l ? v : l;
+            h = v > h ? v : h;
+            s += v;
+        }
+        if (n_valid < R) { /* the masked statistics fill masked rows with +-1e4 (as the network was trained) */
+            l = l < 1e4f ? l : 1e4f;
+            h = h > -1e4f ? h : -1e4f;
+        }
+        lo[j] = n_valid ? l : 0.0f;
+        hi[j] = n_valid ? h : 0.0f;
+        mean[j] = s / (float)(n_valid > 1 ? n_valid : 1);
+    }
+    for (int r = 0; r < R; r++) {
+        const float *row = f + (size_t)r * F;
+        const float *xr = x + (size_t)r * nx;
+        float *o = out + (size_t)r * C;
+        memcpy(o, row, sizeof(float) * F);
+        float *c = o + F;
+        if (!(row[si[SI_HEALTHY]] > 0.5f)) {
+            memset(c, 0, sizeof(float) * (C - F));
+            continue;
+        }
+        for (int j = 0; j < n; j++) {
+            c[j] = xr[j] - lo[j];
+            c[n + j] = xr[j] - mean[j];
+            c[2 * n + j] = hi[j] - xr[j];
+        }
+        for (int j = 0; j < d; j++) {
+            c[3 * n + j] = xr[n + j];
+            c[3 * n + d + j] = xr[n + j] - lo[n + j];
+        }
+        for (int j = 0; j < n + d; j++) {
+            c[k_ind + j] = xr[j] <= lo[j] + 1e-6f ? 1.0f : 0.0f;
+            c[k_ind + n + d + j] = xr[j] >= hi[j] - 1e-6f ? 1.0f : 0.0f;
+        }
+        c[C - F - 1] = (xr[n + d] - lo[n + d]) / (mean[n + d] + 256.0f);
+    }
+    free(x);
+    return 0;
+}
+
+/* out[r, :] = b + x[r, :] @ w, w row-major [k, m]. Columns go in tiles of TILE accumulators that stay in
+ * registers over the whole k loop (independent chains, so the FMA units stay busy), not in memory. */
+#define TILE 32
+VECTOR_CLONES static void linear(const float *restrict x, int R, int k, const float *restrict w, const float *restrict b, int m,
+                                 float *restrict out)
+{
+    for (int r = 0; r < R; r++) {
+        const float *restrict xr = x + (size_t)r * k;
+        float *restrict o = out + (size_t)r * m;
+        int j0 = 0;
+        for (; j0 + TILE <= m; j0 += TILE) {
+            float acc[TILE];
+            for (int j = 0; j < TILE; j++)
+                acc[j] = b[j0 + j];
+            for (int i = 0; i < k; i++) {
+                const float v = xr[i];
+                const float *restrict wi = w + (size_t)i * m + j0;
+                for (int j = 0; j < TILE; j++)
+                    acc[j] += v * wi[j];
+            }
+            for (int j = 0; j < TILE; j++)
+                o[j0 + j] = acc[j];
+        }
+        for (int j = j0; j < m; j++)
+            o[j] = b[j];
+        for (int i = 0; i < k && j0 < m; i++) {
+            const float v = xr[i];
+            const float *restrict wi = w + (size_t)i * m;
+            for (int j = j0; j < m; j++)
+                o[j] += v * wi[j];
+        }
+    }
+}
+
+/* erf as a rational function on [-4, 4] (Eigen's generic_fast_erf_float; |error| < 4e-7, below float32's
+ * resolution near 1): unlike libm's erff it vectorises, and GELU runs on every hidden unit. */
+static inline float erf_fast(float x)
+{
+    x = x < -4.0f ? -4.0f : (x > 4.0f ? 4.0f : x);
+    const float x2 = x * x;
+    float p = x2 * -2.72614225801306e-10f + 2.77068142495902e-08f;
+    p = p * x2 + -2.10102402082508e-06f;
+    p = p * x2 + -5.69250639462346e-05f;
+    p = p * x2 + -7.34990630326855e-04f;
+    p = p * x2 + -2.95459980854025e-03f;
+    p = p * x2 + -1.60960333262415e-02f;
+    float q = x2 * -1.45660718464996e-05f + -2.13374055278905e-04f;
+    q = q * x2 + -1.68282697438203e-03f;
+    q = q * x2 + -7.37332916720468e-03f;
+    q = q * x2 + -1.42647390514189e-02f;
+    return x * p / q;
+}
+
+VECTOR_CLONES static void gelu(float *restrict x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = 0.5f * x[i] * (1.0f + erf_fast(x[i] * 0.70710678118654752f));
+}
+
+VECTOR_CLONES static void layernorm(const float *x, int R, int h, const float *w, const float *b, float *out)
+{
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (size_t)r * h;
+        float *o = out + (size_t)r * h;
+        float m = 0.0f, v = 0.0f;
+        for (int j = 0; j < h; j++)
+            m += xr[j];
+        m /= (float)h;
+        for (int j = 0; j < h; j++)
+            v += (xr[j] - m) * (xr[j] - m);
+        v /= (float)h;
+        const float inv = 1.0f / sqrtf(v + 1e-5f);
+        for (int j = 0; j < h; j++)
+            o[j] = (xr[j] - m) * inv * w[j] + b[j];
+    }
+}
+
+/* cx[z] = sum_k p[k] v[k][z] for one query and head; v is [R][hd] */
+static inline void attend(const int hd, int R, const float *restrict p, const float *restrict v, float *restrict cx)
+{
+    for (int z = 0; z < hd; z++)
+        cx[z] = 0.0f;
+    for (int k = 0; k < R; k++) {
+        const float pk = p[k];
+        const float *restrict vk = v + (size_t)k * hd;
+        for (int z = 0; z < hd; z++)
+            cx[z] += pk * vk[z];
+    }
+}
+
+/* Walks the weight blob in fastnet.pack_layout's order; returns NULL if it runs past `end`. */
+static const float *take(const float **p, size_t n, const float *end)
+{
+    const float *at = *p;
+    if (at + n > end)
+        return NULL;
+    *p = at + n;
+    return at;
+}
+
+VECTOR_CLONES static int forward(const float *inp, const float *mask, int R, const long *dims, const float *wb, size_t wn, float *logits)
+{
+    const int F = (int)dims[0], C = (int)dims[1], H = (int)dims[2], heads = (int)dims[3], L = (int)dims[4],
+              FF = (int)dims[5], prior = (int)dims[6], wait_col = (int)dims[7];
+    if (heads <= 0 || H % heads || F > C || (prior && (wait_col < 0 || wait_col >= C)))
+        return -1;
+    const int hd = H / heads;
+    const float *end = wb + wn, *p = wb;
+    size_t big = (size_t)C;
+    if ((size_t)3 * H > big)
+        big = (size_t)3 * H;
+    if ((size_t)FF > big)
+        big = (size_t)FF;
+    float *buf = malloc(sizeof(float) * ((size_t)R * (big + 6 * (size_t)H) + (size_t)R));
+    if (!buf)
+        return -2;
+    float *a = buf, *h = a + (size_t)R * big, *y = h + (size_t)R * H, *t = y + (size_t)R * H, *ctx = t + (size_t)R * H;
+    float *kt = ctx + (size_t)R * H, *vt = kt + (size_t)R * H, *s = vt + (size_t)R * H;
+    int rc = -3;
+#define TAKE(var, n)                          \
+    const float *var = take(&p, (n), end);    \
+    if (!var)                                 \
+        goto done;
+    TAKE(mu, F) TAKE(sd, F) TAKE(w0, (size_t)C * H) TAKE(b0, H) TAKE(w1, (size_t)H * H) TAKE(b1, H)
+    for (int r = 0; r < R; r++) {
+        for (int j = 0; j < F; j++) {
+            float v = (inp[(size_t)r * C + j] - mu[j]) / sd[j];
+            a[(size_t)r * C + j] = v < -10.0f ? -10.0f : (v > 10.0f ? 10.0f : v);
+        }
+        memcpy(a + (size_t)r * C + F, inp + (size_t)r * C + F, sizeof(float) * (C - F));
+    }
+    linear(a, R, C, w0, b0, H, t);
+    gelu(t, (size_t)R * H);
+    linear(t, R, H, w1, b1, H, h);
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int l = 0; l < L; l++) {
+        TAKE(n1w, H) TAKE(n1b, H) TAKE(wq, (size_t)H * 3 * H) TAKE(bq, 3 * H) TAKE(wo, (size_t)H * H) TAKE(bo, H)
+        TAKE(n2w, H) TAKE(n2b, H) TAKE(wf0, (size_t)H * FF) TAKE(bf0, FF) TAKE(wf2, (size_t)FF * H) TAKE(bf2, H)
+        layernorm(h, R, H, n1w, n1b, y);
+        linear(y, R, H, wq, bq, 3 * H, a); /* a = qkv [R, 3H] */
+        for (int k = 0; k < R; k++) /* keys transposed [H][R] and values by head [heads][R][hd]: contiguous loops */
+            for (int j = 0; j < H; j++) {
+                kt[(size_t)j * R + k] = a[(size_t)k * 3 * H + H + j];
+                vt[((size_t)(j / hd) * R + k) * hd + j % hd] = a[(size_t)k * 3 * H + 2 * H + j];
+            }
+        for (int g = 0; g < heads; g++) {
+            for (int i = 0; i < R; i++) {
+                const float *q = a + (size_t)i * 3 * H + g * hd;
+                const float *restrict kh = kt + (size_t)g * hd * R;
+                int k0 = 0;
+                for (; k0 + TILE <= R; k0 += TILE) { /* scores of TILE keys at once, accumulated in registers */
+                    float acc[TILE] = {0};
+                    for (int z = 0; z < hd; z++) {
+                        const float qz = q[z];
+                        const float *restrict kz = kh + (size_t)z * R + k0;
+                        for (int j = 0; j < TILE; j++)
+                            acc[j] += qz * kz[j];
+                    }
+                    memcpy(s + k0, acc, sizeof acc);
+                }
+                for (int k = k0; k < R; k++) {
+                    float acc = 0.0f;
+                    for (int z = 0; z < hd; z++)
+                        acc += q[z] * kh[(size_t)z * R + k];
+                    s[k] = acc;
+                }
+                float mx = -INFINITY;
+                for (int k = 0; k < R; k++) {
+                    s[k] = s[k] * scale + (1.0f - mask[k]) * -1e9f;
+                    mx = s[k] > mx ? s[k] : mx;
+                }
+                float tot = 0.0f;
+                for (int k = 0; k < R; k++) {
+                    s[k] = expf(s[k] - mx);
+                    tot += s[k];
+                }
+                for (int k = 0; k < R; k++)
+                    s[k] /= tot;
+                const float *vh = vt + (size_t)g * R * hd;
+                float *cx = ctx + (size_t)i * H + g * hd;
+                switch (hd) { /* constant widths keep the accumulators in registers */
+                case 8: attend(8, R, s, vh, cx); break;
+                case 16: attend(16, R, s, vh, cx); break;
+                case 32: attend(32, R, s, vh, cx); break;
+                default: attend(hd, R, s, vh, cx);
+                }
+            }
+        }
+        linear(ctx, R, H, wo, bo, H, t);
+        for (size_t i = 0; i < (size_t)R * H; i++)
+            h[i] += t[i];
+        layernorm(h, R, H, n2w, n2b, y);
+        linear(y, R, H, wf0, bf0, FF, a);
+        gelu(a, (size_t)R * FF);
+        linear(a, R, FF, wf2, bf2, H, t);
+        for (size_t i = 0; i < (size_t)R * H; i++)
+            h[i] += t[i];
+    }
+    {
+        TAKE(fnw, H) TAKE(fnb, H) TAKE(wh0, (size_t)H * H) TAKE(bh0, H) TAKE(wh2, H) TAKE(bh2, 1) TAKE(pw, 1)
+        if (p != end)
+            goto done;
+        layernorm(h, R, H, fnw, fnb, y);
+        linear(y, R, H, wh0, bh0, H, t);
+        gelu(t, (size_t)R * H);
+        for (int r = 0; r < R; r++) {
+            float acc = bh2[0];
+            for (int j = 0; j < H; j++)
+                acc += t[(size_t)r * H + j] * wh2[j];
+            if (prior)
+                acc = acc + -pw[0] * inp[(size_t)r * C + wait_col];
+            logits[r] = mask[r] > 0.5f ? acc : -1e9f;
+        }
+        rc = 0;
+    }
+#undef TAKE
+done:
+    free(buf);
+    return rc;
+}
+
+static int read_longs(PyObject *seq, long *dst, int n, const char *what)
+{
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %d integers, got %zd", what, n, PySequence_Fast_GET_SIZE(fast));
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        dst[i] = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (dst[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static int check_f32(Py_buffer *b, Py_ssize_t n, const char *what)
+{
+    if (b->len != n * (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd float32 values, got %zd bytes", what, n, b->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* inputs(rows, n_rows, spec_i, spec_f, out) */
+static PyObject *py_inputs(PyObject *self, PyObject *args)
+{
+    Py_buffer rows, sf, out;
+    int R;
+    PyObject *si_obj;
+    long si[SI_LEN];
+    if (!PyArg_ParseTuple(args, "y*iOy*w*", &rows, &R, &si_obj, &sf, &out))
+        return NULL;
+    PyObject *res = NULL;
+    if (R < 0 || read_longs(si_obj, si, SI_LEN, "spec_i") || check_f32(&sf, SF_LEN, "spec_f"))
+        goto end;
+    const int F = R ? (int)(rows.len / sizeof(float) / R) : 0;
+    const int C = R ? (int)(out.len / sizeof(float) / R) : 0;
+    if (R && (check_f32(&rows, (Py_ssize_t)R * F, "rows") || check_f32(&out, (Py_ssize_t)R * C, "out")))
+        goto end;
+    if (R && cross_inputs(rows.buf, R, F, si, sf.buf, out.buf, C)) {
+        PyErr_SetString(PyExc_ValueError, "inputs: the row and input widths do not fit the feature spec");
+        goto end;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+end:
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&sf);
+    PyBuffer_Release(&out);
+    return res;
+}
+
+/* logits(rows, n_rows, spec_i, spec_f, weights, dims, out) */
+static PyObject *py_logits(PyObject *self, PyObject *args)
+{
+    Py_buffer rows, sf, wb, out;
+    int R;
+    PyObject *si_obj, *dims_obj;
+    long si[SI_LEN], dims[8];
+    if (!PyArg_ParseTuple(args, "y*iOy*y*Ow*", &rows, &R, &si_obj, &sf, &wb, &dims_obj, &out))
+        return NULL;
+    PyObject *res = NULL;
+    float *work = NULL, *mask = NULL;
+    if (R <= 0) {
+        PyErr_SetString(PyExc_ValueError, "logits: no replicas");
+        goto end;
+    }
+    if (read_longs(si_obj, si, SI_LEN, "spec_i") || read_longs(dims_obj, dims, 8, "dims") ||
+        check_f32(&sf, SF_LEN, "spec_f") || check_f32(&rows, (Py_ssize_t)R * dims[0], "rows") ||
+        check_f32(&out, R, "out"))
+        goto end;
+    const int F = (int)dims[0], C = (int)dims[1];
+    work = malloc(sizeof(float) * (size_t)R * (C + 1));
+    if (!work) {
+        PyErr_NoMemory();
+        goto end;
+    }
+    mask = work + (size_t)R * C;
+    if (cross_inputs(rows.buf, R, F, si, sf.buf, work, C)) {
+        PyErr_SetString(PyExc_ValueError, "logits: the model's input width does not fit the feature spec");
+        goto end;
+    }
+    for (int r = 0; r < R; r++)
+        mask[r] = ((const float *)rows.buf)[(size_t)r * F + si[SI_HEALTHY]] > 0.5f ? 1.0f : 0.0f;
+    if (forward(work, mask, R, dims, wb.buf, (size_t)wb.len / sizeof(float), out.buf)) {
+        PyErr_SetString(PyExc_ValueError, "logits: the weight blob does not match the network's dimensions");
+        goto end;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+end:
+    free(work);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&sf);
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&out);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"inputs", py_inputs, METH_VARARGS, "inputs(rows, n_rows, spec_i, spec_f, out): model_inputs of one decision"},
+    {"logits", py_logits, METH_VARARGS, "logits(rows, n_rows, spec_i, spec_f, weights, dims, out): one decision"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastnet", "The routing network for one decision, in C.", -1, methods};
+
+PyMODINIT_FUNC PyInit__fastnet(void) { return PyModule_Create(&module); }

@@ -1,0 +1,142 @@
+"""The compiled fast path (router/policy/fastnet.py) against its references: model_inputs (numpy) and the
+model file's own onnxruntime session; and what happens when it cannot serve."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import numpy as np
+import pytest
+
+from router.policy import fastnet
+from router.policy.features import FEATURE_NAMES, N_FEATURES, model_inputs
+from router.policy.onnx_policy import OnnxPolicy
+from router.policy.registry import DEFAULT_MODEL_PATH
+
+needs_ext = pytest.mark.skipif(not fastnet.available() and not os.environ.get("CI"), reason="C extension not built")
+HEALTHY = FEATURE_NAMES.index("healthy")
+INDICATORS = slice(N_FEATURES + 3 * 20 + 2 * 3, -1)  # is_min / is_max columns: exact 0/1
+
+
+def test_ci_builds_the_extension() -> None:
+    """CI installs with a C compiler: there the fast path must exist (elsewhere it is optional)."""
+    if not os.environ.get("CI"):
+        pytest.skip("only CI must have the C extension")
+    assert fastnet.available()
+
+
+def _rows(rng: np.random.Generator, width: int, healthy_share: float) -> np.ndarray:
+    rows = rng.uniform(0.0, 1.5, (width, N_FEATURES))
+    rows[:, N_FEATURES - 5 :] = rows[0, N_FEATURES - 5 :]  # the request block, the same on every row
+    rows[:, FEATURE_NAMES.index("prefix_match_frac")] = rng.uniform(0, 1, width)
+    rows[:, FEATURE_NAMES.index("present")] = 1.0
+    rows[:, HEALTHY] = (rng.random(width) < healthy_share).astype(np.float32)
+    if width > 3:  # ties, where the is-min / is-max indicators are decided by the 1e-6 tolerance
+        rows[1] = rows[0]
+    return rows.astype(np.float32)
+
+
+@needs_ext
+@pytest.mark.parametrize("width", [1, 2, 7, 16, 40])
+@pytest.mark.parametrize("healthy_share", [1.0, 0.6, 0.0])
+def test_c_inputs_equal_model_inputs(width: int, healthy_share: float) -> None:
+    rng = np.random.default_rng(width * 10 + int(healthy_share * 10))
+    for _ in range(20):
+        rows = _rows(rng, width, healthy_share)
+        want = model_inputs(rows, rows[:, HEALTHY])
+        got = fastnet.inputs(rows)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+        np.testing.assert_array_equal(got[:, INDICATORS], want[:, INDICATORS])
+        np.testing.assert_array_equal(got[:, :N_FEATURES], rows)
+
+
+@needs_ext
+def test_shipped_model_decides_on_the_fast_path_like_onnxruntime() -> None:
+    policy = OnnxPolicy(DEFAULT_MODEL_PATH)
+    assert policy.describe()["executor"] == "fastnet", policy.executor_note
+    rng = np.random.default_rng(7)
+    for width in (1, 3, 16, 64, 128):
+        for _ in range(10):
+            rows = _rows(rng, width, 0.8)
+            want = policy.onnxruntime_logits(rows)
+            got = policy._fast.logits(rows)
+            valid = rows[:, HEALTHY] > 0.5
+            if not valid.any():
+                continue
+            assert np.abs(got - want)[valid].max() < 1e-4
+            assert np.argmax(got) == np.argmax(want)
+            assert (got[~valid] == -1e9).all()
+
+
+def _with_metadata(tmp_path, change) -> OnnxPolicy:
+    """A copy of the shipped model whose `fastnet` metadata is changed by `change(value) -> value or None`."""
+    onnx = pytest.importorskip("onnx")
+    model = onnx.load(str(DEFAULT_MODEL_PATH))
+    for entry in list(model.metadata_props):
+        if entry.key == fastnet.METADATA_KEY:
+            new = change(entry.value)
+            if new is None:
+                model.metadata_props.remove(entry)
+            else:
+                entry.value = new
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    return OnnxPolicy(path)
+
+
+def _scaled_weights(value: str, factor: float, cut: int = 0) -> str:
+    doc = json.loads(value)
+    w = np.frombuffer(base64.b64decode(doc["weights"]), dtype=np.float32) * np.float32(factor)
+    doc["weights"] = base64.b64encode(w[: len(w) - cut].tobytes()).decode()
+    return json.dumps(doc)
+
+
+@needs_ext
+def test_onnxruntime_serves_when_the_fast_path_cannot(tmp_path) -> None:
+    """No weights, weights cut short, weights that disagree with the graph: onnxruntime decides, saying why."""
+    cases = {
+        "no 'fastnet' weights": lambda v: None,
+        "fast path unusable": lambda v: _scaled_weights(v, 1.0, cut=3),
+        "disagrees with onnxruntime": lambda v: _scaled_weights(v, 1.01),
+    }
+    for why, change in cases.items():
+        policy = _with_metadata(tmp_path, change)
+        info = policy.describe()
+        assert info["executor"] == "onnxruntime" and why in info["executor_note"], info
+        assert policy.load_error is None
+        rows = _rows(np.random.default_rng(0), 5, 1.0)
+        np.testing.assert_array_equal(policy.onnxruntime_logits(rows), policy.onnxruntime_logits(rows))
+
+
+def test_fast_path_can_be_turned_off() -> None:
+    policy = OnnxPolicy(DEFAULT_MODEL_PATH, fast=False)
+    assert policy.describe()["executor"] == "onnxruntime"
+    assert "turned off" in policy.executor_note
+
+
+@needs_ext
+def test_bad_buffers_raise_instead_of_crashing() -> None:
+    from router.policy import _fastnet
+
+    net = OnnxPolicy(DEFAULT_MODEL_PATH)._fast
+    rows = np.zeros((4, N_FEATURES), np.float32)
+    with pytest.raises(ValueError, match="rows"):
+        _fastnet.logits(rows, 5, fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims, np.empty(5, np.float32))
+    with pytest.raises(ValueError, match="weight blob"):
+        _fastnet.logits(rows, 4, fastnet._SPEC_I, fastnet._SPEC_F, net._weights[:-8], net._dims, np.empty(4, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        _fastnet.logits(rows, 4, fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims, np.empty(3, np.float32))
+    with pytest.raises(ValueError, match="no replicas"):
+        _fastnet.logits(rows[:0], 0, fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims, np.empty(0, np.float32))
+
+
+def test_layout_covers_the_blob_exactly() -> None:
+    """pack_layout is the one description of the blob: FastNet refuses a blob of any other size."""
+    value = json.loads(OnnxPolicy(DEFAULT_MODEL_PATH, fast=False).metadata[fastnet.METADATA_KEY])
+    n = sum(int(np.prod(s)) for _, s in fastnet.pack_layout(value["hidden"], value["layers"]))
+    assert len(base64.b64decode(value["weights"])) == 4 * n
+    value["layers"] += 1
+    with pytest.raises(ValueError, match="bytes of weights"):
+        fastnet.FastNet(json.dumps(value))
