@@ -177,6 +177,35 @@ static inline float erf_fast(float x)
     return x * p / q;
 }
 
+/* exp for the softmax (arguments <= 0): Cephes' expf polynomial, |relative error| ~1e-7, and exactly 0 below
+ * -87 (a masked key), where expf would return a denormal; unlike libm's expf it vectorises. */
+static inline float exp_fast(float x)
+{
+    const float under = x < -87.0f;
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    x = x - n * 0.693359375f - n * -2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + 1.0f;
+    union { int i; float f; } scale = {.i = ((int)n + 127) << 23};
+    return under ? 0.0f : y * scale.f;
+}
+
+VECTOR_CLONES static void softmax_exp(float *restrict s, int R, float mx, float *tot)
+{
+    float t = 0.0f;
+    for (int k = 0; k < R; k++) {
+        s[k] = exp_fast(s[k] - mx);
+        t += s[k];
+    }
+    *tot = t;
+}
+
 VECTOR_CLONES static void gelu(float *restrict x, size_t n)
 {
     for (size_t i = 0; i < n; i++)
@@ -295,11 +324,8 @@ VECTOR_CLONES static int forward(const float *inp, const float *mask, int R, con
                     s[k] = s[k] * scale + (1.0f - mask[k]) * -1e9f;
                     mx = s[k] > mx ? s[k] : mx;
                 }
-                float tot = 0.0f;
-                for (int k = 0; k < R; k++) {
-                    s[k] = expf(s[k] - mx);
-                    tot += s[k];
-                }
+                float tot;
+                softmax_exp(s, R, mx, &tot);
                 for (int k = 0; k < R; k++)
                     s[k] /= tot;
                 const float *vh = vt + (size_t)g * R * hd;
