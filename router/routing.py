@@ -81,6 +81,8 @@ class PolicyRunner:
         if self.load_error:
             log.warning("policy %s unavailable, every decision falls back to %s: %s", self.name,
                         self.policy.fallback.name, self.load_error)
+        elif info.get("executor"):
+            log.info("policy %s (%s arm) decides with %s: %s", self.name, self.arm, info["executor"], info["executor_note"])
         self._metrics.policy_info.labels(*self._info_labels()).set(1)
 
     @property

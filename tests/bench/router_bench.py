@@ -2,6 +2,8 @@
 
     .venv/bin/python tests/bench/router_bench.py [--duration 20] [--wrk-duration 10] [--workers 1,2]
         [--vllm-router .venv-vr/bin/vllm-router] [--policy least-outstanding] [--json]
+    # the learned policy's added latency next to least-outstanding's, in one run (issue 13):
+    .venv/bin/python tests/bench/router_bench.py --policy least-outstanding,learned --replicas 16 --no-wrk
 
 Starts a trivial fast backend (raw asyncio HTTP server answering OpenAI-shaped completions,
 streamed or not, plus /health, /metrics, /v1/models), the router in a subprocess per --workers
@@ -11,7 +13,9 @@ worker, proxy_buffering off) and, with --vllm-router (or .venv-vr/bin/vllm-route
 (round_robin) in front of the same backend. Measures
   (a) added latency p50/p99 vs direct at a fixed open-loop rate (default 50 req/s, 20 s), and
   (b) max requests/s with wrk, non-streaming and streaming, for direct, nginx and router.
-Everything listens on 127.0.0.1 and runs in its own process group; all are stopped at the end.
+With --replicas N the backend also answers on 127.0.0.2 .. 127.0.0.N (loopback) and the routers see N replicas,
+so a policy decides among N; with several --policy values each gets its own router (routewise-wN-<policy>).
+Everything listens on loopback and runs in its own process group; all are stopped at the end.
 """
 
 from __future__ import annotations
@@ -112,7 +116,7 @@ class Backend(asyncio.Protocol):
                 self.t.write(self.NOT_FOUND)
 
 
-def run_backend(port: int) -> None:
+def run_backend(port: int, hosts_n: int = 1) -> None:
     try:
         import uvloop
         uvloop.install()
@@ -120,7 +124,8 @@ def run_backend(port: int) -> None:
         pass
 
     async def main():
-        server = await asyncio.get_running_loop().create_server(Backend, "127.0.0.1", port, backlog=1024)
+        hosts = [f"127.0.0.{i}" for i in range(1, hosts_n + 1)]
+        server = await asyncio.get_running_loop().create_server(Backend, hosts, port, backlog=1024)
         async with server:
             await server.serve_forever()
 
@@ -245,7 +250,11 @@ def main() -> int:
     ap.add_argument("--wrk-duration", type=int, default=10, help="seconds per wrk run")
     ap.add_argument("--connections", type=int, default=32, help="wrk connections")
     ap.add_argument("--workers", default="1", help="comma-separated router worker counts, one target each (e.g. 1,2)")
-    ap.add_argument("--policy", default="least-outstanding", help="routewise policy")
+    ap.add_argument("--policy", default="least-outstanding",
+                    help="routewise policy, or several comma-separated (one router each, same run)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="replicas the routers see (the one backend on 127.0.0.1..N; at most 250)")
+    ap.add_argument("--no-wrk", action="store_true", help="skip (b), the wrk throughput runs")
     ap.add_argument("--vllm-router", default=str(REPO / ".venv-vr/bin/vllm-router"),
                     help="vllm-router executable (skipped when absent)")
     ap.add_argument("--nice", type=int, default=0, help="run the proxies under nice -n N (shared machines)")
@@ -253,8 +262,11 @@ def main() -> int:
     ap.add_argument("--backend-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.backend_only:
-        run_backend(args.backend_only)
+        run_backend(args.backend_only, args.replicas)
         return 0
+    if not 1 <= args.replicas <= 250:
+        sys.exit(f"--replicas {args.replicas}: must be 1..250")
+    policies = args.policy.split(",")
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             sys.exit(f"{tool} not found")
@@ -264,7 +276,8 @@ def main() -> int:
     nice = ["nice", "-n", str(args.nice)] if args.nice else []
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(subprocess.Popen([sys.executable, __file__, "--backend-only", str(bport)], start_new_session=True))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--backend-only", str(bport), "--replicas", str(args.replicas)],
+                                      start_new_session=True))
         wait_port(bport)
         targets = {"direct": bport, "nginx": nport}
         (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, backend=bport, port=nport))
@@ -279,18 +292,21 @@ def main() -> int:
                  f"http://127.0.0.1:{bport}", "--policy", "round_robin", "--log-level", "warning"],
                 start_new_session=True, stdout=subprocess.DEVNULL))
             wait_port(vport, "/health", timeout=60)
+        replicas = [a for i in range(1, args.replicas + 1) for a in ("--replica", f"http://127.0.0.{i}:{bport}")]
         for n in (int(w) for w in args.workers.split(",")):
-            rport = targets[f"routewise-w{n}"] = free_port()
-            procs.append(subprocess.Popen(
-                [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
-                 "--port", str(rport), "--replica", f"http://127.0.0.1:{bport}", "--policy", args.policy,
-                 "--log-level", "warning"], cwd=REPO, start_new_session=True))
-            wait_port(rport, "/ready")
+            for policy in policies:
+                name = f"routewise-w{n}" + (f"-{policy}" if len(policies) > 1 else "")
+                rport = targets[name] = free_port()
+                procs.append(subprocess.Popen(
+                    [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
+                     "--port", str(rport), *replicas, "--policy", policy, "--log-level", "warning"],
+                    cwd=REPO, start_new_session=True))
+                wait_port(rport, "/ready")
         results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}
         for name, port in targets.items():
             lat = asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/completions", args.rate, args.duration))
             results["latency_ms"][name] = {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "n": len(lat)}
-        for stream in (False, True):
+        for stream in () if args.no_wrk else (False, True):
             key = "streaming" if stream else "non_streaming"
             results["rps"][key] = {
                 name: wrk(f"http://127.0.0.1:{port}/v1/completions", stream, args.wrk_duration, args.connections, tmp)
@@ -311,15 +327,18 @@ def main() -> int:
         print(json.dumps(results, indent=2))
         return 0
     print(f"(a) latency at {args.rate:g} req/s open loop, {args.duration:g} s each, non-streaming (ms)")
-    print(f"{'target':<14} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8}")
+    width = max(14, *(len(t) for t in targets))
+    print(f"{'target':<{width}} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8}   ({args.replicas} replica(s))")
     for name in targets:
         r = results["latency_ms"][name]
-        print(f"{name:<14} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f}")
+        print(f"{name:<{width}} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f}")
+    if not results["rps"]:
+        return 0
     print(f"\n(b) max requests/s with wrk -t1 -c{args.connections} -d{args.wrk_duration}s (x nginx)")
-    print(f"{'target':<14} " + " ".join(f"{key:>22}" for key in results["rps"]))
+    print(f"{'target':<{width}} " + " ".join(f"{key:>22}" for key in results["rps"]))
     for name in targets:
         cells = [f"{row[name]:9.0f} ({row[name] / row['nginx']:4.2f}x)" for row in results["rps"].values()]
-        print(f"{name:<14} " + " ".join(f"{c:>22}" for c in cells))
+        print(f"{name:<{width}} " + " ".join(f"{c:>22}" for c in cells))
     return 0
 
 

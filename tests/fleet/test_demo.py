@@ -118,15 +118,14 @@ def test_ctrl_c_stops_the_fleet(sigint_ignored: bool):
 @end_to_end
 def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
     """Issue 13: the router with the shipped model in front of emulated replicas (the demo's A/B, treatment =
-    learned) lets the model decide. Issue 13's target (under 1 % fallbacks) is NOT met on this 2-core machine:
-    the demo's 4 emulated replicas, router and load generator share the cores, the learned decision's rolling
-    p99 is over the 0.5 ms budget at the rule's first judgement (after BUDGET_MIN_SAMPLES decisions) and the
-    cool-down covers the rest of the run: 57 % of ~230 decisions in 30 s, 35 % (53 of 153) in 20 s, with
-    feature contract 2 and 3 alike (2026-11-25; contract 3 halved the live decision latency's p50/p99
-    buckets, 1,460/4,926 us -> 973/2,189 us). The bound checks the model decided at least the first
-    judgement window of the ~230 decisions (0.7 > 130/230; before issue 13 it was 100 %)."""
+    learned) lets the model decide. On the compiled fast path (router/policy/fastnet.py) the learned arm decided
+    all of its ~230 decisions in 30 s on the shared 2-core machine (2026-11-25; onnxruntime alone: 57 %, and
+    100 % before issue 13). Any trip of the budget rule starts a 1,000-decision cool-down that covers the rest
+    of the run, so a share under 5 % means it never tripped. Without the C extension onnxruntime decides and
+    only the old bound holds (the model decided at least the first judgement window)."""
     import json
 
+    from router.policy import fastnet
     from router.policy.fallback import BUDGET_MIN_SAMPLES
     from router.policy.registry import DEFAULT_MODEL_PATH
 
@@ -143,7 +142,7 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
     assert doc["treatment"] == "learned" and doc["ab"], doc.get("treatment")
     learned = doc["decisions"]["treatment"]
     assert learned["decisions"] > 2 * BUDGET_MIN_SAMPLES, learned  # enough for the budget rule to have judged it
-    assert learned["fallback_share"] < 0.7, learned  # before issue 13: 100 % over_budget
+    assert learned["fallback_share"] < (0.05 if fastnet.available() else 0.7), learned  # before issue 13: 100 %
 
 
 def test_decision_summary_reads_fallback_share_and_latency_per_arm():
