@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.vllm import REPO_ROOT, free_ports
+from fleet.vllm import REPO_ROOT, free_ports, log_tail
 
 ADMIN_TOKEN = "fleet-admin-token"
 
@@ -37,10 +37,7 @@ class RouterProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def log_tail(self, n_lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n_lines:])
-        except OSError as exc:
-            return f"<no log at {self.log_path}: {exc}>"
+        return log_tail(self.log_path, n_lines)
 
     def get(self, path: str, admin: bool = False, timeout_s: float = 5.0, method: str = "GET") -> tuple[int, bytes]:
         req = urllib.request.Request(f"{self.base_url}{path}", method=method)

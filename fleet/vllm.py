@@ -211,6 +211,14 @@ def _shared_memory_of(pgid: int) -> set[Path]:
     return found
 
 
+
+def log_tail(path: Path, n_lines: int) -> str:
+    """The last `n_lines` of a process's log file, or a line saying why there is none (for error messages)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n_lines:])
+    except OSError as exc:
+        return f"<no log at {path}: {exc}>"
+
 @dataclass
 class VllmServer:
     """One vLLM API server process group on 127.0.0.1."""
@@ -230,10 +238,7 @@ class VllmServer:
         return f"{self.base_url}/v1"
 
     def log_tail(self, n_lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n_lines:])
-        except OSError as exc:
-            return f"<no log at {self.log_path}: {exc}>"
+        return log_tail(self.log_path, n_lines)
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         try:
