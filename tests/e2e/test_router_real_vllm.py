@@ -529,6 +529,45 @@ async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_ser
 BAD_FALLBACK_REASONS = ("exception", "nan", "masked_pick", "unavailable", "spec_mismatch", "stale_stats")
 
 
+@pytest.mark.skipif(not DEFAULT_MODEL_PATH.is_file(), reason=f"no shipped learned policy at {DEFAULT_MODEL_PATH}")
+async def test_learned_policy_decides_real_traffic_within_budget(vllm_servers, log_dir):
+    """Issue 13 on real vLLM: over more decisions than the budget rule needs to judge (BUDGET_MIN_SAMPLES), the
+    shipped model decides (almost) every request itself. With the compiled fast path no decision may fall back
+    (one trip of the rule starts a 1,000-decision cool-down, so any over_budget fallback fails this test);
+    without the C extension onnxruntime decides and only the bad reasons are excluded."""
+    from router.policy import fastnet
+    from router.policy.fallback import BUDGET_MIN_SAMPLES
+
+    n_requests = BUDGET_MIN_SAMPLES + 50
+    router = start_router(list(vllm_servers), "learned", log_dir)
+    try:
+        async with openai_client(router) as c:
+            gate = asyncio.Semaphore(8)
+
+            async def one(i: int) -> int:
+                async with gate:
+                    resp = await c.completions.create(model=SERVED_MODEL_NAME, prompt=f"{PROMPT} {i}", max_tokens=2,
+                                                      extra_body={"ignore_eos": True})
+                    return resp.usage.completion_tokens
+
+            completed = await asyncio.gather(*(one(i) for i in range(n_requests)))
+        page = router.metrics()
+        arms = router.admin_policy()["arms"]
+    finally:
+        rc = router.stop()
+    assert rc == 0, router.log_tail()
+    assert completed == [2] * n_requests
+    assert arms["main"]["decisions"] == n_requests
+    bad = {k: v for k, v in page.fallbacks.items() if k in BAD_FALLBACK_REASONS and v}
+    assert not bad, f"fallbacks for bad reasons {bad}; all {page.fallbacks}"
+    executor = arms["main"]["describe"]["primary"]["executor"]
+    if fastnet.available():
+        assert executor == "fastnet", arms["main"]["describe"]
+        assert sum(page.fallbacks.values()) == 0, page.fallbacks
+    else:
+        assert executor == "onnxruntime"
+
+
 @pytest.mark.parametrize("policy", [
     "kv-aware",
     pytest.param("learned", marks=pytest.mark.skipif(
