@@ -97,7 +97,7 @@ def connect(address: str, num_cpus: int | None = None) -> Iterator[Any]:
     quiet = {"log_to_driver": False, "include_dashboard": False, "configure_logging": False}
     try:
         if address == RAY_LOCAL:
-            ray.init(num_cpus=num_cpus, object_store_memory=LOCAL_OBJECT_STORE_BYTES, **quiet)
+            ray.init(address="local", num_cpus=num_cpus, object_store_memory=LOCAL_OBJECT_STORE_BYTES, **quiet)  # never an existing one
         else:
             ray.init(address=address, runtime_env=_shipped_runtime_env(), **quiet)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as exc:

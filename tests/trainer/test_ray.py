@@ -112,3 +112,24 @@ def test_evaluation_on_ray_matches_local_processes(runs, tmp_path, capsys):
     assert len(strip) == 3 and strip == [
         {k: v for k, v in r.items() if k != "policy"} | {"policy": Path(r["policy"]).name} for r in ray_doc["results"]
     ]
+
+
+def test_an_evaluation_task_reads_the_policy_file_from_a_node_local_copy(tmp_path):
+    """On a remote node the driver's ONNX path does not exist: the task gets a copy of its bytes, keyed back."""
+    from trainer.ray_backend import _run_with_files
+
+    model = tmp_path / "best.onnx"
+    model.write_bytes(b"onnx bytes")
+    seen = {}
+
+    def task(item):  # stands in for simulator.experiments._task
+        scenario, policies, seed, split, late = item
+        seen["paths"] = policies
+        seen["bytes"] = Path(policies[1]).read_bytes()
+        return scenario, seed, {p: {"policy": p} for p in policies}
+
+    sc, seed, out = _run_with_files(task, (("steady-chat", ("least-outstanding", str(model)), 3, "eval", False),),
+                                    {str(model): b"onnx bytes"})  # fmt: skip
+    assert seen["paths"][0] == "least-outstanding" and seen["paths"][1] != str(model) and seen["bytes"] == b"onnx bytes"
+    assert (sc, seed) == ("steady-chat", 3) and list(out) == ["least-outstanding", str(model)]
+    assert out[str(model)] == {"policy": seen["paths"][1]}
