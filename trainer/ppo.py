@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -51,6 +52,9 @@ from trainer.instances import InstanceSpec
 from trainer.network import RoutingNet, masked_categorical
 from trainer.episode import Episode, ExploreJob, HeuristicJob, HeuristicRun, LatencySamples, RolloutJob
 from trainer.rollout import WorkerPool
+
+if TYPE_CHECKING:
+    from trainer.ray_backend import RayWorkerPool  # same interface as WorkerPool; imported only with run.ray
 
 
 # ==============================================================================================
@@ -279,7 +283,7 @@ def build_batch(episodes: list[Episode], gamma: float, lam: float, reward_scale:
 # 5. Rollout: each environment plays one whole episode with the current (sampling) policy
 # ==============================================================================================
 @contextmanager
-def worker_pool(cfg: TrainConfig) -> Iterator[WorkerPool]:
+def worker_pool(cfg: TrainConfig) -> Iterator[WorkerPool | RayWorkerPool]:
     """The rollout workers of a run: `run.workers` local processes, or as many Ray actors on the cluster at
     `run.ray` (trainer/ray_backend.py; ray is imported only then), which get the same shares and seeds."""
     if cfg.run.ray is None:
