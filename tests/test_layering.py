@@ -6,7 +6,7 @@
 
 router.policy is pure (no aiohttp, prometheus_client, torch, asyncio); simulator is a library without the
 service dependencies; fleet (live tools) may use aiohttp and prometheus but never torch; router never imports
-torch, simulator, trainer or fleet; only trainer imports torch. And no module imports itself through others.
+torch, simulator, trainer or fleet; only trainer imports torch, and ray only lazily (`--ray`). And no module imports itself through others.
 """
 
 from __future__ import annotations
@@ -100,11 +100,11 @@ def _roots(path: Path) -> set[str]:
 @pytest.mark.parametrize(
     ("package", "blocked"),
     [
-        ("router/policy", {"aiohttp", "prometheus_client", "torch", "asyncio", "simulator", "trainer", "fleet"}),
-        ("router", {"torch", "simulator", "trainer", "fleet"}),
-        ("simulator", {"aiohttp", "prometheus_client", "torch", "trainer", "fleet"}),
-        ("fleet", {"torch", "trainer"}),
-        ("trainer", {"aiohttp", "prometheus_client", "fleet"}),
+        ("router/policy", {"aiohttp", "prometheus_client", "torch", "asyncio", "simulator", "trainer", "fleet", "ray"}),
+        ("router", {"torch", "simulator", "trainer", "fleet", "ray"}),
+        ("simulator", {"aiohttp", "prometheus_client", "torch", "trainer", "fleet", "ray"}),
+        ("fleet", {"torch", "trainer", "ray"}),
+        ("trainer", {"aiohttp", "prometheus_client", "fleet", "ray"}),  # ray only inside functions, when --ray asks
     ],
 )
 def test_every_module_of_a_package_imports_without_what_it_must_not_use(package: str, blocked: set[str]):
@@ -123,9 +123,9 @@ ALLOWED_ROUTER_PARTS = {
     "trainer": ("router.policy",),
 }
 FORBIDDEN_ROOTS = {
-    "router": {"torch", "simulator", "trainer", "fleet"},
-    "simulator": {"torch", "trainer", "fleet", "aiohttp", "prometheus_client"},
-    "fleet": {"torch", "trainer"},
+    "router": {"torch", "simulator", "trainer", "fleet", "ray"},
+    "simulator": {"torch", "trainer", "fleet", "aiohttp", "prometheus_client", "ray"},
+    "fleet": {"torch", "trainer", "ray"},
     "trainer": {"fleet", "aiohttp", "prometheus_client"},
 }
 

@@ -39,7 +39,18 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         "--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
         help="continue from a checkpoint (default: <run dir>/last.pt); progress, optimiser, RNG and normaliser are restored",
     )  # fmt: skip
+    _ray_argument(p, "rollouts, heuristic runs and TRAIN-window evaluations run as run.workers Ray actors there "
+                  "(set --set run.workers=N to the cluster's CPUs); the same seed and run.workers give the same result as locally")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _ray_argument(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+        help=f"run on a Ray cluster instead of local worker processes: {what}. ADDRESS: auto (default; RAY_ADDRESS if set, "
+        "else the cluster `ray start` began on this machine), ray://HOST:10001, HOST:6379, or local (a private instance "
+        "on this machine). Needs the extra: pip install 'routewise[ray]'",
+    )  # fmt: skip
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -48,6 +59,7 @@ def _train(args: argparse.Namespace) -> int:
     from trainer.ppo import train
 
     overrides = list(args.overrides) + ([f"run.run_dir={args.run_dir}"] if args.run_dir else [])
+    overrides += [f"run.ray={json.dumps(args.ray)}"] if args.ray else []
     cfg = load_config(args.config, overrides)
     resume = None
     if args.resume is not None:
@@ -57,7 +69,8 @@ def _train(args: argparse.Namespace) -> int:
             raise UsageError(f"{resume}: its network {saved.network} differs from {args.config}'s {cfg.network}")
     summary = train(cfg, resume=resume, progress=not args.no_progress)
     print(f"run dir: {summary['run_dir']}")
-    print(f"wall time: {summary['wall_s']:.0f}s with {summary['workers']} rollout worker process(es)")
+    where = f"Ray actor(s) on {summary['ray']}" if summary.get("ray") else "rollout worker process(es)"
+    print(f"wall time: {summary['wall_s']:.0f}s with {summary['workers']} {where}")
     print(f"best heuristic per scenario (TRAIN windows): {json.dumps(summary['best_heuristic'])}")
     print(f"selected checkpoint: {summary['selected']} -> {Path(summary['run_dir']) / 'best.pt'}")
     for h in summary["history"]:
@@ -80,6 +93,7 @@ def _evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they re-simulate the first seed)")
     p.add_argument("--json", action="store_true", help="print the same JSON document as `simulator compare --json`")
     p.add_argument("--card", help="also merge the evaluation table into this model-card JSON (e.g. router/policy/models/default.json)")
+    _ray_argument(p, "each (scenario, seed) is a Ray task (--workers is then ignored)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -105,7 +119,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     onnx_path = ev.learned_onnx(policy, out_dir) if policy else None
     seeds = list(range(args.seeds))
     start = time.perf_counter()
-    doc = ev.run_comparison(onnx_path, scenarios, seeds, baselines, args.split, args.workers, not args.no_progress)
+    doc = ev.run_comparison(onnx_path, scenarios, seeds, baselines, args.split, args.workers, not args.no_progress, ray=args.ray)
     wall = time.perf_counter() - start
     if args.json:
         print(to_json(doc))
@@ -244,13 +258,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.export import ExportError
     from trainer.finetune import FinetuneError
     from trainer.fleet_log import FleetLogError
+    from trainer.ray_backend import RayBackendError
 
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "traces_dir", None):
             use_traces_dir(args.traces_dir)
         return COMMANDS[args.command][2](args)
-    except (UsageError, ConfigError, CheckpointError, ExportError, FinetuneError, FleetLogError, TraceError) as exc:
+    except (UsageError, ConfigError, CheckpointError, ExportError, FinetuneError, FleetLogError, TraceError, RayBackendError) as exc:
         print(f"trainer {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

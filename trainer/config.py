@@ -180,6 +180,33 @@ class RunConfig(_Strict):
     eval_every: int = Field(10, ge=1, description="PPO updates between greedy TRAIN-window evaluations")
     eval_seeds: int = Field(2, ge=1, description="TRAIN seeds per scenario in periodic/selection evaluations")
     torch_threads: int = Field(1, ge=1, description="torch threads per process (1: the workers use the cores)")
+    ray: str | None = Field(
+        None,
+        description="run rollouts and evaluation episodes as `workers` Ray actors on this cluster instead of local processes: "
+        "auto (RAY_ADDRESS, else the cluster `ray start` began here), ray://HOST:10001, HOST:6379, or local (a private "
+        "instance); needs the [ray] extra. Same seed and workers => the same result as locally",
+    )
+
+    @field_validator("ray")
+    @classmethod
+    def _ray_address(cls, address: str | None) -> str | None:
+        if address is not None:
+            parse_ray_address(address)
+        return address
+
+
+RAY_LOCAL, RAY_AUTO = "local", "auto"  # a private instance on this machine; RAY_ADDRESS or the `ray start` cluster here
+
+
+def parse_ray_address(address: str) -> tuple[str, int] | None:
+    """(host, port) of an explicit Ray address (`ray://HOST:PORT` or `HOST:PORT`); None for `auto` and `local`.
+    Anything else is a ValueError naming it."""
+    if address in (RAY_LOCAL, RAY_AUTO):
+        return None
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"ray address {address!r}: expected local, auto, ray://HOST:PORT or HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 class EvalConfig(_Strict):

@@ -36,12 +36,27 @@ def learned_onnx(policy: str, out_dir: Path) -> Path:
 
 
 def run_comparison(
-    onnx_path: Path | None, scenarios: list[str], seeds: list[int], baselines: list[str], split: str, workers: int, progress: bool
+    onnx_path: Path | None,
+    scenarios: list[str],
+    seeds: list[int],
+    baselines: list[str],
+    split: str,
+    workers: int,
+    progress: bool,
+    ray: str | None = None,
 ) -> dict:
+    """`simulator.experiments.compare` of the baselines and the learned ONNX; on the Ray cluster at `ray` when given
+    (trainer/ray_backend.py: the ONNX file travels with each task)."""
     from simulator.experiments import compare
 
     policies = list(baselines) + ([str(onnx_path)] if onnx_path is not None else [])
-    return compare(scenarios, policies, seeds, split=split, workers=workers, progress=progress)
+    if ray is None:
+        return compare(scenarios, policies, seeds, split=split, workers=workers, progress=progress)
+    from trainer.ray_backend import RayExecutor, connect
+
+    with connect(ray, num_cpus=max(1, workers)) as ray_module:
+        executor = RayExecutor(ray_module, files=[onnx_path] if onnx_path is not None else [])
+        return compare(scenarios, policies, seeds, split=split, progress=progress, executor=executor)
 
 
 def _fmt(v: float, ci: float, unit: str) -> str:

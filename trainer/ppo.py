@@ -4,7 +4,7 @@
   2. Environment setup         which scenario instances are played: selection, evaluation, PPO jobs
   3. Agent                     `RoutingNet` (trainer/network.py) and its warm start
   4. Storage                   `Batch`: the episodes of one update, flattened
-  5. Rollout                   every environment plays one whole episode (trainer/rollout.py workers)
+  5. Rollout                   every environment plays one whole episode (trainer/rollout.py workers, or Ray actors)
   6. GAE                       advantages and returns per episode
   7. Update                    epochs x minibatches of the clipped PPO objective
   8. Logging and evaluation    TensorBoard + metrics.csv; greedy TRAIN-window evaluation; `best.pt`
@@ -35,9 +35,12 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -49,6 +52,9 @@ from trainer.instances import InstanceSpec
 from trainer.network import RoutingNet, masked_categorical
 from trainer.episode import Episode, ExploreJob, HeuristicJob, HeuristicRun, LatencySamples, RolloutJob
 from trainer.rollout import WorkerPool
+
+if TYPE_CHECKING:
+    from trainer.ray_backend import RayWorkerPool  # same interface as WorkerPool; imported only with run.ray
 
 
 # ==============================================================================================
@@ -276,6 +282,20 @@ def build_batch(episodes: list[Episode], gamma: float, lam: float, reward_scale:
 # ==============================================================================================
 # 5. Rollout: each environment plays one whole episode with the current (sampling) policy
 # ==============================================================================================
+@contextmanager
+def worker_pool(cfg: TrainConfig) -> Iterator[WorkerPool | RayWorkerPool]:
+    """The rollout workers of a run: `run.workers` local processes, or as many Ray actors on the cluster at
+    `run.ray` (trainer/ray_backend.py; ray is imported only then), which get the same shares and seeds."""
+    if cfg.run.ray is None:
+        with WorkerPool(cfg, cfg.run.workers) as pool:
+            yield pool
+        return
+    from trainer.ray_backend import RayWorkerPool, connect
+
+    with connect(cfg.run.ray, num_cpus=max(1, cfg.run.workers)) as ray, RayWorkerPool(ray, cfg) as pool:
+        yield pool
+
+
 def collect_rollout(
     pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, jobs: list[RolloutJob], update: int
 ) -> list[Episode]:
@@ -610,23 +630,25 @@ def _ppo_phase(run: _Run, pool: WorkerPool, progress: bool) -> None:
 def train(cfg: TrainConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
     """Run (or resume) a training run; returns the run summary (also written to run_dir/summary.json)."""
     run_dir = Path(cfg.run.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     net, optimizer, state, rng = _start(cfg, run_dir, resume)
-    run = _Run(cfg, run_dir, net, optimizer, state, rng, _Logger(run_dir, _csv_fields(cfg)), time.time() - state.wall_s)
-    try:
-        with WorkerPool(cfg, cfg.run.workers) as pool:
+    wall0 = time.time() - state.wall_s
+    with worker_pool(cfg) as pool:  # before the run dir is written: an unreachable Ray cluster leaves nothing behind
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run = _Run(cfg, run_dir, net, optimizer, state, rng, _Logger(run_dir, _csv_fields(cfg)), wall0)
+        try:
             if state.phase == Phase.SELECT:
                 _select_phase(run, pool)
             if state.phase == Phase.WARM_START:
                 _warm_start_phase(run, pool, progress)
             _ppo_phase(run, pool, progress)
-    finally:
-        run.logger.close()
+        finally:
+            run.logger.close()
     state.wall_s = run.elapsed()
     summary = {
         "run_dir": str(run_dir),
         "wall_s": state.wall_s,
         "workers": cfg.run.workers,
+        "ray": cfg.run.ray,
         "cores": os.cpu_count(),
         "updates": state.update,
         "selected": state.best,

@@ -3,7 +3,8 @@
 Each worker process owns its environments (one per lockstep slot, plus one for heuristic
 runs) and a cache of the best heuristic's per-decision rewards by instance, used for paired
 rewards (same arrival sequence => decision t is request t over the same time interval in both
-runs). Workers are started with the `spawn` method and talk over pipes.
+runs). Workers are started with the `spawn` method and talk over pipes; with `run.ray` set they are Ray
+actors instead (trainer/ray_backend.py), given the same shares and seeds.
 """
 
 from __future__ import annotations
@@ -304,6 +305,15 @@ class WorkerError(RuntimeError):
     pass
 
 
+def split_items(items: list, n: int, key=None) -> list[list]:
+    """Items partitioned over `n` workers (by `key(item) % n` when given, so caches stay warm).
+    Local processes and Ray actors split alike: worker k gets the same share, and so the same results."""
+    parts: list[list] = [[] for _ in range(n)]
+    for i, item in enumerate(items):
+        parts[(key(item) if key else i) % n].append(item)
+    return parts
+
+
 class WorkerPool:
     """`n` spawned worker processes (n=0: run in this process, for tests and debugging)."""
 
@@ -348,11 +358,7 @@ class WorkerPool:
         return out
 
     def split(self, items: list, key=None) -> list[list]:
-        """Items partitioned over workers (by `key(item) % n` when given, so caches stay warm)."""
-        parts: list[list] = [[] for _ in range(self.size)]
-        for i, item in enumerate(items):
-            parts[(key(item) if key else i) % self.size].append(item)
-        return parts
+        return split_items(items, self.size, key)
 
     def close(self) -> None:
         for conn in self._conns:
