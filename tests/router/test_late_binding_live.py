@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 
 import aiohttp
 import pytest
@@ -212,3 +213,50 @@ async def test_a_request_routed_as_its_client_leaves_is_released():
         await task
     assert routed == ["r1", "r2"] and len(released) == 1
     assert rep.tracker.outstanding == 0 and len(q) == 0
+
+
+@pytest.mark.timeout(90)
+async def test_with_workers_each_holds_on_the_host_wide_load_and_sees_the_others_completions(fakes, tmp_path):
+    from tests.router.test_workers import _metric, workers
+
+    reps = await fakes(2, token_delay_s=0.05)
+    cfg = tmp_path / "late.yaml"
+    # no periodic scrapes or probes in the way: only the worker-sync tick can carry worker A's completions to B
+    cfg.write_text("late_binding: true\nlate_binding_max_num_seqs: 1\nlate_binding_timeout_s: 30\n"
+                   "scrape_interval_s: 30\nhealth_interval_s: 30\n")
+    async with workers(reps, "--config", str(cfg)) as w:
+        pid_a, pid_b = w.by_pid
+        sb = w.by_pid[pid_b]
+        a_long, a_short = await w.pinned(pid_a), await w.pinned(pid_a)
+        body = {"model": "tiny", "prompt": "busy", "max_tokens": 60}  # 3 s at 50 ms a token
+        long_ = asyncio.create_task(a_long.post(w.url + "/v1/completions", json=body))
+        await wait_for(lambda: reps[0].active + reps[1].active == 1)
+        short = asyncio.create_task(a_short.post(w.url + "/v1/completions", json={**body, "max_tokens": 10}))
+        await wait_for(lambda: reps[0].active + reps[1].active == 2)  # both replicas full, through worker A
+        held_b = asyncio.create_task(sb.post(w.url + "/v1/completions", json={**body, "prompt": "B", "max_tokens": 1}))
+        await asyncio.sleep(0.2)
+        assert reps[0].requests + reps[1].requests == 2  # worker B holds on worker A's load
+        async with aiohttp.ClientSession() as any_worker:  # sb's one connection is the held request's
+            assert await _metric(any_worker, w.url, "llm_router_held_requests") == 1  # summed over workers
+        resp = await asyncio.wait_for(held_b, 10)  # released once worker A's short request completed
+        assert resp.status == 200
+        assert not long_.done()
+        assert (await (await short).read()) and (await (await long_).read())
+        assert await _metric(sb, w.url, "llm_router_late_dispatches_total") >= 3
+        w.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(w.proc.wait(), 20) == 0
+
+
+async def test_turned_on_by_flag_or_environment_and_bad_values_named(monkeypatch, capsys):
+    from router.cli import _parser, main
+    from router.settings import build_settings
+
+    assert build_settings(replicas=["http://a:1"]).late_binding is False
+    args = vars(_parser().parse_args(["serve", "--replica", "http://a:1", "--late-binding",
+                                      "--late-binding-timeout", "0.5"]))
+    s = build_settings(None, **{k: v for k, v in args.items() if k not in ("command", "config")})
+    assert (s.late_binding, s.late_binding_timeout_s) == (True, 0.5)
+    monkeypatch.setenv("ROUTEWISE_LATE_BINDING", "1")
+    assert build_settings(replicas=["http://a:1"]).late_binding is True
+    assert main(["serve", "--replica", "http://a:1", "--late-binding-timeout", "-1"]) == 2
+    assert "late_binding_timeout_s" in capsys.readouterr().err
