@@ -58,12 +58,14 @@ def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
 
 class HoldQueue:
     """`route(info)` routes now or holds; `wake()` offers the head again; `close()` lets everything go.
-    `dispatch(info, only)` routes for real (Router.route restricted to `only`, None = every healthy replica);
+    `dispatch(info, only, view)` routes for real (Router.route on `view`, restricted to `only`, None = every
+    healthy replica);
     `release(route)` undoes one whose client left in the instant it was routed."""
 
     def __init__(
         self, settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics, clock: Callable[[], float],
-        dispatch: Callable[[RequestInfo, tuple[int, ...] | None], Route], release: Callable[[Route], None],
+        dispatch: Callable[[RequestInfo, tuple[int, ...] | None, ClusterView | None], Route],
+        release: Callable[[Route], None],
     ) -> None:
         self.config = late_binding_config(settings)
         self._max_seqs = settings.late_binding_max_num_seqs
@@ -77,6 +79,7 @@ class HoldQueue:
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled = False
         self.closed = False
+        self._limits: dict[int | None, ReplicaLimit] = {}  # by scraped KV capacity: the only per-replica input
         self._dispatches = {r: metrics.late_dispatches.labels(r) for r in LATE_REASONS}  # exported at 0
         metrics.held_requests.set(0)
 
@@ -84,20 +87,27 @@ class HoldQueue:
         return len(self._held)
 
     def limits(self, view: ClusterView) -> list[ReplicaLimit]:
-        tpr = self.config.tokens_per_request
-        return [replica_limit(self._max_seqs, r.kv_capacity_tokens, self._max_batched, tpr) for r in view.replicas]
+        cache = self._limits
+        out = []
+        for r in view.replicas:
+            kv = r.kv_capacity_tokens
+            lim = cache.get(kv)
+            if lim is None:
+                lim = cache[kv] = replica_limit(self._max_seqs, kv, self._max_batched, self.config.tokens_per_request)
+            out.append(lim)
+        return out
 
     async def route(self, info: RequestInfo) -> Route:
         """The request's Route (router.routing), now or once the rule lets it go. Raises NoHealthyReplica."""
-        if self.closed:
-            return self._go(info, "shutdown", None, None)
         view = self.replicas.cluster.view(self.clock(), info)
         if not any(r.healthy for r in view.replicas):
             self._dispatches["no_healthy"].inc()
             raise NoHealthyReplica("no healthy replica")
+        if self.closed:
+            return self._go(info, "shutdown", None, None, view)
         d = decide(view, self.limits(view), len(self._held), False, 0.0, self.config)
         if d.reason != "hold":
-            return self._go(info, d.reason, self._only(d.reason, d.candidates), None)
+            return self._go(info, d.reason, self._only(d.reason, d.candidates), None, view)
         held = _Held(info, self.clock(), asyncio.get_running_loop().create_future())
         self._held.append(held)
         self.metrics.held_requests.set(len(self._held))
@@ -129,23 +139,24 @@ class HoldQueue:
     def _only(reason: str, candidates: Sequence[int]) -> tuple[int, ...] | None:
         return None if reason in ("idle", "full") else tuple(candidates)
 
-    def _go(self, info: RequestInfo, reason: str, only: tuple[int, ...] | None, held_s: float | None) -> Route:
+    def _go(self, info: RequestInfo, reason: str, only: tuple[int, ...] | None, held_s: float | None,
+            view: ClusterView | None) -> Route:
         self._dispatches[reason].inc()
         if held_s is not None:
             self.metrics.hold_duration.observe(held_s)
-        route = self._dispatch(info, only)
+        route = self._dispatch(info, only, view)
         route.late, route.held_s = reason, held_s or 0.0
         route.wall_s -= route.held_s  # the decision log's `t` stays the arrival (replays read it as such)
         return route
 
-    def _release_head(self, head: _Held, reason: str, only: tuple[int, ...] | None) -> None:
+    def _release_head(self, head: _Held, reason: str, only: tuple[int, ...] | None, view: ClusterView | None) -> None:
         self._held.popleft()
         if reason == "no_healthy":
             self._dispatches[reason].inc()
             head.future.set_exception(NoHealthyReplica("no healthy replica"))
             return
         try:
-            head.future.set_result(self._go(head.info, reason, only, self.clock() - head.arrived_s))
+            head.future.set_result(self._go(head.info, reason, only, self.clock() - head.arrived_s, view))
         except Exception as exc:  # noqa: BLE001 - NoHealthyReplica, or any failure: the handler answers it
             head.future.set_exception(exc)
 
@@ -157,18 +168,18 @@ class HoldQueue:
                 if head.future.done():  # cancelled, not yet removed
                     self._held.popleft()
                     continue
-                if self.closed:
-                    self._release_head(head, "shutdown", None)
-                    continue
                 now = self.clock()
                 view = self.replicas.cluster.view(now, head.info)
                 if not any(r.healthy for r in view.replicas):
-                    self._release_head(head, "no_healthy", None)
+                    self._release_head(head, "no_healthy", None, view)
+                    continue
+                if self.closed:
+                    self._release_head(head, "shutdown", None, view)
                     continue
                 d = decide(view, self.limits(view), len(self._held) - 1, True, now - head.arrived_s, self.config)
                 if d.reason == "hold":
                     break
-                self._release_head(head, d.reason, self._only(d.reason, d.candidates))
+                self._release_head(head, d.reason, self._only(d.reason, d.candidates), view)
         except Exception:  # noqa: BLE001 - never hold a request because the rule failed
             log.exception("late binding failed; dispatching every held request")
             while self._held:
@@ -176,7 +187,7 @@ class HoldQueue:
                 if head.future.done():
                     self._held.popleft()
                 else:
-                    self._release_head(head, "error", None)
+                    self._release_head(head, "error", None, None)
         finally:
             self.metrics.held_requests.set(len(self._held))
             self._arm()

@@ -195,8 +195,8 @@ class Router:
         self._ids = itertools.count(1)
         self.holds: HoldQueue | None = None  # late binding: the first attempt of a request goes through it
         if settings.late_binding:
-            self.holds = HoldQueue(settings, replicas, metrics, clock, lambda info, only: self.route(info, only=only),
-                                   self.release)
+            self.holds = HoldQueue(settings, replicas, metrics, clock,
+                                   lambda info, only, view: self.route(info, only=only, view=view), self.release)
             replicas.listeners.append(self.holds.wake)
 
     def request_info(self, body: dict[str, Any], chat: bool, headers: Any = None) -> RequestInfo:
@@ -222,12 +222,15 @@ class Router:
         arm = self.serving.arm_for(request.key or request.request_id)
         return self.main if arm is None else self.arms[arm]
 
-    def route(self, request: RequestInfo, exclude: set[str] | None = None, only: tuple[int, ...] | None = None) -> Route:
+    def route(self, request: RequestInfo, exclude: set[str] | None = None, only: tuple[int, ...] | None = None,
+              view: ClusterView | None = None) -> Route:
         """Pick a replica and dispatch the request to it in the tracker. Raises NoHealthyReplica.
-        `only`: the view indices the policy may pick from (late binding), None = any healthy replica."""
+        Late binding passes `only`, the view indices the policy may pick from (None = any healthy replica), and
+        `view`, the one it judged, built in the same instant (None = build it)."""
         t0 = time.perf_counter()
         runner = self.select_runner(request)
-        view = self.replicas.cluster.view(self.clock(), request)
+        if view is None:
+            view = self.replicas.cluster.view(self.clock(), request)
         if exclude:
             view = ClusterView(tuple(
                 dataclasses.replace(r, healthy=False) if r.replica_id in exclude else r for r in view.replicas

@@ -193,7 +193,7 @@ async def test_a_request_routed_as_its_client_leaves_is_released():
         late = held_s = None
         wall_s = 0.0
 
-    def dispatch(info, only):
+    def dispatch(info, only, view):
         replicas.cluster.dispatch(0, info)
         routed.append(info.request_id)
         return FakeRoute()
