@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 
 import aiohttp
 import pytest
@@ -58,8 +59,9 @@ async def test_held_while_saturated_then_dispatched_in_arrival_order(fakes, rout
     await wait_for(lambda: a.active == 1)
     busy = asyncio.create_task(post(client, "Z", max_tokens=50))  # ~2.5 s: the replica is never idle meanwhile
     await wait_for(lambda: a.active == 2)
-    later = []
+    later, sent = [], {}
     for p in "BCD":  # one at a time, so the arrival order is known
+        sent[p] = time.time()
         later.append(asyncio.create_task(post(client, p)))
         await wait_for(lambda n=len(later): held(client) == n)
     assert a.requests == 2  # B, C, D wait in the router, not on the replica
@@ -82,6 +84,8 @@ async def test_held_while_saturated_then_dispatched_in_arrival_order(fakes, rout
     assert by_prompt["B"]["late"] == "room" and by_prompt["B"]["held_s"] > 0.3
     assert by_prompt["B"]["ttft_s"] >= by_prompt["B"]["held_s"]  # holding counts in TTFT
     assert by_prompt["D"]["held_s"] > by_prompt["B"]["held_s"]
+    for p in "BCD":  # `t` stays the arrival (replays read it so), not the decision held_s later
+        assert abs(by_prompt[p]["t"] - sent[p]) < 0.2 < by_prompt[p]["held_s"]
 
 
 async def test_queue_timeout_dispatches_to_the_busy_replica_and_is_counted(fakes, router_client):
