@@ -54,7 +54,8 @@ def prompts(fake) -> list[str]:
 
 async def test_held_while_saturated_then_dispatched_in_arrival_order(fakes, router_client, tmp_path):
     (a,) = await fakes(1, token_delay_s=0.05)
-    client = await router_client([a.url], decision_log_dir=tmp_path, **{**LATE, **QUIET, "late_binding_max_num_seqs": 2})
+    client = await router_client([a.url], decision_log_dir=tmp_path, admin_token="tok",
+                                 **{**LATE, **QUIET, "late_binding_max_num_seqs": 2})
     first = asyncio.create_task(post(client, "A", max_tokens=16))  # ~0.8 s on the only replica
     await wait_for(lambda: a.active == 1)
     busy = asyncio.create_task(post(client, "Z", max_tokens=50))  # ~2.5 s: the replica is never idle meanwhile
@@ -66,6 +67,8 @@ async def test_held_while_saturated_then_dispatched_in_arrival_order(fakes, rout
         await wait_for(lambda n=len(later): held(client) == n)
     assert a.requests == 2  # B, C, D wait in the router, not on the replica
     assert sample(client, "llm_router_held_requests") == 3
+    status = await (await client.get("/admin/status", headers={"Authorization": "Bearer tok"})).json()
+    assert (status["held"], status["inflight"]) == (3, 5)
     results = await asyncio.gather(first, *later)
     assert [status for status, _ in results] == [200] * 4
     assert prompts(a) == ["A", "Z", "B", "C", "D"]  # FIFO, each as a slot frees (Z still runs)
