@@ -156,6 +156,22 @@ async def test_held_requests_are_answered_when_no_replica_is_healthy(fakes, rout
     await first
 
 
+async def test_a_replica_restored_to_rotation_takes_the_held_request_at_once(fakes, router_client):
+    a, b = await fakes(2, token_delay_s=0.05)
+    client = await router_client([a.url, b.url], admin_token="tok", **{**LATE, **QUIET})
+    auth = {"Authorization": "Bearer tok"}
+    rid_b = b.url.removeprefix("http://")
+    assert (await client.post(f"/admin/replicas/{rid_b}/drain", headers=auth)).status == 200
+    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s on a, the only replica in rotation
+    await wait_for(lambda: a.generation_tokens >= 2)  # past A's first token: only A's end or the restore can wake B
+    second = asyncio.create_task(post(client, "B"))
+    await wait_for(lambda: held(client) == 1)
+    assert (await client.post(f"/admin/replicas/{rid_b}/restore", headers=auth)).status == 200
+    assert (await asyncio.wait_for(second, 1.0))[0] == 200  # woken by the restore, not by A's end
+    assert prompts(b) == ["B"] and not first.done()
+    assert (await first)[0] == 200
+
+
 async def test_shutdown_dispatches_held_requests(fakes, router_client):
     (a,) = await fakes(1, token_delay_s=0.05)
     client = await router_client([a.url], **LATE)
