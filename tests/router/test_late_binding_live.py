@@ -172,6 +172,24 @@ async def test_a_replica_restored_to_rotation_takes_the_held_request_at_once(fak
     assert (await first)[0] == 200
 
 
+async def test_a_held_request_outlives_the_removal_of_a_busy_replica(fakes, router_client):
+    a, b = await fakes(2, token_delay_s=0.05)
+    client = await router_client([a.url, b.url], **{**LATE, **QUIET})
+    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s
+    await wait_for(lambda: a.active + b.active == 1)
+    short = asyncio.create_task(post(client, "Z", max_tokens=10))  # ~0.5 s on the other replica
+    await wait_for(lambda: a.generation_tokens >= 2 and b.generation_tokens >= 2)
+    gone, stays = (a, b) if prompts(a) == ["A"] else (b, a)
+    second = asyncio.create_task(post(client, "B"))
+    await wait_for(lambda: held(client) == 1)
+    client.app[REPLICAS].remove(gone.url.removeprefix("http://"))  # discovery dropped it; A streams on
+    await asyncio.sleep(0.05)
+    assert held(client) == 1  # the remaining replica is still busy: B waits, neither lost nor refused
+    assert (await asyncio.wait_for(second, 1.5))[0] == 200  # taken when Z freed the remaining replica
+    assert prompts(stays) == ["Z", "B"] and not first.done()
+    assert (await short)[0] == 200 and (await first)[0] == 200
+
+
 async def test_shutdown_dispatches_held_requests(fakes, router_client):
     (a,) = await fakes(1, token_delay_s=0.05)
     client = await router_client([a.url], **LATE)
