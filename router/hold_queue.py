@@ -59,8 +59,7 @@ def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
 class HoldQueue:
     """`route(info)` routes now or holds; `wake()` offers the head again; `close()` lets everything go.
     `dispatch(info, only, view)` routes for real (Router.route on `view`, restricted to `only`, None = every
-    healthy replica);
-    `release(route)` undoes one whose client left in the instant it was routed."""
+    healthy replica); `release(route)` undoes one whose client left in the instant it was routed."""
 
     def __init__(
         self, settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics, clock: Callable[[], float],
