@@ -83,6 +83,7 @@ def admin_routes(proxy: Proxy, token: str, started_at: float,
             "pid": os.getpid(),  # which worker answered (router serve --workers N)
             "draining": proxy.draining,
             "inflight": proxy.inflight,
+            "held": None if proxy.router.holds is None else len(proxy.router.holds),  # late binding's queue; null: off
             "replicas": {"total": len(replicas.ordered), "routable": sum(r.routable for r in replicas.ordered)},
             "known_models": sorted(replicas.known_models),
             "policy": proxy.router.main.name,

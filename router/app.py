@@ -131,6 +131,8 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
 
     async def on_shutdown(app: web.Application) -> None:
         proxy.draining = True
+        if router.holds is not None:
+            router.holds.close()  # held requests are dispatched now, within the drain
 
     app.cleanup_ctx.extend([session_ctx, replicas_ctx, scraper_ctx, router.serving.cleanup_ctx])
     app.on_shutdown.append(on_shutdown)

@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ops-port", type=int, help="serve /metrics and /admin/* on this port only, not on --port")
     s.add_argument("--ops-host", help="listen address of --ops-port (default: --host)")
     s.add_argument("--scrape-interval", type=float, dest="scrape_interval_s", help="seconds between /metrics scrapes")
+    s.add_argument("--late-binding", action="store_true", default=None,
+                   help="hold requests in a router-side queue while every replica is at its limit and dispatch each "
+                   "to the first replica with room (router/hold_queue.py; default off)")
+    s.add_argument("--late-binding-timeout", type=float, dest="late_binding_timeout_s", metavar="S",
+                   help="longest a request is held before it goes to the least-loaded replica (default 2)")
     s.add_argument("--workers", type=int, help="worker processes sharing the port and one view of the in-flight "
                    "load (default 1; on a dedicated host, its core count)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])

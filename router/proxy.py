@@ -219,7 +219,10 @@ class Proxy:
         suspects: list[tuple[Replica, str]] = []  # failed before the first byte; blamed if another replica serves
         for attempt in range(self.settings.max_retries + 1):
             try:
-                route = self.router.route(info, tried)
+                if attempt == 0 and self.router.holds is not None:
+                    route = await self.router.holds.route(info)  # late binding: may wait for a replica with room
+                else:
+                    route = self.router.route(info, tried)
             except NoHealthyReplica:
                 break
             rep = route.replica

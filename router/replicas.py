@@ -117,6 +117,9 @@ class ReplicaSet:
         self.by_id: dict[str, Replica] = {}
         self.ordered: list[Replica] = []  # aligned with self.cluster.trackers (view indices)
         self.known_models: frozenset[str] = frozenset()
+        # called after anything that can change where requests may go (health, drain, membership, scrape):
+        # the late-binding queue's wake-up (router.hold_queue)
+        self.listeners: list[Callable[[], None]] = []
         for url in settings.replicas:
             self.add(url)
 
@@ -132,6 +135,7 @@ class ReplicaSet:
         self.by_id[rid] = rep
         self._reorder()
         log.info("replica %s added", rid)
+        self.notify()
         return rep
 
     def remove(self, rid: str) -> None:
@@ -139,6 +143,11 @@ class ReplicaSet:
             self.cluster.remove(rid)  # in-flight requests keep their own tracker reference
             self._reorder()
             log.info("replica %s removed", rid)
+            self.notify()
+
+    def notify(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     def _reorder(self) -> None:
         self.ordered = [self.by_id[t.replica_id] for t in self.cluster.trackers]
@@ -222,6 +231,7 @@ class ReplicaSet:
         rep.sync()
         if isinstance(self.cluster, SharedClusterTracker):
             self.cluster.publish_draining(rid, draining)
+        self.notify()
         return rep
 
     def follow_shared_draining(self) -> None:
@@ -233,6 +243,7 @@ class ReplicaSet:
                     log.info("replica %s %s by another worker", rep.id, "drained" if flag else "restored")
                     rep.draining = flag
                     rep.sync()
+            self.notify()  # also: other workers' completions, read through the shared counts
 
     # health probes
     async def probe(self, rep: Replica) -> bool:
@@ -266,6 +277,7 @@ class ReplicaSet:
                 rep.probe_ok = False
                 log.warning("replica %s unhealthy: %s", rep.id, rep.last_probe_error)
         rep.sync()
+        self.notify()
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in list(self.ordered)))

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from router.hold_queue import HoldQueue
 from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
 from router.policy.fallback import FALLBACK_REASONS, Decision
+from router.policy.late_binding import restrict
 from router.policy.served import GUARD_FIELDS, served_policy
 from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
 from router.replicas import Replica, ReplicaSet
@@ -140,6 +142,8 @@ class Route:
     stream: bool | None = None
     shadow: ShadowResult | None = None
     prefix_block_tokens: int | None = None
+    late: str | None = None  # late binding on: why the hold queue let it go (hold_queue.LATE_REASONS)
+    held_s: float | None = None  # late binding on: time held in the queue (0 when it went at once)
 
     @property
     def found_idle(self) -> bool:
@@ -191,6 +195,11 @@ class Router:
             settings, metrics.registry, self.arms, lambda name: guarded_policy(name, settings), policy_label, clock,
         )
         self._ids = itertools.count(1)
+        self.holds: HoldQueue | None = None  # late binding: the first attempt of a request goes through it
+        if settings.late_binding:
+            self.holds = HoldQueue(settings, replicas, metrics, clock,
+                                   lambda info, only, view: self.route(info, only=only, view=view), self.release)
+            replicas.listeners.append(self.holds.wake)
 
     def request_info(self, body: dict[str, Any], chat: bool, headers: Any = None) -> RequestInfo:
         text, exact = prompt_text(body, chat)
@@ -215,15 +224,21 @@ class Router:
         arm = self.serving.arm_for(request.key or request.request_id)
         return self.main if arm is None else self.arms[arm]
 
-    def route(self, request: RequestInfo, exclude: set[str] | None = None) -> Route:
-        """Pick a replica and dispatch the request to it in the tracker. Raises NoHealthyReplica."""
+    def route(self, request: RequestInfo, exclude: set[str] | None = None, only: tuple[int, ...] | None = None,
+              view: ClusterView | None = None) -> Route:
+        """Pick a replica and dispatch the request to it in the tracker. Raises NoHealthyReplica.
+        Late binding passes `only`, the view indices the policy may pick from (None = any healthy replica), and
+        `view`, the one it judged, built in the same instant (None = build it)."""
         t0 = time.perf_counter()
         runner = self.select_runner(request)
-        view = self.replicas.cluster.view(self.clock(), request)
+        if view is None:
+            view = self.replicas.cluster.view(self.clock(), request)
         if exclude:
             view = ClusterView(tuple(
                 dataclasses.replace(r, healthy=False) if r.replica_id in exclude else r for r in view.replicas
             ))
+        if only is not None:
+            view = restrict(view, only)
         if not any(r.healthy for r in view.replicas):
             raise NoHealthyReplica("no healthy replica")
         decision = runner.decide(view, request)
@@ -237,6 +252,8 @@ class Router:
 
     def on_first_token(self, route: Route, ttft_s: float) -> None:
         route.replica.tracker.on_first_token(route.request.request_id, ttft_s)
+        if self.holds is not None:
+            self.holds.wake()
 
     def release(self, route: Route, outcome: Outcome | None = None, tpot_s: float | None = None) -> None:
         """The request left this replica (completed, failed or cancelled). Idempotent per request."""
@@ -244,6 +261,8 @@ class Router:
         if outcome is not None:
             route.runner.policy.on_complete(route.replica.id, route.request, outcome)
         self.serving.on_release(route, outcome)
+        if self.holds is not None:
+            self.holds.wake()
 
     def describe(self) -> dict[str, Any]:
         return {name: runner.describe() for name, runner in self.arms.items()}

@@ -77,6 +77,7 @@ class Scraper:
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(r) for r in list(self.replicas.ordered)))
+        self.replicas.notify()
 
     async def run(self) -> None:
         """Scrape every interval (the first scrape is the caller's, at startup)."""

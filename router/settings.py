@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 from yarl import URL
 
+from router.policy.late_binding import LateBindingConfig
 from router.policy.registry import BASELINES, LEARNED, policy_names
 from router.paths import DEFAULT_PASSTHROUGH_PATHS, normalise_path
 
@@ -126,6 +127,32 @@ class RouterSettings(BaseSettings):
     min_confidence: float | None = Field(None, ge=0, le=1)
     chars_per_token: float = Field(4.0, gt=0)
     prefix_capacity_blocks: int = Field(4096, ge=1)
+
+    # late binding (router/hold_queue.py): hold requests in a router-side queue while no replica has room
+    late_binding: bool = Field(
+        False, description="hold a request in a bounded router-side FIFO while every healthy replica is at its "
+        "concurrency limit, and dispatch it when one frees (router.policy.late_binding); off: route at once",
+    )
+    late_binding_timeout_s: float = Field(
+        LateBindingConfig.timeout_s, ge=0, description="a held request waits at most this long, then goes to the "
+        "least-loaded healthy replica (counted as reason=timeout)",
+    )
+    late_binding_queue_per_replica: int = Field(
+        LateBindingConfig.queue_per_replica, ge=0, description="queue capacity = this x replicas; an arrival at a "
+        "full queue is dispatched at once (reason=full)",
+    )
+    late_binding_max_num_seqs: int = Field(
+        256, ge=1, description="a replica has room below this many requests in flight (vLLM's max_num_seqs, which "
+        "vLLM does not export), lowered per replica to what its scraped KV cache holds",
+    )
+    late_binding_max_batched_tokens: int = Field(
+        8192, ge=1, description="... and while the prompt tokens awaiting their first token there are below this "
+        "(vLLM's max_num_batched_tokens)",
+    )
+    late_binding_tokens_per_request: int = Field(
+        LateBindingConfig.tokens_per_request, ge=1, description="KV tokens one request is assumed to hold: the "
+        "KV-derived limit is scraped capacity // this",
+    )
 
     # serving extensions (shadow, A/B, decision log, hot reload), validated here and passed down
     shadow_policy: str | None = Field(None, description="a second policy that decides on every request without acting")

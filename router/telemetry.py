@@ -110,6 +110,18 @@ class RouterMetrics:
             "llm_router_policy_info", "The policy serving each arm (always 1).",
             ["arm", "name", "version", "feature_hash"], registry=r, multiprocess_mode="max",
         )
+        self.held_requests = Gauge(
+            "llm_router_held_requests", "Requests held in the router-side late-binding queue (summed over workers).",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.hold_duration = Histogram(
+            "llm_router_hold_duration_seconds", "Time a request spent held in the late-binding queue (held ones only).",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.late_dispatches = Counter(
+            "llm_router_late_dispatches", "Requests the late-binding queue let go, by reason: room, idle, full, "
+            "timeout, no_healthy, shutdown, error.", ["reason"], registry=r,
+        )
         self.replica_state: ReplicaStateCollector | None = None
 
     def add_replica_state(self, rows: Callable[[], Iterable[tuple[str, dict[str, float | None]]]]) -> None:

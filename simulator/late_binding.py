@@ -1,93 +1,13 @@
-"""Heuristic late binding: the one rule for "dispatch now, or hold in the router-side queue".
-
-`decide` is pure (router.policy.types only), so the live router can call the same function; it belongs in
-router/policy/ once that package is open to this change. `simulate_late` drives `ClusterSim.hold()` with it,
-wrapping any per-request policy: the policy still picks the replica, but only among those with room.
-
-Rule, in order: a queue timeout (the head waited `timeout_s`) dispatches to the least-loaded healthy replica;
-a full queue dispatches the request at once (policy's pick over every healthy replica); FIFO: a new arrival
-queues behind held requests; a replica has room while its outstanding count is below its concurrency limit
-(the policy picks among those); otherwise hold. Nothing is ever dropped: with nothing in flight (no completion
-could release the queue) it dispatches at once. The timeout is checked when the head is offered (at first
-tokens and completions), so a held request can overrun it by up to one inter-event gap.
+"""Heuristic late binding in the simulator: `simulate_late` drives `ClusterSim.hold()` with the rule of
+router/policy/late_binding.py (the same `decide` the live router's hold queue calls), wrapping any
+per-request policy: the policy still picks the replica, but only among those with room.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
-from dataclasses import dataclass
-from typing import Literal, Sequence
 
-from router.policy.types import ClusterView, ReplicaSnapshot
-
-Reason = Literal["room", "hold", "full", "timeout", "idle"]
-
-
-@dataclass(frozen=True)
-class LateBindingConfig:
-    timeout_s: float = 2.0  # a held request waits at most this long (checked at the next event)
-    queue_per_replica: int = 32  # queue capacity = this x replicas
-    tokens_per_request: int = 2048  # KV tokens one request is assumed to hold, for the KV-derived limit
-
-
-@dataclass(frozen=True)
-class ReplicaLimit:
-    max_outstanding: int  # requests in flight before the router holds
-    max_prefill_tokens: int  # prompt tokens awaiting their first token (prefill queued) before the router holds
-
-
-def replica_limit(
-    max_num_seqs: int, kv_capacity_tokens: int | None, max_num_batched_tokens: int, tokens_per_request: int
-) -> ReplicaLimit:
-    """A replica has room while in flight < vLLM's batch cap (or what its KV cache holds, if fewer) and the
-    prompts still awaiting a first token fit one scheduler step's token budget."""
-    limit = max_num_seqs
-    if kv_capacity_tokens:
-        limit = min(limit, kv_capacity_tokens // max(1, tokens_per_request))
-    return ReplicaLimit(max(1, limit), max(1, max_num_batched_tokens))
-
-
-def has_room(r: ReplicaSnapshot, limit: ReplicaLimit) -> bool:
-    return r.outstanding < limit.max_outstanding and r.awaiting_prompt_tokens < limit.max_prefill_tokens
-
-
-@dataclass(frozen=True)
-class Decision:
-    reason: Reason
-    candidates: tuple[int, ...]  # replicas the request may go to now; empty when held
-
-
-def decide(
-    view: ClusterView,
-    limits: Sequence[ReplicaLimit],
-    queued: int,
-    is_head: bool,
-    waited_s: float,
-    config: LateBindingConfig,
-) -> Decision:
-    """Hold or dispatch the request being decided. `queued`: requests already held (not counting it);
-    `is_head`: it is the held head being offered again; `waited_s`: time since it arrived."""
-    healthy = tuple(i for i, r in enumerate(view.replicas) if r.healthy)
-    if not any(r.outstanding for r in view.replicas):
-        return Decision("idle", healthy)
-    if is_head and waited_s >= config.timeout_s:
-        least = min(healthy, key=lambda i: (view.replicas[i].outstanding, i))
-        return Decision("timeout", (least,))
-    if not is_head and queued >= config.queue_per_replica * len(view.replicas):
-        return Decision("full", healthy)
-    if queued and not is_head:
-        return Decision("hold", ())
-    room = tuple(i for i in healthy if has_room(view.replicas[i], limits[i]))
-    return Decision("room", room) if room else Decision("hold", ())
-
-
-def restrict(view: ClusterView, candidates: Sequence[int]) -> ClusterView:
-    """The view with every replica outside `candidates` marked unhealthy, so a per-request policy picks among them."""
-    keep = set(candidates)
-    return ClusterView(
-        tuple(r if i in keep or not r.healthy else dataclasses.replace(r, healthy=False) for i, r in enumerate(view.replicas))
-    )
+from router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
 
 
 def sim_limits(sim, config: LateBindingConfig) -> list[ReplicaLimit]:

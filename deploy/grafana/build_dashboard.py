@@ -142,6 +142,19 @@ def build() -> dict:
         ("max by (arm, name, version, feature_hash) (llm_router_policy_info)",
          "{{arm}}: {{name}} {{version}} ({{feature_hash}})")], "none", kind="table"))
 
+    panels.append(layout.row("Late binding (router-side queue)"))
+    panels.append(panel(layout, "Held requests", [("sum(llm_router_held_requests)", "held")], "none",
+                        description="Requests waiting in the router's late-binding queue (router serve --late-binding) "
+                                    "for a replica with room; summed over workers. Always 0 with late binding off."))
+    panels.append(panel(layout, "Hold time p50/p99", [
+        (f"histogram_quantile({q}, sum by (le) (rate(llm_router_hold_duration_seconds_bucket[{RATE}])))",
+         f"p{int(q * 100)}") for q in (0.5, 0.99)], "s",
+        description="Time held requests waited in the router's queue; it is part of their TTFT."))
+    panels.append(panel(layout, "Late-binding dispatches by reason", [
+        (f"sum by (reason) (rate(llm_router_late_dispatches_total[{RATE}]))", "{{reason}}")], "reqps",
+        description="Why the queue let requests go: room (a replica had room), idle, full (queue full), timeout "
+                    "(held late_binding_timeout_s, sent to the least-loaded replica), no_healthy, shutdown, error."))
+
     panels.append(layout.row("A/B rollout"))
     panels.append(panel(layout, "Treatment / control p99 ratio", [
         (ab_ratio("llm_router_ttft_seconds"), "TTFT p99 ratio"),

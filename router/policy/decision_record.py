@@ -40,6 +40,8 @@ class PendingRecord:
     e2e_s: float | None = None
     output_tokens: int | None = None
     prefix_block_tokens: int | None = None
+    late: str | None = None  # late binding on: why the hold queue let the request go
+    held_s: float | None = None  # late binding on: seconds it was held (0 when it went at once)
 
 
 def _round(x: float | None, digits: int = 6) -> float | None:
@@ -54,7 +56,7 @@ def decision_record(p: PendingRecord) -> dict:
     if feats.shape != (len(reps), N_FEATURES):
         raise ValueError(f"features of shape {feats.shape}, expected {(len(reps), N_FEATURES)}")
     r = p.request
-    return {
+    record = {
         "v": FORMAT_VERSION,
         "t": round(p.time_s, 6),
         "id": r.request_id,
@@ -82,6 +84,10 @@ def decision_record(p: PendingRecord) -> dict:
         "e2e_s": _round(p.e2e_s),
         "output_tokens": p.output_tokens,
     }
+    if p.late is not None:  # only with late binding on: records without it stay as they were
+        record["late"] = p.late
+        record["held_s"] = _round(p.held_s)
+    return record
 
 
 def decode_features(record: dict) -> np.ndarray:

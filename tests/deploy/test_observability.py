@@ -221,6 +221,9 @@ def stack(tmp_path_factory) -> Stack:
             "scrape_interval_s": 0.5, "scrape_timeout_s": 0.4,
             "health_interval_s": 0.5, "health_timeout_s": 0.4, "health_failure_threshold": 1,
             "connect_timeout_s": 0.5, "breaker_cooldown_s": 600, "max_ejected_ratio": 0.5,
+            # late binding with one request per replica: the 4 clients outnumber the routable replicas, so
+            # requests are held and the late-binding panels have data
+            "late_binding": True, "late_binding_max_num_seqs": 1, "late_binding_timeout_s": 0.5,
         }))
         router_port = free_port()
         router_url = f"http://127.0.0.1:{router_port}"

@@ -1,14 +1,15 @@
-"""simulator.late_binding: the heuristic hold-or-dispatch rule and its simulation over ClusterSim.hold()."""
+"""Heuristic late binding: the hold-or-dispatch rule (router.policy.late_binding) and its simulation over ClusterSim.hold()."""
 
 from __future__ import annotations
 
 import math
 
+from router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide
 from router.policy.registry import make_policy
 from router.policy.types import ClusterView, ReplicaSnapshot
 from simulator.cluster import simulate
 from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.late_binding import LateBindingConfig, ReplicaLimit, decide, simulate_late
+from simulator.late_binding import simulate_late
 from simulator.types import SimRequest
 
 LIMIT = ReplicaLimit(max_outstanding=1, max_prefill_tokens=10_000)

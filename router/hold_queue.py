@@ -1,0 +1,210 @@
+"""Live late binding: a bounded FIFO of requests held while no replica has room (`router serve --late-binding`).
+
+The rule is router.policy.late_binding's `decide`, the one the simulator runs: a request arriving while no
+healthy replica is below its concurrency limit waits here, and the head is offered again whenever an event
+can have freed room: a first token or a release (completion, failure, cancel) in this worker, a health probe
+or drain/restore, membership changes, a scrape, and a timer at the head's queue timeout. Nothing polls.
+The policy then picks among the replicas with room (a timeout goes to the least-loaded healthy replica, a
+full queue or an idle fleet to the policy's pick over every healthy one).
+
+Nothing is dropped or left hanging: a client that disconnects while held leaves the queue (its future is
+cancelled); with no healthy replica a held request is answered at once as without late binding (503); at
+shutdown every held request is dispatched (`shutdown`); if the rule itself fails, the queue lets every held
+request go rather than hold it (`error`, logged).
+
+Limits per replica: `replica_limit(late_binding_max_num_seqs, scraped KV capacity, late_binding_max_batched_tokens,
+late_binding_tokens_per_request)`; vLLM does not export max_num_seqs, so it is a setting, lowered per replica to
+what its scraped KV cache (vllm:cache_config_info) holds. With `--workers N` each worker holds its own queue;
+the outstanding counts it compares with the limits are the host's (router.shared), and another worker's
+completions reach it through the worker-sync tick (0.1 s) or the next scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, decide, replica_limit
+from router.policy.types import ClusterView, NoHealthyReplica, RequestInfo
+from router.replicas import ReplicaSet
+from router.settings import RouterSettings
+from router.telemetry import RouterMetrics
+
+if TYPE_CHECKING:
+    from router.routing import Route
+
+log = logging.getLogger("router.hold_queue")
+
+#: Why a request left the late-binding path: the rule's reasons plus the live-only ones (bounded labels).
+LATE_REASONS: tuple[str, ...] = (*DISPATCH_REASONS, "no_healthy", "shutdown", "error")
+_TIMER_SLACK_S = 0.001  # the loop may run a timer up to its clock resolution early: re-armed if so
+
+
+@dataclass(slots=True, eq=False)
+class _Held:
+    info: RequestInfo
+    arrived_s: float
+    future: asyncio.Future
+
+
+def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
+    return LateBindingConfig(settings.late_binding_timeout_s, settings.late_binding_queue_per_replica,
+                             settings.late_binding_tokens_per_request)
+
+
+class HoldQueue:
+    """`route(info)` routes now or holds; `wake()` offers the head again; `close()` lets everything go.
+    `dispatch(info, only, view)` routes for real (Router.route on `view`, restricted to `only`, None = every
+    healthy replica); `release(route)` undoes one whose client left in the instant it was routed."""
+
+    def __init__(
+        self, settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics, clock: Callable[[], float],
+        dispatch: Callable[[RequestInfo, tuple[int, ...] | None, ClusterView | None], Route],
+        release: Callable[[Route], None],
+    ) -> None:
+        self.config = late_binding_config(settings)
+        self._max_seqs = settings.late_binding_max_num_seqs
+        self._max_batched = settings.late_binding_max_batched_tokens
+        self.replicas = replicas
+        self._dispatch = dispatch
+        self._release = release
+        self.metrics = metrics
+        self.clock = clock
+        self._held: deque[_Held] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._scheduled = False
+        self.closed = False
+        self._limits: dict[int | None, ReplicaLimit] = {}  # by scraped KV capacity: the only per-replica input
+        self._dispatches = {r: metrics.late_dispatches.labels(r) for r in LATE_REASONS}  # exported at 0
+        metrics.held_requests.set(0)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def limits(self, view: ClusterView) -> list[ReplicaLimit]:
+        cache = self._limits
+        out = []
+        for r in view.replicas:
+            kv = r.kv_capacity_tokens
+            lim = cache.get(kv)
+            if lim is None:
+                lim = cache[kv] = replica_limit(self._max_seqs, kv, self._max_batched, self.config.tokens_per_request)
+            out.append(lim)
+        return out
+
+    async def route(self, info: RequestInfo) -> Route:
+        """The request's Route (router.routing), now or once the rule lets it go. Raises NoHealthyReplica."""
+        view = self.replicas.cluster.view(self.clock(), info)
+        if not any(r.healthy for r in view.replicas):
+            self._dispatches["no_healthy"].inc()
+            raise NoHealthyReplica("no healthy replica")
+        if self.closed:
+            return self._go(info, "shutdown", None, None, view)
+        d = decide(view, self.limits(view), len(self._held), False, 0.0, self.config)
+        if d.reason != "hold":
+            return self._go(info, d.reason, self._only(d.reason, d.candidates), None, view)
+        held = _Held(info, self.clock(), asyncio.get_running_loop().create_future())
+        self._held.append(held)
+        self.metrics.held_requests.set(len(self._held))
+        self._arm()
+        try:
+            return await held.future
+        except asyncio.CancelledError:  # the client went away (or the router stops)
+            fut = held.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._release(fut.result())  # routed in the same instant: release it, nothing stays counted
+            else:
+                self._remove(held)
+            raise
+
+    def wake(self) -> None:
+        """An event that can have freed room: offer the head (once, soon, whatever the number of events)."""
+        if self._held and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def close(self) -> None:
+        """Shutdown: every held request is dispatched now, later arrivals go straight through."""
+        self.closed = True
+        self._pump()
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _only(reason: str, candidates: Sequence[int]) -> tuple[int, ...] | None:
+        return None if reason in ("idle", "full") else tuple(candidates)
+
+    def _go(self, info: RequestInfo, reason: str, only: tuple[int, ...] | None, held_s: float | None,
+            view: ClusterView | None) -> Route:
+        self._dispatches[reason].inc()
+        if held_s is not None:
+            self.metrics.hold_duration.observe(held_s)
+        route = self._dispatch(info, only, view)
+        route.late, route.held_s = reason, held_s or 0.0
+        route.wall_s -= route.held_s  # the decision log's `t` stays the arrival (replays read it as such)
+        return route
+
+    def _release_head(self, head: _Held, reason: str, only: tuple[int, ...] | None, view: ClusterView | None) -> None:
+        self._held.popleft()
+        if reason == "no_healthy":
+            self._dispatches[reason].inc()
+            head.future.set_exception(NoHealthyReplica("no healthy replica"))
+            return
+        try:
+            head.future.set_result(self._go(head.info, reason, only, self.clock() - head.arrived_s, view))
+        except Exception as exc:  # noqa: BLE001 - NoHealthyReplica, or any failure: the handler answers it
+            head.future.set_exception(exc)
+
+    def _pump(self) -> None:
+        self._scheduled = False
+        try:
+            while self._held:
+                head = self._held[0]
+                if head.future.done():  # cancelled, not yet removed
+                    self._held.popleft()
+                    continue
+                now = self.clock()
+                view = self.replicas.cluster.view(now, head.info)
+                if not any(r.healthy for r in view.replicas):
+                    self._release_head(head, "no_healthy", None, view)
+                    continue
+                if self.closed:
+                    self._release_head(head, "shutdown", None, view)
+                    continue
+                d = decide(view, self.limits(view), len(self._held) - 1, True, now - head.arrived_s, self.config)
+                if d.reason == "hold":
+                    break
+                self._release_head(head, d.reason, self._only(d.reason, d.candidates), view)
+        except Exception:  # noqa: BLE001 - never hold a request because the rule failed
+            log.exception("late binding failed; dispatching every held request")
+            while self._held:
+                head = self._held[0]
+                if head.future.done():
+                    self._held.popleft()
+                else:
+                    self._release_head(head, "error", None, None)
+        finally:
+            self.metrics.held_requests.set(len(self._held))
+            self._arm()
+
+    def _arm(self) -> None:
+        """One timer, at the head's queue timeout (a head that is not due yet holds the later ones back)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._held:
+            delay = self._held[0].arrived_s + self.config.timeout_s - self.clock()
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, delay) + _TIMER_SLACK_S, self._pump)
+
+    def _remove(self, held: _Held) -> None:
+        try:
+            self._held.remove(held)
+        except ValueError:
+            return
+        self.metrics.held_requests.set(len(self._held))
+        self.wake()  # the next head may be due (or have room) now
+        self._arm()

@@ -1,0 +1,303 @@
+"""Live late binding (router/hold_queue.py): the real router app in front of fake vLLM replicas, loopback only.
+
+`late_binding_max_num_seqs=1` makes one request in flight saturate a replica, so holds are easy to provoke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from router.app import METRICS, REPLICAS, ROUTER
+from router.hold_queue import HoldQueue
+from router.policy.late_binding import DISPATCH_REASONS
+from router.policy.types import RequestInfo
+from router.replicas import ReplicaSet
+from router.serving.decision_log import log_files
+from router.settings import RouterSettings
+from router.telemetry import RouterMetrics
+from tests.router.conftest import wait_for
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+LATE = dict(late_binding=True, late_binding_max_num_seqs=1, late_binding_timeout_s=30.0)
+# no periodic wake-ups (health probes, scrapes): only the events under test can release a held request
+QUIET = dict(health_interval_s=30.0, scrape_interval_s=30.0)
+
+
+def sample(client, name: str, **labels) -> float | None:
+    return client.app[METRICS].registry.get_sample_value(name, labels)
+
+
+def held(client) -> int:
+    return len(client.app[ROUTER].holds)
+
+
+def outstanding(client) -> int:
+    return sum(r.tracker.outstanding for r in client.app[REPLICAS].ordered)
+
+
+async def post(client, prompt: str, max_tokens: int = 1, stream: bool = True) -> tuple[int, str]:
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                      "stream": stream})
+    return resp.status, await resp.text()
+
+
+def prompts(fake) -> list[str]:
+    return [b["prompt"] for b in fake.bodies]
+
+
+async def test_held_while_saturated_then_dispatched_in_arrival_order(fakes, router_client, tmp_path):
+    (a,) = await fakes(1, token_delay_s=0.05)
+    client = await router_client([a.url], decision_log_dir=tmp_path, admin_token="tok",
+                                 **{**LATE, **QUIET, "late_binding_max_num_seqs": 2})
+    first = asyncio.create_task(post(client, "A", max_tokens=16))  # ~0.8 s on the only replica
+    await wait_for(lambda: a.active == 1)
+    busy = asyncio.create_task(post(client, "Z", max_tokens=50))  # ~2.5 s: the replica is never idle meanwhile
+    await wait_for(lambda: a.active == 2)
+    later, sent = [], {}
+    for p in "BCD":  # one at a time, so the arrival order is known
+        sent[p] = time.time()
+        later.append(asyncio.create_task(post(client, p)))
+        await wait_for(lambda n=len(later): held(client) == n)
+    assert a.requests == 2  # B, C, D wait in the router, not on the replica
+    assert sample(client, "llm_router_held_requests") == 3
+    status = await (await client.get("/admin/status", headers={"Authorization": "Bearer tok"})).json()
+    assert (status["held"], status["inflight"]) == (3, 5)
+    results = await asyncio.gather(first, *later)
+    assert [status for status, _ in results] == [200] * 4
+    assert prompts(a) == ["A", "Z", "B", "C", "D"]  # FIFO, each as a slot frees (Z still runs)
+    assert not busy.done()
+    assert held(client) == 0 and sample(client, "llm_router_held_requests") == 0
+    assert sample(client, "llm_router_hold_duration_seconds_count") == 3
+    assert sample(client, "llm_router_hold_duration_seconds_sum") > 3 * 0.3  # each waited at least for A's tail
+    assert sample(client, "llm_router_late_dispatches_total", reason="room") == 4  # Z at once, B, C, D held
+    assert sample(client, "llm_router_late_dispatches_total", reason="idle") == 1  # A
+    assert (await busy)[0] == 200
+    await client.close()  # flushes the decision log
+    records = [json.loads(line) for f in log_files(tmp_path) for line in f.read_text().splitlines()]
+    by_prompt = dict(zip("AZBCD", sorted(records, key=lambda r: int(r["id"][1:]))))
+    assert (by_prompt["A"]["late"], by_prompt["A"]["held_s"]) == ("idle", 0.0)
+    assert (by_prompt["Z"]["late"], by_prompt["Z"]["held_s"]) == ("room", 0.0)
+    assert by_prompt["B"]["late"] == "room" and by_prompt["B"]["held_s"] > 0.3
+    assert by_prompt["B"]["ttft_s"] >= by_prompt["B"]["held_s"]  # holding counts in TTFT
+    assert by_prompt["D"]["held_s"] > by_prompt["B"]["held_s"]
+    for p in "BCD":  # `t` stays the arrival (replays read it so), not the decision held_s later
+        assert abs(by_prompt[p]["t"] - sent[p]) < 0.2 < by_prompt[p]["held_s"]
+
+
+async def test_queue_timeout_dispatches_to_the_busy_replica_and_is_counted(fakes, router_client):
+    (a,) = await fakes(1, token_delay_s=0.05)
+    client = await router_client([a.url], **{**LATE, **QUIET, "late_binding_timeout_s": 0.2})  # the timer wakes it
+    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s
+    await wait_for(lambda: a.active == 1)
+    second = asyncio.create_task(post(client, "B"))
+    await wait_for(lambda: held(client) == 1)
+    await wait_for(lambda: a.requests == 2, timeout=1.5)  # sent after 0.2 s, long before A frees the replica
+    assert not first.done()
+    assert sample(client, "llm_router_late_dispatches_total", reason="timeout") == 1
+    assert 0.2 <= sample(client, "llm_router_hold_duration_seconds_sum") < 1.5
+    assert (await second)[0] == 200 and (await first)[0] == 200
+
+
+async def test_a_full_queue_dispatches_the_arrival_at_once(fakes, router_client):
+    (a,) = await fakes(1, token_delay_s=0.05)
+    client = await router_client([a.url], **{**LATE, "late_binding_queue_per_replica": 1})  # room for 1 held
+    first = asyncio.create_task(post(client, "A", max_tokens=30))
+    await wait_for(lambda: a.active == 1)
+    second = asyncio.create_task(post(client, "B"))
+    await wait_for(lambda: held(client) == 1)
+    third = asyncio.create_task(post(client, "C"))
+    await wait_for(lambda: a.requests == 2)  # C went straight to the replica, B still waits
+    assert prompts(a) == ["A", "C"] and held(client) == 1 and not first.done()
+    assert sample(client, "llm_router_late_dispatches_total", reason="full") == 1
+    assert [r[0] for r in await asyncio.gather(first, second, third)] == [200] * 3
+    assert prompts(a) == ["A", "C", "B"]
+
+
+async def test_a_client_that_leaves_while_held_leaves_the_queue(fakes, router_client):
+    (a,) = await fakes(1, token_delay_s=0.05)
+    client = await router_client([a.url], **LATE)
+    first = asyncio.create_task(post(client, "A", max_tokens=16))
+    await wait_for(lambda: a.active == 1)
+    async with aiohttp.ClientSession() as s:
+        gone = asyncio.create_task(s.post(client.make_url("/v1/completions"),
+                                          json={"model": "tiny", "prompt": "B", "max_tokens": 1}))
+        await wait_for(lambda: held(client) == 1)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+    await wait_for(lambda: held(client) == 0)
+    assert sample(client, "llm_router_held_requests") == 0
+    assert (await first)[0] == 200
+    await asyncio.sleep(0.1)
+    assert prompts(a) == ["A"]  # B was never sent
+    assert outstanding(client) == 0
+    assert sample(client, "llm_router_hold_duration_seconds_count") == 0  # never dispatched
+
+
+async def test_held_requests_are_answered_when_no_replica_is_healthy(fakes, router_client):
+    (a,) = await fakes(1, token_delay_s=0.05)
+    client = await router_client([a.url], **LATE)
+    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s
+    await wait_for(lambda: a.active == 1)
+    second = asyncio.create_task(post(client, "B"))
+    await wait_for(lambda: held(client) == 1)
+    a.health_ok = False  # the next probe (every 50 ms) takes the only replica out of rotation
+    status, body = await asyncio.wait_for(second, 1.5)
+    assert status == 503 and "no_healthy_replica" in body and not first.done()
+    assert sample(client, "llm_router_late_dispatches_total", reason="no_healthy") == 1
+    a.health_ok = True
+    await first
+
+
+async def test_a_replica_restored_to_rotation_takes_the_held_request_at_once(fakes, router_client):
+    a, b = await fakes(2, token_delay_s=0.05)
+    client = await router_client([a.url, b.url], admin_token="tok", **{**LATE, **QUIET})
+    auth = {"Authorization": "Bearer tok"}
+    rid_b = b.url.removeprefix("http://")
+    assert (await client.post(f"/admin/replicas/{rid_b}/drain", headers=auth)).status == 200
+    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s on a, the only replica in rotation
+    await wait_for(lambda: a.generation_tokens >= 2)  # past A's first token: only A's end or the restore can wake B
+    second = asyncio.create_task(post(client, "B"))
+    await wait_for(lambda: held(client) == 1)
+    assert (await client.post(f"/admin/replicas/{rid_b}/restore", headers=auth)).status == 200
+    assert (await asyncio.wait_for(second, 1.0))[0] == 200  # woken by the restore, not by A's end
+    assert prompts(b) == ["B"] and not first.done()
+    assert (await first)[0] == 200
+
+
+async def test_a_held_request_outlives_the_removal_of_a_busy_replica(fakes, router_client):
+    a, b = await fakes(2, token_delay_s=0.05)
+    client = await router_client([a.url, b.url], **{**LATE, **QUIET})
+    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s
+    await wait_for(lambda: a.active + b.active == 1)
+    short = asyncio.create_task(post(client, "Z", max_tokens=10))  # ~0.5 s on the other replica
+    await wait_for(lambda: a.generation_tokens >= 2 and b.generation_tokens >= 2)
+    gone, stays = (a, b) if prompts(a) == ["A"] else (b, a)
+    second = asyncio.create_task(post(client, "B"))
+    await wait_for(lambda: held(client) == 1)
+    client.app[REPLICAS].remove(gone.url.removeprefix("http://"))  # discovery dropped it; A streams on
+    await asyncio.sleep(0.05)
+    assert held(client) == 1  # the remaining replica is still busy: B waits, neither lost nor refused
+    assert (await asyncio.wait_for(second, 1.5))[0] == 200  # taken when Z freed the remaining replica
+    assert prompts(stays) == ["Z", "B"] and not first.done()
+    assert (await short)[0] == 200 and (await first)[0] == 200
+
+
+async def test_shutdown_dispatches_held_requests(fakes, router_client):
+    (a,) = await fakes(1, token_delay_s=0.05)
+    client = await router_client([a.url], **LATE)
+    first = asyncio.create_task(post(client, "A", max_tokens=30))
+    await wait_for(lambda: a.active == 1)
+    second = asyncio.create_task(post(client, "B"))
+    await wait_for(lambda: held(client) == 1)
+    await client.app.shutdown()  # what `router serve` runs on SIGTERM before the drain
+    await wait_for(lambda: a.requests == 2, timeout=1.0)
+    assert held(client) == 0 and not first.done()
+    assert sample(client, "llm_router_late_dispatches_total", reason="shutdown") == 1
+    assert [r[0] for r in await asyncio.gather(first, second)] == [200, 200]
+
+
+async def test_off_by_default_every_request_goes_at_once(fakes, router_client):
+    (a,) = await fakes(1, token_delay_s=0.05)
+    client = await router_client([a.url], late_binding_max_num_seqs=1)  # limits set, late binding not on
+    assert client.app[ROUTER].holds is None
+    tasks = [asyncio.create_task(post(client, p, max_tokens=8)) for p in "ABCD"]
+    await wait_for(lambda: a.active == 4)  # all four on the replica together: nothing held
+    assert [r[0] for r in await asyncio.gather(*tasks)] == [200] * 4
+    assert sample(client, "llm_router_held_requests") == 0
+    assert sample(client, "llm_router_hold_duration_seconds_count") == 0
+    for reason in DISPATCH_REASONS:
+        assert sample(client, "llm_router_late_dispatches_total", reason=reason) is None
+    resp = await client.get("/metrics")
+    text = await resp.text()
+    for name in ("llm_router_held_requests", "llm_router_hold_duration_seconds", "llm_router_late_dispatches_total"):
+        assert f"# TYPE {name.removesuffix('_total')}" in text
+
+
+async def test_a_request_routed_as_its_client_leaves_is_released():
+    """The queue routed the head (tracker counts it) but the handler was cancelled before it resumed."""
+    settings = RouterSettings(replicas=["http://127.0.0.1:9"], policy="least-outstanding", **LATE)
+    replicas = ReplicaSet(settings, lambda: None)
+    rep = replicas.ordered[0]
+    rep.probe_ok = True
+    rep.sync()
+    routed, released = [], []
+
+    class FakeRoute:
+        late = held_s = None
+        wall_s = 0.0
+
+    def dispatch(info, only, view):
+        replicas.cluster.dispatch(0, info)
+        routed.append(info.request_id)
+        return FakeRoute()
+
+    def release(route):
+        released.append(route)
+        rep.tracker.on_complete("r2")
+
+    q = HoldQueue(settings, replicas, RouterMetrics(), replicas.clock, dispatch, release)
+    await q.route(RequestInfo("r1", 10))  # idle fleet: goes at once, and now fills the replica
+    task = asyncio.create_task(q.route(RequestInfo("r2", 10)))
+    await wait_for(lambda: len(q) == 1)
+    rep.tracker.on_complete("r1")  # room again ...
+    q._pump()  # ... the head is routed (as a wake-up would) ...
+    task.cancel()  # ... and its client leaves before the handler resumed
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert routed == ["r1", "r2"] and len(released) == 1
+    assert rep.tracker.outstanding == 0 and len(q) == 0
+
+
+@pytest.mark.timeout(90)
+async def test_with_workers_each_holds_on_the_host_wide_load_and_sees_the_others_completions(fakes, tmp_path):
+    from tests.router.test_workers import _metric, workers
+
+    reps = await fakes(2, token_delay_s=0.05)
+    cfg = tmp_path / "late.yaml"
+    # no periodic scrapes or probes in the way: only the worker-sync tick can carry worker A's completions to B
+    cfg.write_text("late_binding: true\nlate_binding_max_num_seqs: 1\nlate_binding_timeout_s: 30\n"
+                   "scrape_interval_s: 30\nhealth_interval_s: 30\n")
+    async with workers(reps, "--config", str(cfg)) as w:
+        pid_a, pid_b = w.by_pid
+        sb = w.by_pid[pid_b]
+        a_long, a_short = await w.pinned(pid_a), await w.pinned(pid_a)
+        body = {"model": "tiny", "prompt": "busy", "max_tokens": 60}  # 3 s at 50 ms a token
+        long_ = asyncio.create_task(a_long.post(w.url + "/v1/completions", json=body))
+        await wait_for(lambda: reps[0].active + reps[1].active == 1)
+        short = asyncio.create_task(a_short.post(w.url + "/v1/completions", json={**body, "max_tokens": 10}))
+        await wait_for(lambda: reps[0].active + reps[1].active == 2)  # both replicas full, through worker A
+        held_b = asyncio.create_task(sb.post(w.url + "/v1/completions", json={**body, "prompt": "B", "max_tokens": 1}))
+        await asyncio.sleep(0.2)
+        assert reps[0].requests + reps[1].requests == 2  # worker B holds on worker A's load
+        async with aiohttp.ClientSession() as any_worker:  # sb's one connection is the held request's
+            assert await _metric(any_worker, w.url, "llm_router_held_requests") == 1  # summed over workers
+        resp = await asyncio.wait_for(held_b, 10)  # released once worker A's short request completed
+        assert resp.status == 200
+        assert not long_.done()
+        assert (await (await short).read()) and (await (await long_).read())
+        assert await _metric(sb, w.url, "llm_router_late_dispatches_total") >= 3
+        w.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(w.proc.wait(), 20) == 0
+
+
+async def test_turned_on_by_flag_or_environment_and_bad_values_named(monkeypatch, capsys):
+    from router.cli import _parser, main
+    from router.settings import build_settings
+
+    assert build_settings(replicas=["http://a:1"]).late_binding is False
+    args = vars(_parser().parse_args(["serve", "--replica", "http://a:1", "--late-binding",
+                                      "--late-binding-timeout", "0.5"]))
+    s = build_settings(None, **{k: v for k, v in args.items() if k not in ("command", "config")})
+    assert (s.late_binding, s.late_binding_timeout_s) == (True, 0.5)
+    monkeypatch.setenv("ROUTEWISE_LATE_BINDING", "1")
+    assert build_settings(replicas=["http://a:1"]).late_binding is True
+    assert main(["serve", "--replica", "http://a:1", "--late-binding-timeout", "-1"]) == 2
+    assert "late_binding_timeout_s" in capsys.readouterr().err
