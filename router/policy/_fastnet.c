@@ -477,12 +477,143 @@ end:
     return res;
 }
 
+/* ---- build_features rows, from the snapshots (router/policy/features.py is the reference) ---- */
+
+enum { A_HEALTHY, A_OUT, A_PROMPT, A_DECODE, A_WAITING, A_RUNNING, A_KV, A_KVCAP, A_AGE, A_DISPATCHED, A_MATCH,
+       A_TTFT, A_TPOT, A_AWAIT_N, A_AWAIT_TOK, N_ATTRS };
+static const char *ATTR_NAMES[N_ATTRS] = {
+    "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "waiting", "running",
+    "kv_cache_usage", "kv_capacity_tokens", "stats_age_s", "dispatched_since_scrape", "prefix_match_blocks",
+    "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens"};
+static PyObject *attr_names[N_ATTRS];
+#define N_ROW 25 /* 20 replica + 5 request columns, in FEATURE_NAMES order */
+
+/* The attribute as a double; *none = 1 (and 0.0) for None. -1 with an exception set on a non-number. */
+static int read_number(PyObject *obj, int a, double *v, int *none)
+{
+    PyObject *x = PyObject_GetAttr(obj, attr_names[a]);
+    if (!x)
+        return -1;
+    *none = x == Py_None;
+    *v = *none ? 0.0 : PyFloat_AsDouble(x);
+    Py_DECREF(x);
+    return (*v == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, age_cap, out): build_features for
+ * one view into `out` float32 [len(replicas), 25], the same bytes as the numpy path */
+static PyObject *py_rows(PyObject *self, PyObject *args)
+{
+    PyObject *reps, *max_tok_obj;
+    double prompt, cap;
+    Py_ssize_t n_blocks;
+    Py_buffer flags, scales, out;
+    if (!PyArg_ParseTuple(args, "O!dOny*y*dw*", &PyTuple_Type, &reps, &prompt, &max_tok_obj, &n_blocks, &flags, &scales,
+                          &cap, &out))
+        return NULL;
+    PyObject *res = NULL;
+    const Py_ssize_t n = PyTuple_GET_SIZE(reps);
+    double *raw = NULL;
+    if (flags.len != N_ROW || check_f32(&out, n * N_ROW, "out")) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "rows: log_flags must have one byte per feature column");
+        goto end;
+    }
+    if (scales.len != N_ROW * (Py_ssize_t)sizeof(double)) {
+        PyErr_SetString(PyExc_ValueError, "rows: scales must be float64, one per feature column");
+        goto end;
+    }
+    double max_tok = 0.0, max_tok_missing = 1.0;
+    if (max_tok_obj != Py_None) {
+        max_tok = PyFloat_AsDouble(max_tok_obj);
+        max_tok_missing = 0.0;
+        if (max_tok == -1.0 && PyErr_Occurred())
+            goto end;
+    }
+    raw = malloc(sizeof(double) * (size_t)(n ? n : 1) * N_ROW);
+    if (!raw) {
+        PyErr_NoMemory();
+        goto end;
+    }
+    double min_out = 0.0;
+    Py_ssize_t n_healthy = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyTuple_GET_ITEM(reps, i);
+        double *row = raw + (size_t)i * N_ROW;
+        double v[N_ATTRS];
+        int none[N_ATTRS];
+        for (int a = 0; a < N_ATTRS; a++)
+            if (read_number(r, a, &v[a], &none[a]))
+                goto end;
+        const int healthy = v[A_HEALTHY] != 0.0;
+        if (healthy && (n_healthy == 0 || v[A_OUT] < min_out))
+            min_out = v[A_OUT];
+        n_healthy += healthy;
+        const double age = v[A_AGE];
+        const double frac = n_blocks ? v[A_MATCH] / (double)n_blocks : 0.0;
+        row[0] = 1.0;
+        row[1] = healthy ? 1.0 : 0.0;
+        row[2] = v[A_OUT];
+        row[3] = v[A_OUT]; /* minus the healthy minimum, below */
+        row[4] = v[A_PROMPT];
+        row[5] = v[A_DECODE];
+        row[6] = v[A_WAITING];
+        row[7] = v[A_RUNNING];
+        row[8] = v[A_KV];
+        row[9] = (none[A_WAITING] || none[A_RUNNING] || none[A_KV]) ? 1.0 : 0.0;
+        row[10] = isfinite(age) ? (age < cap ? age : cap) : cap;
+        row[11] = v[A_DISPATCHED];
+        row[12] = v[A_KVCAP];
+        row[13] = frac;
+        row[14] = frac * prompt;
+        row[15] = v[A_TTFT] * 1000.0;
+        row[16] = v[A_TPOT] * 1000.0;
+        row[17] = (none[A_TTFT] || none[A_TPOT]) ? 1.0 : 0.0;
+        row[18] = v[A_AWAIT_N];
+        row[19] = v[A_AWAIT_TOK];
+        row[20] = prompt;
+        row[21] = max_tok;
+        row[22] = max_tok_missing;
+        row[23] = (double)n_blocks;
+    }
+    const unsigned char *is_log = flags.buf;
+    const double *sc = scales.buf;
+    float *o = out.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double *row = raw + (size_t)i * N_ROW;
+        row[3] = row[1] != 0.0 ? row[3] - min_out : 0.0;
+        row[24] = (double)n_healthy;
+        for (int j = 0; j < N_ROW; j++) {
+            double x = row[j];
+            x = (x > 0.0 || isnan(x)) ? x : 0.0; /* np.maximum(x, 0.0): -0.0 becomes 0.0, NaN stays */
+            if (is_log[j])
+                x = log1p(x);
+            o[i * N_ROW + j] = (float)(x / sc[j]);
+        }
+    }
+    res = Py_None;
+    Py_INCREF(res);
+end:
+    free(raw);
+    PyBuffer_Release(&flags);
+    PyBuffer_Release(&scales);
+    PyBuffer_Release(&out);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"inputs", py_inputs, METH_VARARGS, "inputs(rows, n_rows, spec_i, spec_f, out): model_inputs of one decision"},
     {"logits", py_logits, METH_VARARGS, "logits(rows, n_rows, spec_i, spec_f, weights, dims, out): one decision"},
+    {"rows", py_rows, METH_VARARGS, "rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, cap, out)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastnet", "The routing network for one decision, in C.", -1, methods};
 
-PyMODINIT_FUNC PyInit__fastnet(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fastnet(void)
+{
+    for (int a = 0; a < N_ATTRS; a++)
+        if (!(attr_names[a] = PyUnicode_InternFromString(ATTR_NAMES[a])))
+            return NULL;
+    return PyModule_Create(&module);
+}

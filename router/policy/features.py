@@ -12,7 +12,9 @@ function of them and the mask.
 
 Change anything here and bump FEATURE_VERSION: the spec hash changes and the router refuses
 models trained against the old contract. `raw_features` has a row-wise and a column-wise path
-(small vs large views): change both, and the reference in tests/policy/test_features_fast.py.
+(small vs large views), and `build_features` a compiled one (`_fastnet.rows`, when the optional C
+extension is built: reading the snapshots from C is most of a decision's cost in Python): change
+all three, and the reference in tests/policy/test_features_fast.py, which holds them to the same bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ import numpy as np
 
 from router.policy.baselines import EXPECTED_WAIT_DECODE_WEIGHT
 from router.policy.types import ClusterView, RequestInfo
+
+try:
+    from router.policy import _fastnet as _compiled
+except ImportError:  # built without a C compiler: the numpy path below
+    _compiled = None
 
 FEATURE_VERSION = 3  # 3: cross-replica inputs moved from the network into `model_inputs`
 
@@ -95,6 +102,7 @@ FEATURE_SPEC_HASH: str = hashlib.sha256(json.dumps(_spec_document(), sort_keys=T
 _SPECS = REPLICA_FEATURES + REQUEST_FEATURES
 _LOG_COLS = np.array([t == "log1p" for _, t, _ in _SPECS])
 _SCALES = np.array([s for _, _, s in _SPECS], dtype=np.float64)
+_LOG_FLAGS = bytes(_LOG_COLS.astype(np.uint8))
 
 
 def spec_info() -> dict:
@@ -253,6 +261,15 @@ def raw_features(view: ClusterView, request: RequestInfo) -> np.ndarray:
 
 def build_features(view: ClusterView, request: RequestInfo, pad_to: int | None = None) -> np.ndarray:
     """Model input, float32, shape (n, N_FEATURES) or (pad_to, N_FEATURES) with zero padding."""
+    if _compiled is not None:
+        reps = view.replicas
+        n = len(reps)
+        if pad_to is not None and pad_to < n:
+            raise ValueError(f"pad_to={pad_to} is smaller than the replica count {n}")
+        out = np.zeros((pad_to, N_FEATURES), np.float32) if pad_to is not None else np.empty((n, N_FEATURES), np.float32)
+        _compiled.rows(reps if type(reps) is tuple else tuple(reps), request.prompt_tokens_est, request.max_tokens,
+                       len(request.prefix_blocks), _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, out[:n])
+        return out
     raw = raw_features(view, request)  # a fresh array: transformed in place
     np.maximum(raw, 0.0, out=raw)
     raw = np.where(_LOG_COLS, np.log1p(raw), raw)  # fewer calls than indexing the log columns

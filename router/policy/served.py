@@ -33,11 +33,11 @@ class DecisionCost:
     """Deterministic decision time for simulations: `base_s + per_replica_s x replicas`.
 
     The learned figures fit the decide p99s of tests/bench/decision_latency_learned.py on the compiled fast
-    path (router/policy/fastnet.py; 132 / 226 / 669 / 1,117 us at 4 / 16 / 64 / 128 replicas, least squares,
-    the shared 2-core development machine at load average ~1.5, 2026-11-25): the p99, because that is
+    path (router/policy/fastnet.py, compiled feature rows; 113 / 144 / 346 / 838 us at 4 / 16 / 64 / 128
+    replicas, least squares, the shared 2-core development machine at load average ~2, 2026-11-25): the p99, because that is
     what the live rule judges (FallbackPolicy's rolling window), so a simulation falls back where the
-    router would. Without the C extension onnxruntime decides, 2-3x slower (p99 633 us at 16 replicas
-    in the same run), and the router falls back more often than simulations say."""
+    router would. Without the C extension onnxruntime and numpy decide, 3-4x slower (p99 ~600 us at 16
+    replicas), and the router falls back more often than simulations say."""
 
     base_s: float
     per_replica_s: float
@@ -46,7 +46,7 @@ class DecisionCost:
         return self.base_s + self.per_replica_s * len(view.replicas)
 
 
-LEARNED_COST = DecisionCost(111e-6, 8.0e-6)  # over a 0.5 ms budget from 49 replicas on
+LEARNED_COST = DecisionCost(49e-6, 5.9e-6)  # over a 0.5 ms budget from 77 replicas on
 BASELINE_COST = DecisionCost(20e-6, 0.7e-6)
 
 

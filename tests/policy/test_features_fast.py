@@ -159,8 +159,15 @@ def random_view(rng: np.random.Generator) -> ClusterView:
 
 
 @pytest.mark.parametrize("rowwise_max", [None, 0, 10**9], ids=["default", "all-columnwise", "all-rowwise"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("seed", range(12))
-def test_build_features_is_bit_identical_to_the_per_replica_reference(seed, rowwise_max, monkeypatch):
+def test_build_features_is_bit_identical_to_the_per_replica_reference(seed, compiled, rowwise_max, monkeypatch):
+    if compiled and features._compiled is None:
+        pytest.skip("the C extension is not built (tests/policy/test_fastnet.py requires it in CI)")
+    if compiled and rowwise_max is not None:
+        pytest.skip("the compiled path has one way through any view")
+    if not compiled:  # the numpy path, which serves where no C compiler was available
+        monkeypatch.setattr(features, "_compiled", None)
     if rowwise_max is not None:  # small views take the row-wise path by default: check the column-wise one on them too
         monkeypatch.setattr(features, "_ROWWISE_MAX_REPLICAS", rowwise_max)
     rng = np.random.default_rng(seed)
