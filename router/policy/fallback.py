@@ -117,10 +117,18 @@ class FallbackPolicy(Policy):
         except Exception as exc:  # noqa: BLE001 - any primary failure must fall back, never fail a request
             return None, "exception", f"{type(exc).__name__}: {exc}"
         reps = view.replicas
-        mask = np.array([r.healthy for r in reps], dtype=bool)  # = action_mask(view) as bool
-        if scores.shape != mask.shape or not np.isfinite(scores[mask]).all():
+        healthy = [r.healthy for r in reps]
+        if scores.shape != (len(reps),):
             return None, "nan", f"scores not finite or of shape {scores.shape}"
-        masked = np.where(mask, scores, -np.inf)
+        if all(healthy):  # the usual decision: one finiteness check, no masking (same pick)
+            masked = scores
+            if not np.isfinite(scores).all():
+                return None, "nan", f"scores not finite or of shape {scores.shape}"
+        else:
+            mask = np.array(healthy, dtype=bool)  # = action_mask(view) as bool
+            if not np.isfinite(scores[mask]).all():
+                return None, "nan", f"scores not finite or of shape {scores.shape}"
+            masked = np.where(mask, scores, -np.inf)
         pick = int(masked.argmax())
         if self.min_confidence is not None:
             z = masked - masked[pick]
