@@ -247,6 +247,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=50.0, help="open-loop request rate (req/s)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of open-loop load per target")
+    ap.add_argument("--rounds", type=int, default=4, help="the targets take turns in this many slices of the duration")
     ap.add_argument("--wrk-duration", type=int, default=10, help="seconds per wrk run")
     ap.add_argument("--connections", type=int, default=32, help="wrk connections")
     ap.add_argument("--workers", default="1", help="comma-separated router worker counts, one target each (e.g. 1,2)")
@@ -303,8 +304,14 @@ def main() -> int:
                     cwd=REPO, start_new_session=True))
                 wait_port(rport, "/ready")
         results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}
-        for name, port in targets.items():
-            lat = asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/completions", args.rate, args.duration))
+        # the targets take turns in `rounds` slices, so a drift of the machine over the run (or being measured
+        # first) does not land on one target
+        lats: dict[str, list[float]] = {name: [] for name in targets}
+        for _ in range(args.rounds):
+            for name, port in targets.items():
+                lats[name] += asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/completions", args.rate,
+                                                    args.duration / args.rounds))
+        for name, lat in lats.items():
             results["latency_ms"][name] = {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "n": len(lat)}
         for stream in () if args.no_wrk else (False, True):
             key = "streaming" if stream else "non_streaming"
@@ -326,7 +333,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"(a) latency at {args.rate:g} req/s open loop, {args.duration:g} s each, non-streaming (ms)")
+    print(f"(a) latency at {args.rate:g} req/s open loop, {args.duration:g} s each in {args.rounds} turns, non-streaming (ms)")
     width = max(14, *(len(t) for t in targets))
     print(f"{'target':<{width}} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8}   ({args.replicas} replica(s))")
     for name in targets:
