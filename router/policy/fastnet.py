@@ -24,13 +24,13 @@ import numpy as np
 
 from router.policy.baselines import EXPECTED_WAIT_DECODE_WEIGHT
 from router.policy.features import (
+    FEATURE_NAMES,
     MODEL_INPUT_NAMES,
     N_FEATURES,
     N_MODEL_INPUTS,
     REPLICA_FEATURES,
-    _COL,
-    _UNLOG,
-    _UNLOG_SCALES_COL,
+    UNLOG_COLUMNS,
+    UNLOG_SCALES,
 )
 
 try:
@@ -45,8 +45,9 @@ PARITY_TIE = 1e-4
 PARITY_WIDTHS = (1, 2, 3, 5, 8, 16, 33, 64)
 
 # The feature contract as the C code reads it (router/policy/features.py is the one source of truth).
-_SPEC_I = (len(REPLICA_FEATURES), _COL["healthy"], _COL["prefix_match_frac"], *(_COL[n] for n in _UNLOG))
-_SPEC_F = np.array([*_UNLOG_SCALES_COL[:, 0], EXPECTED_WAIT_DECODE_WEIGHT], dtype=np.float32).tobytes()
+_COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
+_SPEC_I = (len(REPLICA_FEATURES), _COL["healthy"], _COL["prefix_match_frac"], *UNLOG_COLUMNS)
+_SPEC_F = np.array([*UNLOG_SCALES, EXPECTED_WAIT_DECODE_WEIGHT], dtype=np.float32).tobytes()
 _WAIT_COL = MODEL_INPUT_NAMES.index("expected_wait")
 
 

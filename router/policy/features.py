@@ -304,6 +304,10 @@ _UNLOG = ("outstanding_prompt_tokens", "outstanding_decode_tokens", "tpot_ema_ms
           "req_prompt_tokens_est")
 _UNLOG_COLS = np.array([_COL[n] for n in _UNLOG])
 _UNLOG_SCALES_COL = np.array([_ALL_SCALES[n] for n in _UNLOG], dtype=np.float32)[:, None]
+# The same tables as the compiled cross-replica inputs read them (router/policy/fastnet.py): the feature columns
+# un-logged for the token loads and the expected wait, in _UNLOG's order, and their scales.
+UNLOG_COLUMNS: tuple[int, ...] = tuple(int(c) for c in _UNLOG_COLS)
+UNLOG_SCALES: tuple[float, ...] = tuple(float(x) for x in _UNLOG_SCALES_COL[:, 0])
 _F32 = np.float32
 
 
