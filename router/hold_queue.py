@@ -26,7 +26,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, decide, replica_limit
 from router.policy.types import ClusterView, NoHealthyReplica, RequestInfo
@@ -34,8 +34,16 @@ from router.replicas import ReplicaSet
 from router.settings import RouterSettings
 from router.telemetry import RouterMetrics
 
-if TYPE_CHECKING:
-    from router.routing import Route
+
+class Dispatched(Protocol):
+    """What the queue needs of a routed request (router.routing.Route): where it records the hold."""
+
+    late: str | None
+    held_s: float | None
+    wall_s: float
+
+
+R = TypeVar("R", bound=Dispatched)
 
 log = logging.getLogger("router.hold_queue")
 
@@ -56,15 +64,15 @@ def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
                              settings.late_binding_tokens_per_request)
 
 
-class HoldQueue:
+class HoldQueue(Generic[R]):
     """`route(info)` routes now or holds; `wake()` offers the head again; `close()` lets everything go.
     `dispatch(info, only, view)` routes for real (Router.route on `view`, restricted to `only`, None = every
     healthy replica); `release(route)` undoes one whose client left in the instant it was routed."""
 
     def __init__(
         self, settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics, clock: Callable[[], float],
-        dispatch: Callable[[RequestInfo, tuple[int, ...] | None, ClusterView | None], Route],
-        release: Callable[[Route], None],
+        dispatch: Callable[[RequestInfo, tuple[int, ...] | None, ClusterView | None], R],
+        release: Callable[[R], None],
     ) -> None:
         self.config = late_binding_config(settings)
         self._max_seqs = settings.late_binding_max_num_seqs
@@ -96,7 +104,7 @@ class HoldQueue:
             out.append(lim)
         return out
 
-    async def route(self, info: RequestInfo) -> Route:
+    async def route(self, info: RequestInfo) -> R:
         """The request's Route (router.routing), now or once the rule lets it go. Raises NoHealthyReplica."""
         view = self.replicas.cluster.view(self.clock(), info)
         if not any(r.healthy for r in view.replicas):
@@ -139,7 +147,7 @@ class HoldQueue:
         return None if reason in ("idle", "full") else tuple(candidates)
 
     def _go(self, info: RequestInfo, reason: str, only: tuple[int, ...] | None, held_s: float | None,
-            view: ClusterView | None) -> Route:
+            view: ClusterView | None) -> R:
         self._dispatches[reason].inc()
         if held_s is not None:
             self.metrics.hold_duration.observe(held_s)

@@ -195,7 +195,7 @@ class Router:
             settings, metrics.registry, self.arms, lambda name: guarded_policy(name, settings), policy_label, clock,
         )
         self._ids = itertools.count(1)
-        self.holds: HoldQueue | None = None  # late binding: the first attempt of a request goes through it
+        self.holds: HoldQueue[Route] | None = None  # late binding: the first attempt of a request goes through it
         if settings.late_binding:
             self.holds = HoldQueue(settings, replicas, metrics, clock,
                                    lambda info, only, view: self.route(info, only=only, view=view), self.release)
