@@ -33,12 +33,15 @@ def azure_conv_like_lengths(n: int, rng: np.random.Generator) -> tuple[np.ndarra
     return np.clip(prompt, 8, MAX_PROMPT).astype(int), np.clip(output, 1, MAX_OUTPUT).astype(int)
 
 
-def saturated_rps(group: ReplicaGroup, rng: np.random.Generator, n: int = 1500) -> float:
-    """Completion rate of one replica given a burst of `n` requests at t=0."""
-    prompt, output = azure_conv_like_lengths(n, rng)
+def saturated_rps(
+    group: ReplicaGroup, rng: np.random.Generator, n: int = 1500, lengths: tuple[np.ndarray, np.ndarray] | None = None
+) -> float:
+    """Completion rate of one replica given a burst of `n` requests at t=0: `lengths` (prompt and output
+    tokens, n each), else the Azure-conversation-like log-normal lengths drawn from `rng`."""
+    prompt, output = lengths if lengths is not None else azure_conv_like_lengths(n, rng)
     reqs = [SimRequest(i, 0.0, int(p), int(o)) for i, (p, o) in enumerate(zip(prompt, output))]
     records = simulate(ClusterConfig(replicas=[group.model_copy(update={"count": 1})]), reqs, make_policy("round-robin"))
-    return n / max(r.finish_s for r in records if not r.error)
+    return len(prompt) / max(r.finish_s for r in records if not r.error)
 
 
 def standard_workload(

@@ -31,7 +31,7 @@ from simulator.experiments import (
     to_json,
 )
 from simulator.replay import DecisionLogError, read_decision_log, summarize_log
-from simulator.scenario import load_scenario, replay_scenario, scenario_names
+from simulator.scenario import SCENARIO_GROUPS, load_scenario, replay_scenario, scenario_names
 
 
 
@@ -80,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", "--scenarios", dest="scenario", default=ALL,
-                   help="comma-separated scenario names or YAML paths, or `all` (default)")
+                   help="comma-separated scenario names, group names (`shapes`) or YAML paths, or `all` (default: the suite)")
     p.add_argument("--policies", default=ALL,
                    help="comma-separated policy names / .onnx paths, or `all` = every baseline + `learned` if shipped")
     p.add_argument("--seeds", type=int, default=3, help="number of seeds 0..N-1, the same for every policy (default 3)")
@@ -195,6 +195,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _scenarios(args: argparse.Namespace) -> int:
     for name in scenario_names():
         print(f"{name:20s} {load_scenario(name).spec.description.splitlines()[0]}")
+    for group, about in SCENARIO_GROUPS.items():
+        print(f"\ngroup `{group}` (not in `all`; select with --scenario {group}): {about}")
+        for name in scenario_names(group):
+            print(f"{name:20s} {load_scenario(name).spec.description.splitlines()[0]}")
     return 0
 
 

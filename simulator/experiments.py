@@ -21,7 +21,7 @@ from router.policy.served import served_policy
 from simulator.cluster import ClusterSim, simulate
 from simulator.late_binding import simulate_late
 from simulator.metrics import aggregate, render_table, summarize
-from simulator.scenario import ScenarioError, load_scenario, scenario_names
+from simulator.scenario import SCENARIO_GROUPS, ScenarioError, load_scenario, scenario_names
 
 ALL = "all"
 
@@ -34,8 +34,11 @@ class ExperimentError(ValueError):
 
 
 def resolve_scenarios(text: str) -> list[str]:
-    """Scenario names/paths from a comma list or `all`; each is parsed now, so a bad one fails before any run."""
-    names = scenario_names() if text == ALL else [s.strip() for s in text.split(",") if s.strip()]
+    """Scenario names/paths from a comma list, `all` (the default suite) or a group name of SCENARIO_GROUPS
+    (its scenarios; items may mix, e.g. `shapes,steady-chat`); each is parsed now, so a bad one fails before any run."""
+    names = []
+    for item in scenario_names() if text == ALL else [s.strip() for s in text.split(",") if s.strip()]:
+        names.extend(scenario_names(item) if item in SCENARIO_GROUPS else [item])
     if not names:
         raise ExperimentError("no scenario given")
     for name in names:

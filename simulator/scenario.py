@@ -84,8 +84,19 @@ class Scenario:
         return self.spec.cluster.model_copy(deep=True), requests
 
 
-def scenario_names() -> list[str]:
-    return sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
+# Named groups of built-in scenarios kept out of the default suite (`all`, `scenario_names()`): each is a
+# subdirectory of SCENARIOS_DIR; its scenarios load by name like the suite's and the group name selects them all.
+SCENARIO_GROUPS: dict[str, str] = {
+    "shapes": "fleet shapes the suite lacks: 2, 8 and 32 replicas, and GPU speed mixes up to ~8x (issue 16)",
+}
+
+
+def scenario_names(group: str | None = None) -> list[str]:
+    """The default suite's scenario names, or those of one of SCENARIO_GROUPS."""
+    if group is not None and group not in SCENARIO_GROUPS:
+        raise ScenarioError(f"unknown scenario group {group!r}; known: {', '.join(SCENARIO_GROUPS)}")
+    folder = SCENARIOS_DIR if group is None else SCENARIOS_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
 def _resolve_path(name_or_path: str | Path) -> Path:
@@ -95,10 +106,14 @@ def _resolve_path(name_or_path: str | Path) -> Path:
         if not path.is_file():
             raise ScenarioError(f"scenario file {text!r} not found")
         return path
-    path = SCENARIOS_DIR / f"{text}.yaml"
-    if not path.is_file():
-        raise ScenarioError(f"unknown scenario {text!r}; known: {', '.join(scenario_names())} or a path to a .yaml file")
-    return path
+    for folder in (SCENARIOS_DIR, *(SCENARIOS_DIR / g for g in SCENARIO_GROUPS)):
+        path = folder / f"{text}.yaml"
+        if path.is_file():
+            return path
+    raise ScenarioError(
+        f"unknown scenario {text!r}; known: {', '.join(scenario_names())}, the groups {', '.join(SCENARIO_GROUPS)} "
+        "or a path to a .yaml file"
+    )
 
 
 def _format_validation(path: Path, err: ValidationError, data: object) -> str:
@@ -140,7 +155,7 @@ def _check_profiles(path: Path, spec: ScenarioSpec) -> None:
 def load_scenario(
     name_or_path: str | Path, split: Split = "eval", library: TraceLibrary | None = None
 ) -> Scenario:
-    """A built-in scenario by name (see `scenario_names()`) or a YAML file, bound to `split`."""
+    """A built-in scenario by name (the suite's, `scenario_names()`, or a group's) or a YAML file, bound to `split`."""
     if split not in ("train", "eval"):
         raise ScenarioError(f"unknown split {split!r}; known: train, eval")
     path = _resolve_path(name_or_path)

@@ -3,7 +3,7 @@
 Prints, per scenario, the scored (non-warm-up) requests per seed, the distinct trace rows over all seeds,
 and the mean share of one seed's rows that another seed also replays (pairwise). Synthetic workloads draw
 fresh requests per seed (overlap 0 by construction; lengths sampled from a trace can still repeat rows).
-Usage: python tests/bench/eval_sample.py [--seeds 5]
+Usage: python tests/bench/eval_sample.py [--seeds 5] [--scenarios all|shapes|NAME,...]
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ import itertools
 
 import numpy as np
 
-from simulator.scenario import load_scenario, scenario_names
+from simulator.experiments import resolve_scenarios
+from simulator.scenario import load_scenario
 from simulator.workload import TraceWorkload
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--scenarios", default="all", help="`all` (the suite, default), a group (`shapes`) or names")
     args = ap.parse_args(argv)
     print(f"{'scenario':18s} {'kind':9s} {'per seed':>8s} {'distinct':>8s} {'overlap':>8s}")
-    for name in scenario_names():
+    for name in resolve_scenarios(args.scenarios):
         sc = load_scenario(name, split="eval")
         rows = []
         for seed in range(args.seeds):

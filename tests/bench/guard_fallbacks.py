@@ -1,11 +1,12 @@
 """How often the router's guards overrule the shipped learned policy, and what that costs in p99 TTFT.
 
-Runs the learned policy behind the default guards (LEARNED_GUARDS) and behind the same guards with
+Runs the learned policy behind the default guards (LEARNED_GUARDS), behind the same guards with
 the old absolute overload rule (overload_ratio 0: more than `overload_margin` requests above the
-least-loaded replica), on EVAL windows, and prints per scenario the share of decisions handed to
-least-outstanding by each guard and the p99 TTFT.
+least-loaded replica) and with the overload guard off (the staleness guard kept), on EVAL windows, and
+prints per scenario the share of decisions handed to least-outstanding by each guard and the p99 TTFT.
 
     python tests/bench/guard_fallbacks.py --scenarios heterogeneous,slowdown --seeds 3 --workers 2
+    python tests/bench/guard_fallbacks.py --scenarios shapes --seeds 5     # the fleet shapes (issue 16)
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ from router.policy.baselines import LeastOutstanding  # noqa: E402
 from router.policy.fallback import LEARNED_GUARDS, FallbackPolicy  # noqa: E402
 from router.policy.registry import make_policy  # noqa: E402
 from simulator.cluster import ClusterSim  # noqa: E402
+from simulator.experiments import resolve_scenarios  # noqa: E402
 from simulator.metrics import summarize  # noqa: E402
 from simulator.scenario import load_scenario  # noqa: E402
 
-VARIANTS = {"relative (default)": LEARNED_GUARDS, "absolute (old)": {**LEARNED_GUARDS, "overload_ratio": 0.0}}
+VARIANTS = {
+    "relative (default)": LEARNED_GUARDS,
+    "absolute (old)": {**LEARNED_GUARDS, "overload_ratio": 0.0},
+    "off": {**LEARNED_GUARDS, "overload_margin": None},
+}
 
 
 def run(job: tuple[str, int, str]) -> tuple[str, str, float, Counter]:
@@ -51,18 +57,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
-    scenarios = args.scenarios.split(",")
+    scenarios = resolve_scenarios(args.scenarios)
     jobs = [(sc, k, v) for sc in scenarios for k in range(args.seeds) for v in VARIANTS]
     with get_context("spawn").Pool(args.workers) as pool:
         results = pool.map(run, jobs, chunksize=1)
     print(f"learned policy behind the guards, EVAL windows, {args.seeds} seeds: share of decisions per fallback reason, p99 TTFT")
-    print(f"{'scenario':16s} {'overload rule':20s} {'overload_guard':>15s} {'stale_stats':>12s} {'p99 TTFT':>9s}")
+    print(f"{'scenario':20s} {'overload rule':20s} {'overload_guard':>15s} {'stale_stats':>12s} {'p99 TTFT':>9s}")
     for sc in scenarios:
         for variant in VARIANTS:
             mine = [r for r in results if r[0] == sc and r[1] == variant]
             total = sum((r[3] for r in mine), Counter())
             n = sum(total.values())
-            print(f"{sc:16s} {variant:20s} {total['overload_guard'] / n:15.1%} {total['stale_stats'] / n:12.1%} "
+            print(f"{sc:20s} {variant:20s} {total['overload_guard'] / n:15.1%} {total['stale_stats'] / n:12.1%} "
                   f"{np.mean([r[2] for r in mine]):8.3f}s")  # fmt: skip
 
 

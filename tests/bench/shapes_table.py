@@ -1,0 +1,82 @@
+"""The model card's fleet-shape table from a `simulator compare --json` document (no simulation here).
+
+    python -m simulator compare --scenario shapes --seeds 3 --workers 2 --late-binding --json > shapes.json
+    python tests/bench/shapes_table.py shapes.json
+
+Per scenario: the best per-request heuristic by mean p99 TTFT over seeds (and its ±95 % CI half-width), the
+learned policy's p99 and their ratio; the best late-binding heuristic (`<name>+late` rows, when present) and
+the learned p99 over it; goodput of the learned policy, the best goodput of any per-request heuristic and (in
+brackets) of any late-binding one; the learned policy's fallback share (decisions its guards or decision budget handed to the
+fallback heuristic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from router.policy.registry import BASELINES, LEARNED
+
+LATE = "+late"
+
+
+def _ms(row: dict) -> str:
+    ci = row.get("ttft_p99_s_ci95")
+    return f"{row['ttft_p99_s'] * 1000:.0f}" + ("" if ci is None or math.isnan(ci) else f"±{ci * 1000:.0f}") + " ms"
+
+
+def rows(doc: dict) -> list[dict]:
+    by_sc: dict[str, dict[str, dict]] = {}
+    for r in doc["results"]:
+        by_sc.setdefault(r["scenario"], {})[r["policy"]] = r
+    out = []
+    for sc, pol in by_sc.items():
+        learned = pol.get(LEARNED)
+        heur = [r for p, r in pol.items() if p in BASELINES and r["ttft_p99_s"] is not None]
+        late = [r for p, r in pol.items() if p.endswith(LATE) and r["ttft_p99_s"] is not None]
+        if learned is None or not heur:
+            continue
+        best = min(heur, key=lambda r: r["ttft_p99_s"])
+        best_late = min(late, key=lambda r: r["ttft_p99_s"]) if late else None
+        out.append({
+            "scenario": sc, "learned": learned, "best": best, "best_late": best_late,
+            "best_goodput": max(r["goodput"] for r in heur),
+            "best_late_goodput": max(r["goodput"] for r in late) if late else None,
+        })  # fmt: skip
+    return out
+
+
+def markdown(doc: dict) -> str:
+    lines = [
+        "| scenario | best heuristic | its p99 | learned p99 | learned / best | best late-binding (p99) | "
+        "learned / best late | goodput learned / best (best late) | learned fallback |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows(doc):
+        learned, best, late = r["learned"], r["best"], r["best_late"]
+        ratio = learned["ttft_p99_s"] / best["ttft_p99_s"]
+        late_goodput = f" ({r['best_late_goodput']:.3f})" if late else ""
+        late_cells = (
+            f"{late['policy']} ({_ms(late)})", f"{learned['ttft_p99_s'] / late['ttft_p99_s']:.2f}"
+        ) if late else ("-", "-")
+        lines.append(
+            f"| {r['scenario']} | {best['policy']} | {_ms(best)} | {_ms(learned)} | "
+            f"{'**' if ratio <= 1.0 else ''}{ratio:.2f}{'**' if ratio <= 1.0 else ''} | {late_cells[0]} | "
+            f"{late_cells[1]} | {learned['goodput']:.3f} / {r['best_goodput']:.3f}{late_goodput} | {learned['fallback_share']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("compare_json", help="output of `simulator compare --json`")
+    args = ap.parse_args(argv)
+    with open(args.compare_json) as f:
+        doc = json.load(f)
+    print(f"seeds {doc['seeds']}, {doc['split']} split")
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()
