@@ -122,7 +122,7 @@ class RouterSettings(BaseSettings):
     overload_margin: int | None = Field(None, ge=0, description="unset: 32 for learned policies, off for baselines (per arm); set: every arm")
     overload_ratio: float | None = Field(
         None, ge=0, description="the overload guard's reference is max(least, ratio x the other replicas' mean outstanding); "
-        "default 3 for learned policies, 0 (the least-loaded replica only) otherwise"
+        "default 8 for learned policies, 0 (the least-loaded replica only) otherwise"
     )
     min_confidence: float | None = Field(None, ge=0, le=1)
     chars_per_token: float = Field(4.0, gt=0)

@@ -32,6 +32,7 @@ from simulator.scenario import load_scenario  # noqa: E402
 VARIANTS = {
     "relative (default)": LEARNED_GUARDS,
     "absolute (old)": {**LEARNED_GUARDS, "overload_ratio": 0.0},
+    "relative x3 (before)": {**LEARNED_GUARDS, "overload_ratio": 3.0},
     "off": {**LEARNED_GUARDS, "overload_margin": None},
 }
 
@@ -56,15 +57,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scenarios", default="heterogeneous,slowdown,steady-chat,stale-metrics,adversarial,crash")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of: {', '.join(VARIANTS)}")
     args = ap.parse_args(argv)
     scenarios = resolve_scenarios(args.scenarios)
-    jobs = [(sc, k, v) for sc in scenarios for k in range(args.seeds) for v in VARIANTS]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    jobs = [(sc, k, v) for sc in scenarios for k in range(args.seeds) for v in variants]
     with get_context("spawn").Pool(args.workers) as pool:
         results = pool.map(run, jobs, chunksize=1)
     print(f"learned policy behind the guards, EVAL windows, {args.seeds} seeds: share of decisions per fallback reason, p99 TTFT")
     print(f"{'scenario':20s} {'overload rule':20s} {'overload_guard':>15s} {'stale_stats':>12s} {'p99 TTFT':>9s}")
     for sc in scenarios:
-        for variant in VARIANTS:
+        for variant in variants:
             mine = [r for r in results if r[0] == sc and r[1] == variant]
             total = sum((r[3] for r in mine), Counter())
             n = sum(total.values())
