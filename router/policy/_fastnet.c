@@ -514,9 +514,10 @@ static PyObject *py_rows(PyObject *self, PyObject *args)
     PyObject *res = NULL;
     const Py_ssize_t n = PyTuple_GET_SIZE(reps);
     double *raw = NULL;
-    if (flags.len != N_ROW || check_f32(&out, n * N_ROW, "out")) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "rows: log_flags must have one byte per feature column");
+    if (check_f32(&out, n * N_ROW, "out"))
+        goto end;
+    if (flags.len != N_ROW) {
+        PyErr_SetString(PyExc_ValueError, "rows: log_flags must have one byte per feature column");
         goto end;
     }
     if (scales.len != N_ROW * (Py_ssize_t)sizeof(double)) {

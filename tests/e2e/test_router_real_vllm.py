@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.policy.registry import DEFAULT_MODEL_PATH
 from router.settings import replica_id
 
-from fleet.router_process import RouterProcess, start_router
+from fleet.router_process import RouterMetricsPage, RouterProcess, start_router
 from fleet.vllm import (
     FLEET_ARGS,
     ROOMY,
@@ -529,6 +529,29 @@ async def test_failover_when_a_replica_is_killed_mid_load(extra_server, vllm_ser
 BAD_FALLBACK_REASONS = ("exception", "nan", "masked_pick", "unavailable", "spec_mismatch", "stale_stats")
 
 
+async def route_completions(servers, policy: str, log_dir: Path, n: int, max_tokens: int,
+                            concurrency: int | None = None) -> tuple[list[int], RouterMetricsPage, dict]:
+    """n completions (`max_tokens` each, ignore_eos) through a fresh router with `policy` in front of `servers`:
+    the completion token counts, the router's /metrics page and its arms (admin), once it stopped cleanly."""
+    router = start_router(list(servers), policy, log_dir)
+    gate = asyncio.Semaphore(concurrency or n)
+    try:
+        async with openai_client(router) as c:
+            async def one(i: int) -> int:
+                async with gate:
+                    resp = await c.completions.create(model=SERVED_MODEL_NAME, prompt=f"{PROMPT} {i}",
+                                                      max_tokens=max_tokens, extra_body={"ignore_eos": True})
+                    return resp.usage.completion_tokens
+
+            completed = await asyncio.gather(*(one(i) for i in range(n)))
+        page = router.metrics()
+        arms = router.admin_policy()["arms"]
+    finally:
+        rc = router.stop()
+    assert rc == 0, router.log_tail()
+    return completed, page, arms
+
+
 @pytest.mark.skipif(not DEFAULT_MODEL_PATH.is_file(), reason=f"no shipped learned policy at {DEFAULT_MODEL_PATH}")
 async def test_learned_policy_decides_real_traffic_within_budget(vllm_servers, log_dir):
     """Issue 13 on real vLLM: over more decisions than the budget rule needs to judge (BUDGET_MIN_SAMPLES), the
@@ -539,23 +562,7 @@ async def test_learned_policy_decides_real_traffic_within_budget(vllm_servers, l
     from router.policy.fallback import BUDGET_MIN_SAMPLES
 
     n_requests = BUDGET_MIN_SAMPLES + 50
-    router = start_router(list(vllm_servers), "learned", log_dir)
-    try:
-        async with openai_client(router) as c:
-            gate = asyncio.Semaphore(8)
-
-            async def one(i: int) -> int:
-                async with gate:
-                    resp = await c.completions.create(model=SERVED_MODEL_NAME, prompt=f"{PROMPT} {i}", max_tokens=2,
-                                                      extra_body={"ignore_eos": True})
-                    return resp.usage.completion_tokens
-
-            completed = await asyncio.gather(*(one(i) for i in range(n_requests)))
-        page = router.metrics()
-        arms = router.admin_policy()["arms"]
-    finally:
-        rc = router.stop()
-    assert rc == 0, router.log_tail()
+    completed, page, arms = await route_completions(vllm_servers, "learned", log_dir, n_requests, 2, concurrency=8)
     assert completed == [2] * n_requests
     assert arms["main"]["decisions"] == n_requests
     bad = {k: v for k, v in page.fallbacks.items() if k in BAD_FALLBACK_REASONS and v}
@@ -575,20 +582,7 @@ async def test_learned_policy_decides_real_traffic_within_budget(vllm_servers, l
 ])
 async def test_policy_routes_real_traffic_without_bad_fallbacks(policy, vllm_servers, log_dir):
     n_requests = 16
-    router = start_router(list(vllm_servers), policy, log_dir)
-    try:
-        async with openai_client(router) as c:
-            async def one(i: int) -> int:
-                resp = await c.completions.create(model=SERVED_MODEL_NAME, prompt=f"{PROMPT} {i}", max_tokens=48,
-                                                  extra_body={"ignore_eos": True})
-                return resp.usage.completion_tokens
-
-            completed = await asyncio.gather(*(one(i) for i in range(n_requests)))
-        page = router.metrics()
-        arms = router.admin_policy()["arms"]
-    finally:
-        rc = router.stop()
-    assert rc == 0, router.log_tail()
+    completed, page, arms = await route_completions(vllm_servers, policy, log_dir, n_requests, 48)
     assert completed == [48] * n_requests
     ids = [replica_id(u) for u in vllm_servers]
     assert sum(page.requests.get(r, {}).get("2xx", 0) for r in ids) == n_requests

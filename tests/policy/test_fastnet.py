@@ -140,3 +140,21 @@ def test_layout_covers_the_blob_exactly() -> None:
     value["layers"] += 1
     with pytest.raises(ValueError, match="bytes of weights"):
         fastnet.FastNet(json.dumps(value))
+
+
+@needs_ext
+def test_compiled_rows_refuse_bad_input_instead_of_crashing() -> None:
+    from router.policy import _fastnet
+    from router.policy.features import _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S
+    from router.policy.types import ReplicaSnapshot
+
+    rep = ReplicaSnapshot("r0", True, 1, 10)
+    args = (1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S)
+    with pytest.raises(ValueError, match="out"):
+        _fastnet.rows((rep,), *args, np.empty((2, N_FEATURES), np.float32))
+    with pytest.raises(AttributeError):
+        _fastnet.rows((object(),), *args, np.empty((1, N_FEATURES), np.float32))
+    with pytest.raises(TypeError):
+        _fastnet.rows((ReplicaSnapshot("r0", True, "many", 10),), *args, np.empty((1, N_FEATURES), np.float32))
+    with pytest.raises(ValueError, match="log_flags"):
+        _fastnet.rows((rep,), 1000, None, 0, b"\x00", _SCALES, STATS_AGE_CAP_S, np.empty((1, N_FEATURES), np.float32))
