@@ -26,6 +26,12 @@ from router.policy import (  # noqa: E402
 from router.policy.onnx_policy import OnnxPolicy  # noqa: E402
 
 
+def requests(rng: np.random.Generator, n: int = 64) -> list[RequestInfo]:
+    """n requests with random short-alphabet prompts (shared prefixes, so the prefix index has work)."""
+    prompts = ["".join(chr(97 + int(c)) for c in rng.integers(0, 4, size=int(rng.integers(100, 3000)))) for _ in range(n)]
+    return [RequestInfo(f"q{i}", len(p) // 4, 128, text_prefix_blocks(p)) for i, p in enumerate(prompts)]
+
+
 def cluster(n: int, rng: np.random.Generator) -> ClusterTracker:
     ct = ClusterTracker([f"10.0.{i // 250}.{i % 250}:8000" for i in range(n)])
     for i, t in enumerate(ct.trackers):
@@ -44,8 +50,7 @@ def bench(name: str, n: int, iters: int) -> dict[str, float] | None:
         return None
     pol = FallbackPolicy(primary, LeastOutstanding(seed=1), budget_s=None, clock=time.perf_counter,
                          max_stats_age_s=10.0 if name == "learned" else None)
-    prompts = ["".join(chr(97 + int(c)) for c in rng.integers(0, 4, size=int(rng.integers(100, 3000)))) for _ in range(64)]
-    reqs = [RequestInfo(f"q{i}", len(p) // 4, 128, text_prefix_blocks(p)) for i, p in enumerate(prompts)]
+    reqs = requests(rng)
     total, decide_only = [], []
     for i in range(iters + 200):
         req = reqs[i % len(reqs)]

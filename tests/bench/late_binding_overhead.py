@@ -20,11 +20,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from router.hold_queue import HoldQueue  # noqa: E402
-from router.policy import FallbackPolicy, LeastOutstanding, RequestInfo, text_prefix_blocks  # noqa: E402
+from router.policy import FallbackPolicy, LeastOutstanding  # noqa: E402
 from router.replicas import ReplicaSet  # noqa: E402
 from router.settings import RouterSettings  # noqa: E402
 from router.telemetry import RouterMetrics  # noqa: E402
-from tests.bench.decision_latency import cluster  # noqa: E402
+from tests.bench.decision_latency import cluster, requests  # noqa: E402
 
 
 class _Route:
@@ -54,8 +54,7 @@ def bench(n: int, iters: int) -> tuple[list[float], list[float]]:
         return _Route()
 
     q = HoldQueue(settings, replicas, RouterMetrics(), lambda: 1.0, route, lambda r: None)
-    prompts = ["".join(chr(97 + int(c)) for c in rng.integers(0, 4, size=int(rng.integers(100, 3000)))) for _ in range(64)]
-    reqs = [RequestInfo(f"q{i}", len(p) // 4, 128, text_prefix_blocks(p)) for i, p in enumerate(prompts)]
+    reqs = requests(rng)
     plain, late = [], []
     for i in range(iters + 200):
         req = reqs[i % len(reqs)]
