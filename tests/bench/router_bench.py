@@ -243,6 +243,19 @@ def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path) -> float:
     return float(m.group(1))
 
 
+def router_decisions(port: int) -> dict:
+    """Per arm: decisions, fallback share and decision latency from a routewise router's /metrics ({} if unreadable)."""
+    from urllib.request import urlopen
+
+    from fleet.demo import decision_summary
+
+    try:
+        with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5.0) as resp:
+            return decision_summary(resp.read().decode())
+    except OSError:
+        return {}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=50.0, help="open-loop request rate (req/s)")
@@ -313,6 +326,8 @@ def main() -> int:
                                                     args.duration / args.rounds))
         for name, lat in lats.items():
             results["latency_ms"][name] = {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "n": len(lat)}
+        # each router's own view of its decisions over the latency phase (before wrk adds its load)
+        results["decisions"] = {name: router_decisions(port) for name, port in targets.items() if name.startswith("routewise")}
         for stream in () if args.no_wrk else (False, True):
             key = "streaming" if stream else "non_streaming"
             results["rps"][key] = {
@@ -339,6 +354,13 @@ def main() -> int:
     for name in targets:
         r = results["latency_ms"][name]
         print(f"{name:<{width}} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f}")
+    print("\nrouter decisions in (a), from each router's /metrics (llm_router_decision_latency_seconds: view + policy +"
+          " fallback, wall time; p50/p99 are histogram bucket upper bounds)")
+    for name, arms in results["decisions"].items():
+        for arm, d in arms.items():
+            fb = ", ".join(f"{k} {v}" for k, v in d["fallbacks"].items()) or "none"
+            print(f"{name:<{width}} {d['decisions']:6d} decisions  p50 <= {d['decision_p50_s'] * 1e6:6.0f} us  "
+                  f"p99 <= {d['decision_p99_s'] * 1e6:6.0f} us  fell back {d['fallback_share']:.1%} ({fb})")
     if not results["rps"]:
         return 0
     print(f"\n(b) max requests/s with wrk -t1 -c{args.connections} -d{args.wrk_duration}s (x nginx)")
