@@ -33,13 +33,25 @@ class RandomisationConfig(_Strict):
     scrape_lag_s: tuple[float, float] = Field((0.0, 1.5), description="U(lo, hi) age of the scraped values")
     scrape_failure_prob: tuple[float, float] = Field((0.0, 0.1), description="U(lo, hi) chance a scrape fails")
     prompt_scale: tuple[float, float] = Field((0.7, 1.4), description="multiply prompt lengths by U(lo, hi)")
+    fleet_prob: float = Field(
+        0.0, ge=0, le=1,
+        description="chance that an instance's fleet is replaced by a random one (trainer/instances.py random_fleet: "
+        "`fleet_replicas` replicas in 1-3 groups of any profile in simulator/profiles/, arrivals rescaled to keep the "
+        "scenario's load on the new fleet's capacity); 0 keeps every scenario's own fleet",
+    )
+    fleet_replicas: tuple[int, int] = Field(
+        (2, 32), description="replica count of a random fleet, log-uniform in [lo, hi] (at most max_replicas)"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> "RandomisationConfig":
-        for name in ("replica_count_scale", "speed_factor", "scrape_interval_s", "scrape_lag_s", "scrape_failure_prob", "prompt_scale"):
+        for name in ("replica_count_scale", "speed_factor", "scrape_interval_s", "scrape_lag_s", "scrape_failure_prob", "prompt_scale",
+                     "fleet_replicas"):
             lo, hi = getattr(self, name)
             if lo > hi or lo < 0:
                 raise ValueError(f"{name}: need 0 <= lo <= hi, got ({lo}, {hi})")
+        if self.fleet_replicas[0] < 1:
+            raise ValueError(f"fleet_replicas: need at least 1 replica, got {self.fleet_replicas}")
         return self
 
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.config import ClusterConfig
+from simulator.bench import saturated_rps
+from simulator.config import ClusterConfig, ReplicaGroup
+from simulator.costmodel import known_profiles, load_profile
 from simulator.traces import WARMUP_TENANT
 from simulator.types import SimRequest
 from trainer.config import EnvConfig
@@ -43,6 +45,46 @@ def _scale_counts(cluster: ClusterConfig, rng: np.random.Generator, lo: float, h
     return cluster.model_copy(update={"replicas": groups, "faults": faults}), after / before
 
 
+# Requests in the burst that measures a group's capacity for a random fleet (simulator.bench.saturated_rps).
+CAPACITY_PROBE_REQUESTS = 200
+
+
+def _capacity(groups: list[ReplicaGroup], lengths: tuple[np.ndarray, np.ndarray], rng: np.random.Generator) -> float:
+    """Completions per second of a fleet on these (prompt, output) lengths: the sum of its replicas' saturated rates."""
+    return sum(g.count * saturated_rps(g, rng, len(lengths[0]), lengths) for g in groups)
+
+
+def random_fleet(
+    cluster: ClusterConfig, requests: list[SimRequest], lo: int, hi: int, rng: np.random.Generator
+) -> tuple[ClusterConfig, float]:
+    """A fleet operators run but the scenario does not: n ~ log-uniform [lo, hi] replicas in 1-3 groups, each of a
+    profile drawn from every profile in simulator/profiles/ (speeds up to ~10x apart), keeping the scenario's
+    batching limits. Returns the fleet and its capacity / the scenario fleet's capacity, both measured on this
+    instance's own request lengths, so the caller can keep the scenario's load level. Faults on replicas the new
+    fleet lacks are dropped."""
+    n = int(round(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
+    n_groups = int(min(n, rng.integers(1, 4)))
+    cuts = np.sort(rng.choice(np.arange(1, n), size=n_groups - 1, replace=False)) if n_groups > 1 else np.array([], int)
+    counts = np.diff(np.concatenate([[0], cuts, [n]]))
+    profiles = known_profiles()
+    template = cluster.replicas[0]
+    groups = []
+    for c in counts:
+        profile = str(rng.choice(profiles))
+        # the scenario's memory share, or just enough for a bigger model's weights plus some KV cache
+        prof = load_profile(profile)
+        util = max(template.gpu_memory_utilization, min(0.95, (prof.weight_bytes + prof.activation_reserve_bytes) / prof.memory_bytes + 0.05))
+        groups.append(template.model_copy(update={"profile": profile, "count": int(c), "speed_factor": 1.0,
+                                                  "gpu_memory_utilization": util}))
+    scored = [q for q in requests if q.tenant != WARMUP_TENANT] or requests
+    idx = rng.integers(len(scored), size=CAPACITY_PROBE_REQUESTS)
+    lengths = (np.array([scored[i].prompt_tokens for i in idx]), np.array([scored[i].output_tokens for i in idx]))
+    probe = np.random.default_rng(0)
+    ratio = _capacity(groups, lengths, probe) / _capacity(list(cluster.replicas), lengths, probe)
+    faults = [f for f in cluster.faults if f.replica < n]
+    return cluster.model_copy(update={"replicas": groups, "faults": faults}), ratio
+
+
 def perturb(
     cluster: ClusterConfig, requests: list[SimRequest], env_cfg: EnvConfig, rng: np.random.Generator, load: float, randomise: bool
 ) -> tuple[ClusterConfig, list[SimRequest]]:
@@ -51,7 +93,11 @@ def perturb(
     prompt_scale = 1.0
     if randomise:
         r = env_cfg.randomisation
-        cluster, capacity_ratio = _scale_counts(cluster, rng, *r.replica_count_scale, env_cfg.max_replicas)
+        if r.fleet_prob > 0 and rng.random() < r.fleet_prob:
+            hi = min(r.fleet_replicas[1], env_cfg.max_replicas)
+            cluster, capacity_ratio = random_fleet(cluster, requests, min(r.fleet_replicas[0], hi), hi, rng)
+        else:
+            cluster, capacity_ratio = _scale_counts(cluster, rng, *r.replica_count_scale, env_cfg.max_replicas)
         groups = [g.model_copy(update={"speed_factor": g.speed_factor * rng.uniform(*r.speed_factor)}) for g in cluster.replicas]
         if len(groups) > 1 and rng.random() < r.swap_profile_prob:
             a, b = rng.choice(len(groups), size=2, replace=False)

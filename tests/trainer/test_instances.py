@@ -60,3 +60,45 @@ def test_faults_after_the_window_are_moved_into_it():
     crash, slow = out.faults
     assert 4.0 <= crash.at_s <= 10.0 and crash.duration_s <= 8.0
     assert slow.at_s == 1.0  # already inside the window: untouched
+
+
+def test_random_fleets_span_the_configured_counts_and_profiles_and_keep_the_load():
+    """fleet_prob 1: every instance runs on a random fleet within fleet_replicas (capped at max_replicas), drawn
+    from every profile, with arrivals rescaled by the measured capacity ratio (twice the capacity, twice the rate)."""
+    from simulator.costmodel import known_profiles
+    from trainer.instances import _capacity, random_fleet
+
+    cfg = EnvConfig(scenarios=["x"], max_replicas=12,
+                    randomisation={"fleet_prob": 1.0, "fleet_replicas": (2, 32), "speed_factor": (1.0, 1.0)})
+    cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=4, gpu_memory_utilization=0.3)],
+                            faults=[FaultConfig(kind="crash", replica=3, at_s=1.0)])
+    reqs = _requests(40)
+    counts, profiles = set(), set()
+    for seed in range(40):
+        c, out = perturb(cluster, reqs, cfg, np.random.default_rng(seed), load=1.0, randomise=True)
+        n = c.replica_count()
+        assert 2 <= n <= 12
+        counts.add(n)
+        profiles |= {g.profile for g in c.replicas}
+        assert all(f.replica < n for f in c.faults)
+        assert all(g.gpu_memory_utilization >= 0.3 for g in c.replicas)  # room for a bigger model's weights
+        assert out[-1].arrival_s < reqs[-1].arrival_s * 10 and out[-1].arrival_s > 0
+    assert len(counts) >= 6 and profiles == set(known_profiles())
+    # the load level: the ratio is the new fleet's measured capacity over the old one's, on the instance's lengths
+    old = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1)])
+    fleet, ratio = random_fleet(old, reqs, 4, 4, np.random.default_rng(3))
+    lengths = (np.array([q.prompt_tokens for q in reqs]), np.array([q.output_tokens for q in reqs]))
+    a100 = ReplicaGroup(profile="llama3-8b-a100", count=1)
+    assert np.isclose(_capacity([a100.model_copy(update={"count": 2})], lengths, np.random.default_rng(0)),
+                      2 * _capacity([a100], lengths, np.random.default_rng(0)))
+    assert fleet.replica_count() == 4 and ratio > 0
+
+
+def test_fleet_prob_zero_draws_nothing_new():
+    """The default (fleet_prob 0) consumes no random numbers for it: earlier configs build the same instances."""
+    cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-h100", count=4)])
+    reqs = _requests(10)
+    a = perturb(cluster, reqs, EnvConfig(scenarios=["x"]), np.random.default_rng(1), load=1.0, randomise=True)
+    b = perturb(cluster, reqs, EnvConfig(scenarios=["x"], randomisation={"fleet_prob": 0.0}), np.random.default_rng(1),
+                load=1.0, randomise=True)
+    assert a == b
