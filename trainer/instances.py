@@ -93,7 +93,8 @@ def perturb(
     prompt_scale = 1.0
     if randomise:
         r = env_cfg.randomisation
-        if r.fleet_prob > 0 and rng.random() < r.fleet_prob:
+        random = r.fleet_prob > 0 and rng.random() < r.fleet_prob
+        if random:
             hi = min(r.fleet_replicas[1], env_cfg.max_replicas)
             cluster, capacity_ratio = random_fleet(cluster, requests, min(r.fleet_replicas[0], hi), hi, rng)
         else:
@@ -101,9 +102,11 @@ def perturb(
         groups = [g.model_copy(update={"speed_factor": g.speed_factor * rng.uniform(*r.speed_factor)}) for g in cluster.replicas]
         if len(groups) > 1 and rng.random() < r.swap_profile_prob:
             a, b = rng.choice(len(groups), size=2, replace=False)
-            pa, pb = groups[a].profile, groups[b].profile
-            groups[a] = groups[a].model_copy(update={"profile": pb})
-            groups[b] = groups[b].model_copy(update={"profile": pa})
+            # a random fleet's memory share belongs to its profile (a bigger model needs more for its weights)
+            carried = ("profile", "gpu_memory_utilization") if random else ("profile",)
+            ga, gb = groups[a], groups[b]
+            groups[a] = ga.model_copy(update={k: getattr(gb, k) for k in carried})
+            groups[b] = gb.model_copy(update={k: getattr(ga, k) for k in carried})
         scrape = cluster.scrape.model_copy(
             update={
                 "interval_s": float(rng.uniform(*r.scrape_interval_s)),

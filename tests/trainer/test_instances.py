@@ -65,11 +65,13 @@ def test_faults_after_the_window_are_moved_into_it():
 def test_random_fleets_span_the_configured_counts_and_profiles_and_keep_the_load():
     """fleet_prob 1: every instance runs on a random fleet within fleet_replicas (capped at max_replicas), drawn
     from every profile, with arrivals rescaled by the measured capacity ratio (twice the capacity, twice the rate)."""
+    from simulator.cluster import ClusterSim
     from simulator.costmodel import known_profiles
     from trainer.instances import _capacity, random_fleet
 
     cfg = EnvConfig(scenarios=["x"], max_replicas=12,
-                    randomisation={"fleet_prob": 1.0, "fleet_replicas": (2, 32), "speed_factor": (1.0, 1.0)})
+                    randomisation={"fleet_prob": 1.0, "fleet_replicas": (2, 32), "speed_factor": (1.0, 1.0),
+                                   "swap_profile_prob": 1.0})
     cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=4, gpu_memory_utilization=0.3)],
                             faults=[FaultConfig(kind="crash", replica=3, at_s=1.0)])
     reqs = _requests(40)
@@ -81,7 +83,8 @@ def test_random_fleets_span_the_configured_counts_and_profiles_and_keep_the_load
         counts.add(n)
         profiles |= {g.profile for g in c.replicas}
         assert all(f.replica < n for f in c.faults)
-        assert all(g.gpu_memory_utilization >= 0.3 for g in c.replicas)  # room for a bigger model's weights
+        assert all(g.gpu_memory_utilization >= 0.3 for g in c.replicas)
+        ClusterSim(c, out[:2], seed=0)  # every group has room for its model's weights and a KV cache, swapped or not
         assert out[-1].arrival_s < reqs[-1].arrival_s * 10 and out[-1].arrival_s > 0
     assert len(counts) >= 6 and profiles == set(known_profiles())
     # the load level: the ratio is the new fleet's measured capacity over the old one's, on the instance's lengths
