@@ -2,6 +2,7 @@
 
     python -m simulator compare --scenario shapes --seeds 3 --workers 2 --late-binding --json > shapes.json
     python tests/bench/shapes_table.py shapes.json
+    python tests/bench/shapes_table.py suite.json --learned runs/fleets/candidate.onnx   # a candidate model's row
 
 Per scenario: the best per-request heuristic by mean p99 TTFT over seeds (and its ±95 % CI half-width), the
 learned policy's p99 and their ratio; the best late-binding heuristic (`<name>+late` rows, when present) and
@@ -26,13 +27,13 @@ def _ms(row: dict) -> str:
     return f"{row['ttft_p99_s'] * 1000:.0f}" + ("" if ci is None or math.isnan(ci) else f"±{ci * 1000:.0f}") + " ms"
 
 
-def rows(doc: dict) -> list[dict]:
+def rows(doc: dict, learned_name: str = LEARNED) -> list[dict]:
     by_sc: dict[str, dict[str, dict]] = {}
     for r in doc["results"]:
         by_sc.setdefault(r["scenario"], {})[r["policy"]] = r
     out = []
     for sc, pol in by_sc.items():
-        learned = pol.get(LEARNED)
+        learned = pol.get(learned_name)
         heur = [r for p, r in pol.items() if p in BASELINES and r["ttft_p99_s"] is not None]
         late = [r for p, r in pol.items() if p.endswith(LATE) and r["ttft_p99_s"] is not None]
         if learned is None or not heur:
@@ -47,13 +48,13 @@ def rows(doc: dict) -> list[dict]:
     return out
 
 
-def markdown(doc: dict) -> str:
+def markdown(doc: dict, learned_name: str = LEARNED) -> str:
     lines = [
         "| scenario | best heuristic | its p99 | learned p99 | learned / best | best late-binding (p99) | "
         "learned / best late | goodput learned / best (best late) | learned fallback |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows(doc):
+    for r in rows(doc, learned_name):
         learned, best, late = r["learned"], r["best"], r["best_late"]
         ratio = learned["ttft_p99_s"] / best["ttft_p99_s"]
         late_goodput = f" ({r['best_late_goodput']:.3f})" if late else ""
@@ -71,11 +72,14 @@ def markdown(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("compare_json", help="output of `simulator compare --json`")
+    ap.add_argument("--learned", default=LEARNED,
+                    help="the policy whose row is the learned one, as compare names it (default: the shipped "
+                         "`learned`; an .onnx path for a candidate)")
     args = ap.parse_args(argv)
     with open(args.compare_json) as f:
         doc = json.load(f)
     print(f"seeds {doc['seeds']}, {doc['split']} split")
-    print(markdown(doc))
+    print(markdown(doc, args.learned))
 
 
 if __name__ == "__main__":
