@@ -21,6 +21,7 @@ import onnx
 import torch
 
 from router.policy import fastnet
+from router.policy.fastnet import PARITY_TIE
 from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_MODEL_INPUTS, model_inputs
 from trainer.network import LogitsOnly, RoutingNet
 
@@ -35,8 +36,9 @@ class ExportError(RuntimeError):
 class ParityReport:
     n_observations: int
     max_abs_diff: float
-    argmax_agreement: float
+    argmax_agreement: float  # the same pick, or a tie (see `ties`)
     replica_counts: tuple[int, ...]
+    ties: int = 0  # observations where the picks differ but torch scores them within PARITY_TIE (float rounding)
 
     @property
     def ok(self) -> bool:
@@ -47,6 +49,7 @@ class ParityReport:
             f"parity over {self.n_observations} observations (replica widths {list(self.replica_counts)}): "
             f"max |logit diff| over valid replicas = {self.max_abs_diff:.3g}, "
             f"identical argmax = {self.argmax_agreement * 100:.2f}%"
+            + (f" ({self.ties} of them ties within {PARITY_TIE:g}: the same replica score, another pick)" if self.ties else "")
         )
 
 
@@ -107,6 +110,21 @@ def fastnet_weights(net: RoutingNet) -> str:
     return fastnet.pack(state, net.encoder[0].out_features, heads, len(net.blocks))
 
 
+def pick_agreement(got: np.ndarray, want: np.ndarray, valid: np.ndarray) -> tuple[int, int]:
+    """(observations whose picks agree, how many of those are ties) for logits [N, R] of the exported model (`got`)
+    and the reference (`want`) over `valid` replicas. A different pick among replicas the reference scores within
+    PARITY_TIE (identical replicas, where float rounding decides) is a tie and agrees, as the router's own
+    fast-path check counts it (router/policy/fastnet.py); an observation with no valid replica agrees."""
+    got = np.where(valid, got, -np.inf)
+    want = np.where(valid, want, -np.inf)
+    picks, best = got.argmax(1), want.argmax(1)
+    rows = np.arange(len(got))
+    has_valid = valid.any(1)
+    same = picks == best
+    tie = ~same & (want[rows, best] - want[rows, picks] <= PARITY_TIE) & has_valid
+    return int((same | tie | ~has_valid).sum()), int(tie.sum())
+
+
 def parity_check(net: RoutingNet, onnx_path: str | Path, features: np.ndarray, masks: np.ndarray, batch: int = 256) -> ParityReport:
     """Compare torch and onnxruntime logits on observations `features` [N, R, N_FEATURES] (build_features rows,
     fed to onnxruntime through `model_inputs` as the router does), `masks` [N, R].
@@ -120,6 +138,7 @@ def parity_check(net: RoutingNet, onnx_path: str | Path, features: np.ndarray, m
     net = net.eval()
     max_diff = 0.0
     agree = 0
+    ties = 0
     total = 0
     widths = set()
     present = features[..., 0] > 0.5  # feature 0 is `present`
@@ -135,13 +154,14 @@ def parity_check(net: RoutingNet, onnx_path: str | Path, features: np.ndarray, m
             with torch.no_grad():
                 torch_logits = net.logits(torch.from_numpy(f), torch.from_numpy(m)).numpy()
             valid = m > 0.5
-            has_valid = valid.any(1)
             if valid.any():
                 max_diff = max(max_diff, float(np.abs(onnx_logits - torch_logits)[valid].max()))
-            agree += int((onnx_logits.argmax(1) == torch_logits.argmax(1))[has_valid].sum()) + int((~has_valid).sum())
+            a, t = pick_agreement(onnx_logits, torch_logits, valid)
+            agree += a
+            ties += t
             total += len(sel)
             widths.add(w)
-    return ParityReport(total, max_diff, agree / max(total, 1), tuple(sorted(widths)))
+    return ParityReport(total, max_diff, agree / max(total, 1), tuple(sorted(widths)), ties)
 
 
 def model_size_bytes(path: str | Path) -> int:

@@ -150,3 +150,20 @@ def test_parity_check_detects_a_different_model(run: Path, tmp_path: Path):
     feats[..., 0] = 1
     report = parity_check(net, out, feats, np.ones((200, 6), np.float32))
     assert not report.ok and report.max_abs_diff > 0.5
+
+
+def test_pick_agreement_counts_ties_within_the_fast_path_tolerance_and_nothing_else():
+    """A different pick among replicas the reference scores within PARITY_TIE agrees (as a tie); any other
+    different pick does not; masked replicas never count; an observation with no valid replica agrees."""
+    from router.policy.fastnet import PARITY_TIE
+    from trainer.export import pick_agreement
+
+    want = np.array([[1.0, 1.0 + PARITY_TIE / 2, 0.0],   # ref picks 1, got picks 0: a tie
+                     [1.0, 2.0, 0.0],                    # ref picks 1, got picks 0: a real disagreement
+                     [5.0, 1.0, 0.0],                    # same pick
+                     [9.0, 1.0, 0.0],                    # replica 0 masked: ref picks 1, got picks 1
+                     [1.0, 1.0, 1.0]], np.float32)       # no valid replica
+    got = np.array([[1.1, 1.0, 0.0], [1.1, 1.0, 0.0], [5.0, 1.0, 0.0], [0.0, 1.0, 0.5], [0.0, 0.0, 0.0]], np.float32)
+    valid = np.array([[1, 1, 1], [1, 1, 1], [1, 1, 1], [0, 1, 1], [0, 0, 0]], bool)
+    assert pick_agreement(got, want, valid) == (4, 1)
+    assert pick_agreement(got[1:2], want[1:2], valid[1:2]) == (0, 0)
