@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from fleet.fidelity import Served, compare, format_report
@@ -65,3 +66,18 @@ def test_unreachable_fleet_is_one_line(capsys):
     assert main(["fidelity", "--server", f"http://127.0.0.1:{port}", "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"127.0.0.1:{port}/v1/models: probe 'models'" in err[0]
+
+
+def test_extra_overhead_is_a_constant_shift_not_a_queueing_tail():
+    """A real fleet that adds 8 ms to every request: 8 ms. One that queues its busiest half for seconds the
+    simulator did not (no constant shift): nothing, where the median gap would have said ~1 s."""
+    from fleet.fidelity import extra_overhead
+
+    rng = np.random.default_rng(0)
+    sim = list(rng.uniform(0.02, 0.2, 2000))
+    assert extra_overhead([t + 0.008 for t in sim], sim) == pytest.approx(0.008, abs=1e-9)
+    queued = sorted(sim)
+    real = queued[:1000] + [t + 2.0 for t in queued[1000:]]
+    assert extra_overhead(real, sim) == 0.0
+    assert float(np.median(np.array(real) - np.array(queued))) > 0.9  # what the old estimator measured
+    assert extra_overhead([t - 0.01 for t in sim], sim) == 0.0  # never negative
