@@ -121,7 +121,8 @@ def pick_agreement(got: np.ndarray, want: np.ndarray, valid: np.ndarray) -> tupl
     rows = np.arange(len(got))
     has_valid = valid.any(1)
     same = picks == best
-    tie = ~same & (want[rows, best] - want[rows, picks] <= PARITY_TIE) & has_valid
+    with np.errstate(invalid="ignore"):  # -inf - -inf where no replica is valid: NaN, masked by has_valid
+        tie = ~same & (want[rows, best] - want[rows, picks] <= PARITY_TIE) & has_valid
     return int((same | tie | ~has_valid).sum()), int(tie.sum())
 
 
