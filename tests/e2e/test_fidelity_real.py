@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from fleet.fidelity import METRICS, PERCENTILES
+from fleet.fidelity import CAPACITY_PROBE_LENGTHS, METRICS, PERCENTILES, capacity_rps
 from fleet.cli import main
 from simulator.costmodel import load_profile
 
@@ -32,7 +32,12 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
     assert report["servers"] == vllm_servers
     assert len(report["speed_factors"]) == len(vllm_servers) and all(f > 0 for f in report["speed_factors"])
     assert report["extra_request_overhead_s"] >= 0
-    for path in report["profiles"]:
+    for i, path in enumerate(report["profiles"]):
+        # a warming sweep, then --calibrations (default 3) sweeps: the kept profile is the median-capacity one
+        sweeps = sorted(tmp_path.glob(f"profile-{i}-sweep-*.yaml"))
+        assert len(sweeps) == 4
+        settled = sorted(sweeps[1:], key=lambda p: capacity_rps([p], *CAPACITY_PROBE_LENGTHS))
+        assert open(path).read() == settled[1].read_text()
         doc = yaml.safe_load(open(path))
         assert doc["fit"]["chosen"] == "linear" and doc["fit"]["rms_relative_residual"]["linear"] >= 0
         assert doc["calibration"]["measurements"] and doc["server"]["kv_cache_tokens"] > 0
