@@ -233,7 +233,7 @@ def decision_summary(metrics_text: str) -> dict[str, dict]:
     return out
 
 
-def _decision_stats(router: str) -> dict[str, dict]:
+def decision_stats(router: str) -> dict[str, dict]:
     """Per-arm decision counts, fallback shares and decision latency from the router's /metrics ({} if unreadable)."""
     from urllib.request import urlopen
 
@@ -346,7 +346,7 @@ def main(args: argparse.Namespace) -> int:
         spec = ClientSpec(url=router, model=model, timeout_s=args.timeout)
         results, wall = asyncio.run(run_load(plan, spec, progress=not args.no_progress))
         procs.check_alive()
-        decisions = _decision_stats(router)
+        decisions = decision_stats(router)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the demo's processes", file=sys.stderr)
         return 130

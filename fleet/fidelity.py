@@ -36,8 +36,6 @@ PERCENTILES = (50, 90, 99)
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 LEARNED, BASELINE = "learned", "least-outstanding"
 DEFAULT_POLICIES = ("least-outstanding", "expected-wait", "learned")
-# (mean prompt, mean output) tokens at which calibration sweeps are compared (the azure-conv plan's, token scale 0.5)
-CAPACITY_PROBE_LENGTHS = (215.0, 57.0)
 SPEED_FIT_ROUNDS = 3  # simulate-and-correct rounds of the in-fleet engine speed factors (fit_in_fleet)
 EXTRA_OVERHEAD_QUANTILE = 10  # percentile of TTFT at which the warm-up's real and simulated runs are matched
 ROUTER_ESTIMATE_CHARS_PER_TOKEN = 4.0  # router.policy.estimate.DEFAULT_CHARS_PER_TOKEN
@@ -418,6 +416,12 @@ def _main(args: argparse.Namespace) -> int:
             urls = [s.base_url for s in servers]
             known_seqs = [int(a[a.index("--max-num-seqs") + 1]) for a in fleet_args]
         model = vllm_model(urls[0])
+        base = PlanSpec(trace=args.trace, window=args.window, start_s=args.start, duration_s=args.duration,
+                        token_scale=args.token_scale, max_tokens_cap=args.max_tokens_cap,
+                        max_prompt_tokens=args.max_prompt_tokens, rate=1.0)
+        probe_plan, _ = build_plan(base)
+        mean_p = float(np.mean([r.prompt_tokens for r in probe_plan]))
+        mean_o = float(np.mean([r.max_tokens for r in probe_plan]))
         if args.profiles:
             if len(args.profiles) != len(urls):
                 raise FidelityError(f"--profiles: {len(args.profiles)} files for {len(urls)} servers")
@@ -450,7 +454,7 @@ def _main(args: argparse.Namespace) -> int:
                         raise FidelityError(str(e)) from None
                     path = work / f"profile-{i}-sweep-{k}.yaml"
                     write_atomically(path, yaml.safe_dump(profile_document(res, f"fleet-{i}", known_seqs[i]), sort_keys=False))
-                    runs.append((capacity_rps([path], *CAPACITY_PROBE_LENGTHS), path, res))
+                    runs.append((capacity_rps([path], mean_p, mean_o), path, res))
                 settled = sorted(runs[1:] or runs, key=lambda r: r[0])
                 cap_i, chosen, res = settled[len(settled) // 2]
                 path = work / f"profile-{i}.yaml"
@@ -463,12 +467,6 @@ def _main(args: argparse.Namespace) -> int:
 
         cpt = float(np.mean([yaml.safe_load(p.read_text())["server"]["chars_per_token"] for p in profiles]))
         estimate_scale = cpt / ROUTER_ESTIMATE_CHARS_PER_TOKEN
-        base = PlanSpec(trace=args.trace, window=args.window, start_s=args.start, duration_s=args.duration,
-                        token_scale=args.token_scale, max_tokens_cap=args.max_tokens_cap,
-                        max_prompt_tokens=args.max_prompt_tokens, rate=1.0)
-        probe_plan, _ = build_plan(base)
-        mean_p = float(np.mean([r.prompt_tokens for r in probe_plan]))
-        mean_o = float(np.mean([r.max_tokens for r in probe_plan]))
         cap = capacity_rps(profiles, mean_p, mean_o)
         rate = args.rate if args.rate else args.load * cap
         log(f"fidelity: capacity {cap:.2f} req/s (mean prompt {mean_p:.0f}, output {mean_o:.0f} tokens); "
@@ -501,7 +499,7 @@ def _main(args: argparse.Namespace) -> int:
         report["mean_inter_token_latency"] = engine
         report["fallback_share"] = fallbacks
         report.update(
-            speed_factors=factors, extra_request_overhead_s=extra, warmup_s=args.warmup, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
+            speed_factors=factors, extra_request_overhead_s=extra, mean_tokens={"prompt": mean_p, "output": mean_o}, warmup_s=args.warmup, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
             servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
             wall_s=time.monotonic() - t_start,
         )

@@ -243,19 +243,6 @@ def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path) -> float:
     return float(m.group(1))
 
 
-def router_decisions(port: int) -> dict:
-    """Per arm: decisions, fallback share and decision latency from a routewise router's /metrics ({} if unreadable)."""
-    from urllib.request import urlopen
-
-    from fleet.demo import decision_summary
-
-    try:
-        with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5.0) as resp:
-            return decision_summary(resp.read().decode())
-    except OSError:
-        return {}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=50.0, help="open-loop request rate (req/s)")
@@ -327,7 +314,10 @@ def main() -> int:
         for name, lat in lats.items():
             results["latency_ms"][name] = {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "n": len(lat)}
         # each router's own view of its decisions over the latency phase (before wrk adds its load)
-        results["decisions"] = {name: router_decisions(port) for name, port in targets.items() if name.startswith("routewise")}
+        from fleet.demo import decision_stats
+
+        results["decisions"] = {name: decision_stats(f"http://127.0.0.1:{port}") for name, port in targets.items()
+                                if name.startswith("routewise")}
         for stream in () if args.no_wrk else (False, True):
             key = "streaming" if stream else "non_streaming"
             results["rps"][key] = {

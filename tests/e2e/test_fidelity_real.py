@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from fleet.fidelity import CAPACITY_PROBE_LENGTHS, METRICS, PERCENTILES, capacity_rps
+from fleet.fidelity import METRICS, PERCENTILES, capacity_rps
 from fleet.cli import main
 from simulator.costmodel import load_profile
 
@@ -33,10 +33,12 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
     assert len(report["speed_factors"]) == len(vllm_servers) and all(f > 0 for f in report["speed_factors"])
     assert report["extra_request_overhead_s"] >= 0
     for i, path in enumerate(report["profiles"]):
-        # a warming sweep, then --calibrations (default 3) sweeps: the kept profile is the median-capacity one
+        # a warming sweep, then --calibrations (default 3) sweeps: the kept profile is the median-capacity one at the
+        # segment's mean lengths
         sweeps = sorted(tmp_path.glob(f"profile-{i}-sweep-*.yaml"))
         assert len(sweeps) == 4
-        settled = sorted(sweeps[1:], key=lambda p: capacity_rps([p], *CAPACITY_PROBE_LENGTHS))
+        lengths = report["mean_tokens"]["prompt"], report["mean_tokens"]["output"]
+        settled = sorted(sweeps[1:], key=lambda p: capacity_rps([p], *lengths))
         assert open(path).read() == settled[1].read_text()
         doc = yaml.safe_load(open(path))
         assert doc["fit"]["chosen"] == "linear" and doc["fit"]["rms_relative_residual"]["linear"] >= 0

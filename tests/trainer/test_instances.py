@@ -85,7 +85,12 @@ def test_random_fleets_span_the_configured_counts_and_profiles_and_keep_the_load
         assert all(f.replica < n for f in c.faults)
         assert all(g.gpu_memory_utilization >= 0.3 for g in c.replicas)
         ClusterSim(c, out[:2], seed=0)  # every group has room for its model's weights and a KV cache, swapped or not
-        assert out[-1].arrival_s < reqs[-1].arrival_s * 10 and out[-1].arrival_s > 0
+        # the scenario's load level: arrivals compressed by exactly the fleet's measured capacity ratio
+        replay = np.random.default_rng(seed)
+        replay.random()  # perturb's fleet_prob draw
+        again, ratio = random_fleet(cluster, reqs, 2, 12, replay)
+        assert [g.count for g in again.replicas] == [g.count for g in c.replicas]
+        assert np.isclose(out[-1].arrival_s, reqs[-1].arrival_s / ratio)
     assert len(counts) >= 6 and profiles == set(known_profiles())
     # the load level: the ratio is the new fleet's measured capacity over the old one's, on the instance's lengths
     old = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1)])
