@@ -9,7 +9,7 @@ setup(
         Extension(
             "router.policy._fastnet",
             ["router/policy/_fastnet.c"],
-            extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math"],
+            extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi"],
             libraries=["m"],
             optional=True,
         )

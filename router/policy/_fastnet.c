@@ -18,9 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* x86-64 builds carry an AVX2+FMA copy of the hot loops, chosen at load by the CPU (portable wheels, fast loops). */
+/* x86-64 builds carry an x86-64-v3 (AVX2+FMA) copy of the hot loops, chosen at load by the CPU (portable wheels, fast loops). */
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-#define VECTOR_CLONES __attribute__((target_clones("fma", "default")))
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES
 #endif
@@ -124,38 +124,84 @@ static int cross_inputs(const float *f, int R, int F, const long *si, const floa
     return 0;
 }
 
-/* out[r, :] = b + x[r, :] @ w, w row-major [k, m]. Columns go in tiles of TILE accumulators that stay in
- * registers over the whole k loop (independent chains, so the FMA units stay busy), not in memory. */
-#define TILE 32
+/* GCC vector types: the accumulators below are named registers, not arrays (GCC keeps a float[32]
+ * accumulator on the stack, and the store-to-load round trip then bounds every FMA chain). */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+typedef int v8i __attribute__((vector_size(32), aligned(4)));
+static inline v8 splat8(float x) { return (v8){0} + x; } /* a vector-scalar operation broadcasts */
+static inline v8 max8(v8 a, v8 b)
+{
+    const v8i gt = a > b;
+    return (v8)((gt & (v8i)a) | (~gt & (v8i)b));
+}
+
+/* out[r, :] = b + x[r, :] @ w, w row-major [k, m]. Two rows at a time, 32 columns at a time: eight
+ * independent FMA chains keep both FMA units busy (one row alone waits on the FMA latency) and each weight
+ * load serves two rows. */
 VECTOR_CLONES static void linear(const float *restrict x, int R, int k, const float *restrict w, const float *restrict b, int m,
                                  float *restrict out)
 {
-    for (int r = 0; r < R; r++) {
-        const float *restrict xr = x + (size_t)r * k;
-        float *restrict o = out + (size_t)r * m;
+    int r = 0;
+    for (; r + 2 <= R; r += 2) {
+        const float *restrict x0 = x + (size_t)r * k, *restrict x1 = x0 + k;
+        float *restrict o0 = out + (size_t)r * m, *restrict o1 = o0 + m;
         int j0 = 0;
-        for (; j0 + TILE <= m; j0 += TILE) {
-            float acc[TILE];
-            for (int j = 0; j < TILE; j++)
-                acc[j] = b[j0 + j];
+        for (; j0 + 32 <= m; j0 += 32) {
+            v8 a0 = load8(b + j0), a1 = load8(b + j0 + 8), a2 = load8(b + j0 + 16), a3 = load8(b + j0 + 24);
+            v8 c0 = a0, c1 = a1, c2 = a2, c3 = a3;
             for (int i = 0; i < k; i++) {
-                const float v = xr[i];
-                const float *restrict wi = w + (size_t)i * m + j0;
-                for (int j = 0; j < TILE; j++)
-                    acc[j] += v * wi[j];
+                const float *wi = w + (size_t)i * m + j0;
+                const v8 w0 = load8(wi), w1 = load8(wi + 8), w2 = load8(wi + 16), w3 = load8(wi + 24);
+                const v8 u = splat8(x0[i]), v = splat8(x1[i]);
+                a0 += u * w0; a1 += u * w1; a2 += u * w2; a3 += u * w3;
+                c0 += v * w0; c1 += v * w1; c2 += v * w2; c3 += v * w3;
             }
-            for (int j = 0; j < TILE; j++)
-                o[j0 + j] = acc[j];
+            store8(o0 + j0, a0); store8(o0 + j0 + 8, a1); store8(o0 + j0 + 16, a2); store8(o0 + j0 + 24, a3);
+            store8(o1 + j0, c0); store8(o1 + j0 + 8, c1); store8(o1 + j0 + 16, c2); store8(o1 + j0 + 24, c3);
         }
         for (int j = j0; j < m; j++)
-            o[j] = b[j];
+            o0[j] = o1[j] = b[j];
         for (int i = 0; i < k && j0 < m; i++) {
+            const float v0 = x0[i], v1 = x1[i];
+            const float *restrict wi = w + (size_t)i * m;
+            for (int j = j0; j < m; j++) {
+                o0[j] += v0 * wi[j];
+                o1[j] += v1 * wi[j];
+            }
+        }
+    }
+    for (; r < R; r++) {
+        const float *restrict xr = x + (size_t)r * k;
+        float *restrict o = out + (size_t)r * m;
+        for (int j = 0; j < m; j++)
+            o[j] = b[j];
+        for (int i = 0; i < k; i++) {
             const float v = xr[i];
             const float *restrict wi = w + (size_t)i * m;
-            for (int j = j0; j < m; j++)
+            for (int j = 0; j < m; j++)
                 o[j] += v * wi[j];
         }
     }
+}
+
+/* Reductions in LANES partial results, so that they vectorise without reassociation flags (-ffast-math would
+ * also change isnan/isfinite in py_rows). */
+#define LANES 8
+static inline float sum_lanes(const float *x, int n)
+{
+    float part[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++)
+            part[j] += x[i + j];
+    float t = 0.0f;
+    for (; i < n; i++)
+        t += x[i];
+    for (int j = 0; j < LANES; j++)
+        t += part[j];
+    return t;
 }
 
 /* erf as a rational function on [-4, 4] (Eigen's generic_fast_erf_float; |error| < 4e-7, below float32's
@@ -196,14 +242,27 @@ static inline float exp_fast(float x)
     return under ? 0.0f : y * scale.f;
 }
 
-VECTOR_CLONES static void softmax_exp(float *restrict s, int R, float mx, float *tot)
+/* s[k] = exp(s[k] * scale + mask penalty - max) for one query's scores; returns their sum */
+VECTOR_CLONES static float softmax_exp(float *restrict s, int R, float scale, const float *restrict mask)
 {
-    float t = 0.0f;
-    for (int k = 0; k < R; k++) {
-        s[k] = exp_fast(s[k] - mx);
-        t += s[k];
+    v8 part = splat8(-INFINITY);
+    const v8 sc = splat8(scale), one = splat8(1.0f), off = splat8(-1e9f);
+    int k = 0;
+    for (; k + 8 <= R; k += 8) {
+        const v8 v = load8(s + k) * sc + (one - load8(mask + k)) * off;
+        store8(s + k, v);
+        part = max8(v, part);
     }
-    *tot = t;
+    float mx = -INFINITY;
+    for (; k < R; k++) {
+        s[k] = s[k] * scale + (1.0f - mask[k]) * -1e9f;
+        mx = s[k] > mx ? s[k] : mx;
+    }
+    for (int j = 0; j < 8; j++)
+        mx = part[j] > mx ? part[j] : mx;
+    for (k = 0; k < R; k++)
+        s[k] = exp_fast(s[k] - mx);
+    return sum_lanes(s, R);
 }
 
 VECTOR_CLONES static void gelu(float *restrict x, size_t n)
@@ -217,30 +276,50 @@ VECTOR_CLONES static void layernorm(const float *x, int R, int h, const float *w
     for (int r = 0; r < R; r++) {
         const float *xr = x + (size_t)r * h;
         float *o = out + (size_t)r * h;
-        float m = 0.0f, v = 0.0f;
+        const float m = sum_lanes(xr, h) / (float)h;
         for (int j = 0; j < h; j++)
-            m += xr[j];
-        m /= (float)h;
-        for (int j = 0; j < h; j++)
-            v += (xr[j] - m) * (xr[j] - m);
-        v /= (float)h;
+            o[j] = (xr[j] - m) * (xr[j] - m);
+        const float v = sum_lanes(o, h) / (float)h;
         const float inv = 1.0f / sqrtf(v + 1e-5f);
         for (int j = 0; j < h; j++)
             o[j] = (xr[j] - m) * inv * w[j] + b[j];
     }
 }
 
-/* cx[z] = sum_k p[k] v[k][z] for one query and head; v is [R][hd] */
-static inline void attend(const int hd, int R, const float *restrict p, const float *restrict v, float *restrict cx)
+/* cx[z] = inv * sum_k p[k] v[k][z] for one query and head of width 16; v is [R][16]. Four keys at a time into
+ * four partial sums (eight chains): one chain over all R keys would wait on the FMA latency at every key. */
+VECTOR_CLONES static void attend16(int R, const float *restrict p, const float *restrict v, float inv, float *restrict cx)
+{
+    v8 a0 = splat8(0.0f), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+    int k = 0;
+    for (; k + 4 <= R; k += 4) {
+        const float *vk = v + (size_t)k * 16;
+        const v8 p0 = splat8(p[k]), p1 = splat8(p[k + 1]), p2 = splat8(p[k + 2]), p3 = splat8(p[k + 3]);
+        a0 += p0 * load8(vk); a1 += p0 * load8(vk + 8);
+        b0 += p1 * load8(vk + 16); b1 += p1 * load8(vk + 24);
+        c0 += p2 * load8(vk + 32); c1 += p2 * load8(vk + 40);
+        d0 += p3 * load8(vk + 48); d1 += p3 * load8(vk + 56);
+    }
+    for (; k < R; k++) {
+        const v8 pk = splat8(p[k]);
+        a0 += pk * load8(v + (size_t)k * 16);
+        a1 += pk * load8(v + (size_t)k * 16 + 8);
+    }
+    const v8 s = splat8(inv);
+    store8(cx, ((a0 + b0) + (c0 + d0)) * s);
+    store8(cx + 8, ((a1 + b1) + (c1 + d1)) * s);
+}
+
+/* the same for any width */
+static inline void attend(int hd, int R, const float *restrict p, const float *restrict v, float inv, float *restrict cx)
 {
     for (int z = 0; z < hd; z++)
         cx[z] = 0.0f;
-    for (int k = 0; k < R; k++) {
-        const float pk = p[k];
-        const float *restrict vk = v + (size_t)k * hd;
+    for (int k = 0; k < R; k++)
         for (int z = 0; z < hd; z++)
-            cx[z] += pk * vk[z];
-    }
+            cx[z] += p[k] * v[(size_t)k * hd + z];
+    for (int z = 0; z < hd; z++)
+        cx[z] *= inv;
 }
 
 /* Walks the weight blob in fastnet.pack_layout's order; returns NULL if it runs past `end`. */
@@ -303,15 +382,14 @@ VECTOR_CLONES static int forward(const float *inp, const float *mask, int R, con
                 const float *q = a + (size_t)i * 3 * H + g * hd;
                 const float *restrict kh = kt + (size_t)g * hd * R;
                 int k0 = 0;
-                for (; k0 + TILE <= R; k0 += TILE) { /* scores of TILE keys at once, accumulated in registers */
-                    float acc[TILE] = {0};
+                for (; k0 + 32 <= R; k0 += 32) { /* scores of 32 keys at once, in four registers */
+                    v8 s0 = splat8(0.0f), s1 = s0, s2 = s0, s3 = s0;
                     for (int z = 0; z < hd; z++) {
-                        const float qz = q[z];
-                        const float *restrict kz = kh + (size_t)z * R + k0;
-                        for (int j = 0; j < TILE; j++)
-                            acc[j] += qz * kz[j];
+                        const v8 qz = splat8(q[z]);
+                        const float *kz = kh + (size_t)z * R + k0;
+                        s0 += qz * load8(kz); s1 += qz * load8(kz + 8); s2 += qz * load8(kz + 16); s3 += qz * load8(kz + 24);
                     }
-                    memcpy(s + k0, acc, sizeof acc);
+                    store8(s + k0, s0); store8(s + k0 + 8, s1); store8(s + k0 + 16, s2); store8(s + k0 + 24, s3);
                 }
                 for (int k = k0; k < R; k++) {
                     float acc = 0.0f;
@@ -319,23 +397,13 @@ VECTOR_CLONES static int forward(const float *inp, const float *mask, int R, con
                         acc += q[z] * kh[(size_t)z * R + k];
                     s[k] = acc;
                 }
-                float mx = -INFINITY;
-                for (int k = 0; k < R; k++) {
-                    s[k] = s[k] * scale + (1.0f - mask[k]) * -1e9f;
-                    mx = s[k] > mx ? s[k] : mx;
-                }
-                float tot;
-                softmax_exp(s, R, mx, &tot);
-                for (int k = 0; k < R; k++)
-                    s[k] /= tot;
+                const float inv = 1.0f / softmax_exp(s, R, scale, mask);
                 const float *vh = vt + (size_t)g * R * hd;
                 float *cx = ctx + (size_t)i * H + g * hd;
-                switch (hd) { /* constant widths keep the accumulators in registers */
-                case 8: attend(8, R, s, vh, cx); break;
-                case 16: attend(16, R, s, vh, cx); break;
-                case 32: attend(32, R, s, vh, cx); break;
-                default: attend(hd, R, s, vh, cx);
-                }
+                if (hd == 16)
+                    attend16(R, s, vh, inv, cx);
+                else
+                    attend(hd, R, s, vh, inv, cx);
             }
         }
         linear(ctx, R, H, wo, bo, H, t);
