@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -556,16 +557,70 @@ static const char *ATTR_NAMES[N_ATTRS] = {
 static PyObject *attr_names[N_ATTRS];
 #define N_ROW 25 /* 20 replica + 5 request columns, in FEATURE_NAMES order */
 
-/* The attribute as a double; *none = 1 (and 0.0) for None. -1 with an exception set on a non-number. */
+/* Where each attribute lives in an instance of the snapshot type (a slots dataclass: one PyObject * per slot
+ * at a fixed offset), resolved once by bind_snapshot(); other types are read with getattr. */
+static PyTypeObject *snapshot_type;
+static Py_ssize_t slot_offset[N_ATTRS];
+
+/* The value as a double; *none = 1 (and 0.0) for None. -1 with an exception set on a non-number. */
+static int as_number(PyObject *x, double *v, int *none)
+{
+    *none = x == Py_None;
+    if (*none)
+        *v = 0.0;
+    else if (PyFloat_CheckExact(x))
+        *v = PyFloat_AS_DOUBLE(x);
+    else
+        *v = PyFloat_AsDouble(x);
+    return (*v == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* The attribute as a double (as_number) */
 static int read_number(PyObject *obj, int a, double *v, int *none)
 {
+    if (Py_TYPE(obj) == snapshot_type) {
+        PyObject *x = *(PyObject **)((char *)obj + slot_offset[a]);
+        if (!x) {
+            PyErr_SetObject(PyExc_AttributeError, attr_names[a]);
+            return -1;
+        }
+        return as_number(x, v, none);
+    }
     PyObject *x = PyObject_GetAttr(obj, attr_names[a]);
     if (!x)
         return -1;
-    *none = x == Py_None;
-    *v = *none ? 0.0 : PyFloat_AsDouble(x);
+    const int rc = as_number(x, v, none);
     Py_DECREF(x);
-    return (*v == -1.0 && PyErr_Occurred()) ? -1 : 0;
+    return rc;
+}
+
+/* bind_snapshot(cls): read instances of cls through their slots; False (and getattr for them) unless every
+ * attribute rows() reads is a plain object slot of cls */
+static PyObject *py_bind_snapshot(PyObject *self, PyObject *cls)
+{
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "bind_snapshot: expected a class");
+        return NULL;
+    }
+    Py_ssize_t off[N_ATTRS];
+    for (int a = 0; a < N_ATTRS; a++) {
+        PyObject *d = PyObject_GetAttr(cls, attr_names[a]);
+        if (!d) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return NULL;
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        const int plain = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
+        if (plain)
+            off[a] = ((PyMemberDescrObject *)d)->d_member->offset;
+        Py_DECREF(d);
+        if (!plain)
+            Py_RETURN_FALSE;
+    }
+    memcpy(slot_offset, off, sizeof off);
+    Py_XSETREF(snapshot_type, (PyTypeObject *)Py_NewRef(cls));
+    Py_RETURN_TRUE;
 }
 
 /* rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, age_cap, out): build_features for
@@ -673,6 +728,7 @@ end:
 static PyMethodDef methods[] = {
     {"inputs", py_inputs, METH_VARARGS, "inputs(rows, n_rows, spec_i, spec_f, out): model_inputs of one decision"},
     {"logits", py_logits, METH_VARARGS, "logits(rows, n_rows, spec_i, spec_f, weights, dims, out): one decision"},
+    {"bind_snapshot", py_bind_snapshot, METH_O, "bind_snapshot(cls): rows() reads instances of cls by slot"},
     {"rows", py_rows, METH_VARARGS, "rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, cap, out)"},
     {NULL, NULL, 0, NULL},
 };

@@ -26,12 +26,14 @@ import math
 import numpy as np
 
 from router.policy.baselines import EXPECTED_WAIT_DECODE_WEIGHT
-from router.policy.types import ClusterView, RequestInfo
+from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 
 try:
     from router.policy import _fastnet as _compiled
 except ImportError:  # built without a C compiler: the numpy path below
     _compiled = None
+else:
+    _compiled.bind_snapshot(ReplicaSnapshot)  # read snapshots by slot offset, not getattr
 
 FEATURE_VERSION = 3  # 3: cross-replica inputs moved from the network into `model_inputs`
 

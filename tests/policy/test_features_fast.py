@@ -218,3 +218,25 @@ def test_the_reference_exercises_what_it_should():
             seen["capped_age"] |= bool((f[:, 10] == np.float32(math.log1p(STATS_AGE_CAP_S) / 3.0)).any())
             seen["unhealthy"] |= bool((f[:, 1] == 0.0).any())
     assert all(seen.values()), seen
+
+
+class _DuckSnapshot:
+    """Not a ReplicaSnapshot: the compiled path reads it with getattr instead of by slot offset."""
+
+    def __init__(self, snap: ReplicaSnapshot) -> None:
+        for name in ReplicaSnapshot.__slots__:
+            setattr(self, name, getattr(snap, name))
+
+
+def test_compiled_rows_read_by_slot_and_by_getattr_give_the_same_bytes():
+    if features._compiled is None:
+        pytest.skip("the C extension is not built (tests/policy/test_fastnet.py requires it in CI)")
+    assert features._compiled.bind_snapshot(ReplicaSnapshot) is True
+    assert features._compiled.bind_snapshot(_DuckSnapshot) is False  # no slots: the binding stays as it was
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        view, request = random_view(rng), random_request(rng)
+        duck = ClusterView(tuple(_DuckSnapshot(r) for r in view.replicas))  # type: ignore[arg-type]
+        want = reference_build_features(view, request).tobytes()
+        assert build_features(view, request).tobytes() == want
+        assert build_features(duck, request).tobytes() == want
