@@ -24,7 +24,8 @@ def geometric_buckets(lo: float, hi: float, ratio: float) -> tuple[float, ...]:
 # ~20% apart: p99 is read within about 10% between 10 ms and 60 s (ITL down to 1 ms).
 LATENCY_BUCKETS = geometric_buckets(0.005, 120.0, 1.2)
 ITL_BUCKETS = geometric_buckets(0.001, 60.0, 1.2)
-DECISION_BUCKETS = geometric_buckets(5e-6, 0.05, 1.5)
+# quarter-octave (x1.19) from 6.25 us to 50 ms: 100 us and 200 us, the decision-latency targets, are bounds
+DECISION_BUCKETS = geometric_buckets(6.25e-6, 0.05, 2**0.25)
 
 UPSTREAM_ERROR_KINDS = ("connect", "timeout", "reset", "http_5xx", "stalled", "other")
 

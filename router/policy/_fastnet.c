@@ -499,51 +499,121 @@ end:
     return res;
 }
 
-/* logits(rows, n_rows, spec_i, spec_f, weights, dims, out) */
-static PyObject *py_logits(PyObject *self, PyObject *args)
+/* The network's logits for one decision into `out` [R]; 0, or -1 with an exception set */
+static int run_logits(const float *rows, int R, const long *si, const float *sf, const long *dims, const float *wb, size_t wn,
+                      float *out)
 {
-    Py_buffer rows, sf, wb, out;
+    const int F = (int)dims[0], C = (int)dims[1];
+    float *work = malloc(sizeof(float) * (size_t)R * (C + 1));
+    if (!work) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    float *mask = work + (size_t)R * C;
+    int rc = -1;
+    if (cross_inputs(rows, R, F, si, sf, work, C)) {
+        PyErr_SetString(PyExc_ValueError, "logits: the model's input width does not fit the feature spec");
+        goto end;
+    }
+    for (int r = 0; r < R; r++)
+        mask[r] = rows[(size_t)r * F + si[SI_HEALTHY]] > 0.5f ? 1.0f : 0.0f;
+    if (forward(work, mask, R, dims, wb, wn, out)) {
+        PyErr_SetString(PyExc_ValueError, "logits: the weight blob does not match the network's dimensions");
+        goto end;
+    }
+    rc = 0;
+end:
+    free(work);
+    return rc;
+}
+
+/* Parses (rows, n_rows, spec_i, spec_f, weights, dims[, out]) and runs the network into `out` (or `own`,
+ * n_rows floats, when the call has no out); returns the healthy column's index, or -1 with an exception set. */
+static int logits_call(PyObject *args, int with_out, float **own, int *R_out, const float **rows_out, long *healthy_col)
+{
+    Py_buffer rows, sf, wb, out = {0};
     int R;
     PyObject *si_obj, *dims_obj;
     long si[SI_LEN], dims[8];
-    if (!PyArg_ParseTuple(args, "y*iOy*y*Ow*", &rows, &R, &si_obj, &sf, &wb, &dims_obj, &out))
-        return NULL;
-    PyObject *res = NULL;
-    float *work = NULL, *mask = NULL;
+    const int parsed = with_out ? PyArg_ParseTuple(args, "y*iOy*y*Ow*", &rows, &R, &si_obj, &sf, &wb, &dims_obj, &out)
+                                : PyArg_ParseTuple(args, "y*iOy*y*O", &rows, &R, &si_obj, &sf, &wb, &dims_obj);
+    if (!parsed)
+        return -1;
+    int rc = -1;
     if (R <= 0) {
         PyErr_SetString(PyExc_ValueError, "logits: no replicas");
         goto end;
     }
     if (read_longs(si_obj, si, SI_LEN, "spec_i") || read_longs(dims_obj, dims, 8, "dims") ||
         check_f32(&sf, SF_LEN, "spec_f") || check_f32(&rows, (Py_ssize_t)R * dims[0], "rows") ||
-        check_f32(&out, R, "out"))
+        (with_out && check_f32(&out, R, "out")))
         goto end;
-    const int F = (int)dims[0], C = (int)dims[1];
-    work = malloc(sizeof(float) * (size_t)R * (C + 1));
-    if (!work) {
+    float *dst = with_out ? out.buf : (*own = malloc(sizeof(float) * (size_t)R));
+    if (!dst) {
         PyErr_NoMemory();
         goto end;
     }
-    mask = work + (size_t)R * C;
-    if (cross_inputs(rows.buf, R, F, si, sf.buf, work, C)) {
-        PyErr_SetString(PyExc_ValueError, "logits: the model's input width does not fit the feature spec");
+    if (run_logits(rows.buf, R, si, sf.buf, dims, wb.buf, (size_t)wb.len / sizeof(float), dst))
         goto end;
+    if (!with_out) { /* the caller reads the healthy column after the buffers are released: keep a copy */
+        float *h = malloc(sizeof(float) * (size_t)R);
+        if (!h) {
+            PyErr_NoMemory();
+            goto end;
+        }
+        for (int r = 0; r < R; r++)
+            h[r] = ((const float *)rows.buf)[(size_t)r * dims[0] + si[SI_HEALTHY]];
+        *rows_out = h;
     }
-    for (int r = 0; r < R; r++)
-        mask[r] = ((const float *)rows.buf)[(size_t)r * F + si[SI_HEALTHY]] > 0.5f ? 1.0f : 0.0f;
-    if (forward(work, mask, R, dims, wb.buf, (size_t)wb.len / sizeof(float), out.buf)) {
-        PyErr_SetString(PyExc_ValueError, "logits: the weight blob does not match the network's dimensions");
-        goto end;
-    }
-    res = Py_None;
-    Py_INCREF(res);
+    *R_out = R;
+    *healthy_col = si[SI_HEALTHY];
+    rc = 0;
 end:
-    free(work);
     PyBuffer_Release(&rows);
     PyBuffer_Release(&sf);
     PyBuffer_Release(&wb);
-    PyBuffer_Release(&out);
-    return res;
+    if (with_out)
+        PyBuffer_Release(&out);
+    return rc;
+}
+
+/* logits(rows, n_rows, spec_i, spec_f, weights, dims, out) */
+static PyObject *py_logits(PyObject *self, PyObject *args)
+{
+    int R;
+    long col;
+    if (logits_call(args, 1, NULL, &R, NULL, &col))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* best(rows, n_rows, spec_i, spec_f, weights, dims) -> (pick, finite): the first largest logit among healthy
+ * replicas (-1 if none is healthy) and whether every healthy replica's logit is finite. One call instead of
+ * logits() and four numpy calls, each of which costs tens of microseconds on a cold cache (a live router
+ * between requests). */
+static PyObject *py_best(PyObject *self, PyObject *args)
+{
+    float *logit = NULL;
+    const float *healthy = NULL;
+    int R;
+    long col;
+    if (logits_call(args, 0, &logit, &R, &healthy, &col)) {
+        free(logit);
+        return NULL;
+    }
+    int pick = -1, finite = 1;
+    for (int r = 0; r < R; r++) {
+        if (!(healthy[r] > 0.5f))
+            continue;
+        const float v = logit[r];
+        if (!isfinite(v))
+            finite = 0;
+        else if (pick < 0 || v > logit[pick])
+            pick = r;
+    }
+    free(logit);
+    free((void *)healthy);
+    return Py_BuildValue("(iO)", pick, finite ? Py_True : Py_False);
 }
 
 /* ---- build_features rows, from the snapshots (router/policy/features.py is the reference) ---- */
@@ -728,6 +798,7 @@ end:
 static PyMethodDef methods[] = {
     {"inputs", py_inputs, METH_VARARGS, "inputs(rows, n_rows, spec_i, spec_f, out): model_inputs of one decision"},
     {"logits", py_logits, METH_VARARGS, "logits(rows, n_rows, spec_i, spec_f, weights, dims, out): one decision"},
+    {"best", py_best, METH_VARARGS, "best(rows, n_rows, spec_i, spec_f, weights, dims) -> (pick, finite): one decision"},
     {"bind_snapshot", py_bind_snapshot, METH_O, "bind_snapshot(cls): rows() reads instances of cls by slot"},
     {"rows", py_rows, METH_VARARGS, "rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, cap, out)"},
     {NULL, NULL, 0, NULL},

@@ -46,6 +46,18 @@ def healthy_or_raise(view: ClusterView) -> list[int]:
     return idx
 
 
+def best_of(scores: np.ndarray, healthy: list[bool]) -> tuple[int, bool]:
+    """(index of the largest score among healthy replicas, the first on a tie, -1 if none is healthy; whether
+    every healthy replica's score is finite). How FallbackPolicy reads a primary's scores; a policy with a
+    faster way to the same answer offers it as `best(view, request)`."""
+    if all(healthy):  # the usual decision: no masking
+        return int(scores.argmax()), bool(np.isfinite(scores).all())
+    mask = np.array(healthy, dtype=bool)
+    if not mask.any():
+        return -1, True
+    return int(np.where(mask, scores, -np.inf).argmax()), bool(np.isfinite(scores[mask]).all())
+
+
 def argmin_random_ties(values: list[float], candidates: list[int], rng: np.random.Generator) -> int:
     """The candidate with the smallest value; ties broken uniformly at random."""
     best = min(values)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.policy.base import Policy, PolicyUnavailable
+from router.policy.base import Policy, PolicyUnavailable, best_of
 from router.policy.types import ClusterView, Outcome, ReplicaSnapshot, RequestInfo
 
 # The bounded set of labels `Decision.fallback_reason` can take (used as a metric label).
@@ -109,30 +109,28 @@ class FallbackPolicy(Policy):
 
     def _primary_pick(self, view: ClusterView, request: RequestInfo) -> tuple[int | None, str | None, str | None]:
         """(pick, fallback_reason, error)."""
-        scores_fn = getattr(self.primary, "scores", None)
+        primary = self.primary
+        scores_fn = getattr(primary, "scores", None)
+        # a primary's own best() is best_of(scores) in fewer steps; the confidence guard needs the scores
+        best_fn = getattr(primary, "best", None) if self.min_confidence is None else None
         try:
+            if best_fn is not None:
+                pick, finite = best_fn(view, request)
+                return (pick, None, None) if finite else (None, "nan", "scores not finite")
             if scores_fn is None:
-                return int(self.primary.choose(view, request)), None, None
+                return int(primary.choose(view, request)), None, None
             scores = np.asarray(scores_fn(view, request), dtype=np.float64)
         except PolicyUnavailable as exc:
             return None, exc.reason, str(exc)
         except Exception as exc:  # noqa: BLE001 - any primary failure must fall back, never fail a request
             return None, "exception", f"{type(exc).__name__}: {exc}"
-        reps = view.replicas
-        healthy = [r.healthy for r in reps]
-        if scores.shape != (len(reps),):
+        if scores.shape != (len(view.replicas),):
             return None, "nan", f"scores not finite or of shape {scores.shape}"
-        if all(healthy):  # the usual decision: one finiteness check, no masking (same pick)
-            masked = scores
-            if not np.isfinite(scores).all():
-                return None, "nan", f"scores not finite or of shape {scores.shape}"
-        else:
-            mask = np.array(healthy, dtype=bool)  # = action_mask(view) as bool
-            if not np.isfinite(scores[mask]).all():
-                return None, "nan", f"scores not finite or of shape {scores.shape}"
-            masked = np.where(mask, scores, -np.inf)
-        pick = int(masked.argmax())
-        if self.min_confidence is not None:
+        pick, finite = best_of(scores, [r.healthy for r in view.replicas])
+        if not finite:
+            return None, "nan", f"scores not finite or of shape {scores.shape}"
+        if self.min_confidence is not None and pick >= 0:
+            masked = np.where([r.healthy for r in view.replicas], scores, -np.inf)
             z = masked - masked[pick]
             probs = np.exp(z) / np.exp(z).sum()
             if probs[pick] < self.min_confidence:

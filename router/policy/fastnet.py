@@ -117,6 +117,11 @@ class FastNet:
         _fastnet.logits(rows, rows.shape[0], _SPEC_I, _SPEC_F, self._weights, self._dims, out)
         return out
 
+    def best(self, rows: np.ndarray) -> tuple[int, bool]:
+        """(index of the largest logit among healthy rows, -1 if none; whether all healthy logits are finite):
+        policy.base.best_of(logits(rows), healthy) in one call, for C-contiguous float32 rows."""
+        return _fastnet.best(rows, rows.shape[0], _SPEC_I, _SPEC_F, self._weights, self._dims)
+
 
 def inputs(rows: np.ndarray) -> np.ndarray:
     """model_inputs(rows, healthy column) for one decision, computed by the C code (for tests)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from router.policy import fastnet
-from router.policy.base import Policy, PolicyUnavailable
+from router.policy.base import Policy, PolicyUnavailable, best_of
 from router.policy.features import FEATURE_NAMES, FEATURE_SPEC_HASH, N_MODEL_INPUTS, action_mask, build_features, model_inputs
 from router.policy.types import ClusterView, RequestInfo
 
@@ -132,16 +132,26 @@ class OnnxPolicy(Policy):
         (logits,) = self._session.run(["logits"], {"features": model_inputs(rows[None], mask), "mask": mask}, self._run_options)
         return logits[0]
 
-    def scores(self, view: ClusterView, request: RequestInfo) -> np.ndarray:
+    def _input(self, view: ClusterView, request: RequestInfo) -> np.ndarray:
         if self._session is None:
             err = self.load_error or ModelLoadError("unavailable", f"{self.path}: no model loaded")
             raise PolicyUnavailable(err.reason, str(err))
         feats = build_features(view, request)
         self.last_input = (view, feats)
+        return feats
+
+    def scores(self, view: ClusterView, request: RequestInfo) -> np.ndarray:
+        feats = self._input(view, request)
         if self._fast is not None:
             return self._fast.logits(feats)
         # the `healthy` feature is exactly action_mask(view) as float32 (1.0 / 0.0): no second pass over the view
         return self.onnxruntime_logits(feats)
+
+    def best(self, view: ClusterView, request: RequestInfo) -> tuple[int, bool]:
+        """base.best_of(scores(view, request), healthy), in one compiled call on the fast path."""
+        if self._fast is not None:
+            return self._fast.best(self._input(view, request))
+        return best_of(np.asarray(self.scores(view, request), dtype=np.float64), [r.healthy for r in view.replicas])
 
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
         logits = self.scores(view, request).astype(np.float64)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from router.policy.base import best_of
 from router.serving.arms import RollbackGuard
 
 log = logging.getLogger("router.promotion")
@@ -191,6 +192,10 @@ class ExploringPolicy:
             self.pending.discard(request_id)
             return True
         return False
+
+    def best(self, view, request) -> tuple[int, bool]:
+        # defined here, not taken from the inner policy by __getattr__: its best() would skip the exploration
+        return best_of(self.scores(view, request), [r.healthy for r in view.replicas])
 
     def choose(self, view, request) -> int:
         s = self.scores(view, request)

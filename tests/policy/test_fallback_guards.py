@@ -77,3 +77,48 @@ def test_scores_of_unhealthy_replicas_are_ignored_but_not_of_healthy_ones():
     assert (d.fallback_reason, d.index) == (None, 2)
     assert decide(view, [9.0, math.inf, 2.0]).fallback_reason == "nan"
     assert decide(view, [0.0, 1.0]).fallback_reason == "nan"  # wrong shape
+
+
+class ScoresOnly(Policy):
+    """The learned policy seen through scores() alone (no best()): FallbackPolicy's generic path."""
+
+    name = "scores-only"
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def scores(self, view, request):
+        return self.inner.scores(view, request)
+
+    def choose(self, view, request):  # pragma: no cover - FallbackPolicy uses scores()
+        raise AssertionError
+
+
+def test_a_primary_best_decides_exactly_as_its_scores_do():
+    """OnnxPolicy.best (one compiled call on the fast path) gives the FallbackPolicy the decisions that
+    its scores() give through the generic path, guards and fallback reasons included."""
+    from router.policy.onnx_policy import OnnxPolicy
+    from router.policy.registry import DEFAULT_MODEL_PATH
+
+    learned = OnnxPolicy(DEFAULT_MODEL_PATH)
+    assert hasattr(learned, "best")
+    rng = np.random.default_rng(5)
+    kw = {"max_stats_age_s": 30.0, "overload_margin": 4}
+    fast = FallbackPolicy(learned, LeastOutstanding(seed=0), **kw)
+    generic = FallbackPolicy(ScoresOnly(learned), LeastOutstanding(seed=0), **kw)
+    reasons = set()
+    for step in range(300):
+        n = int(rng.choice([1, 2, 5, 16, 40]))
+        view = ClusterView(tuple(
+            ReplicaSnapshot(f"r{i}", bool(rng.random() < 0.85), int(rng.integers(0, 12)), int(rng.integers(0, 5000)),
+                            int(rng.integers(0, 3000)), stats_age_s=float(rng.choice([1.0, 5.0, 40.0, math.inf])),
+                            ttft_ema_s=float(rng.uniform(0.01, 1.0)), tpot_ema_s=float(rng.uniform(0.01, 0.1)))
+            for i in range(n)))
+        if not any(r.healthy for r in view.replicas):
+            continue  # the router answers 503 before any policy is asked
+        request = RequestInfo(f"q{step}", int(rng.integers(1, 4000)), int(rng.integers(1, 512)))
+        a, b = fast.decide(view, request), generic.decide(view, request)
+        assert (a.index, a.primary_index, a.fallback_reason) == (b.index, b.primary_index, b.fallback_reason), step
+        reasons.add(a.fallback_reason)
+    assert {None, "stale_stats", "overload_guard"} <= reasons, reasons

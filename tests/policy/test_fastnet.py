@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from router.policy import fastnet
+from router.policy.base import best_of
 from router.policy.features import FEATURE_NAMES, N_FEATURES, model_inputs
 from router.policy.onnx_policy import OnnxPolicy
 from router.policy.registry import DEFAULT_MODEL_PATH
@@ -68,6 +69,37 @@ def test_shipped_model_decides_on_the_fast_path_like_onnxruntime() -> None:
             assert np.abs(got - want)[valid].max() < 1e-4
             assert np.argmax(got) == np.argmax(want)
             assert (got[~valid] == -1e9).all()
+
+
+@needs_ext
+def test_best_is_best_of_the_logits() -> None:
+    """FastNet.best (one C call) = base.best_of(logits, healthy): finiteness judged on healthy replicas only,
+    and where finite, the first largest healthy logit (-1 when none is healthy)."""
+    net = OnnxPolicy(DEFAULT_MODEL_PATH)._fast
+    rng = np.random.default_rng(11)
+    seen = {"masked": 0, "none_healthy": 0, "nan": 0, "tie": 0}
+    for width in (1, 2, 3, 16, 64, 128):
+        for healthy_share in (0.0, 0.5, 1.0):
+            for k in range(6):
+                rows = _rows(rng, width, healthy_share)
+                if k == 5 and width > 3:  # two identical healthy rows ranking first: the first one wins
+                    rows[:, HEALTHY] = 0.0
+                    rows[2, HEALTHY] = rows[3, HEALTHY] = 1.0
+                    rows[3] = rows[2]
+                    seen["tie"] += 1
+                if k == 4:  # a NaN feature makes that replica's logit NaN
+                    rows[width - 1, FEATURE_NAMES.index("outstanding")] = np.nan
+                logits = net.logits(rows)
+                healthy = [bool(h > 0.5) for h in rows[:, HEALTHY]]
+                want = best_of(logits.astype(np.float64), healthy)
+                got = net.best(rows)
+                assert got[1] == want[1], (width, healthy_share, k)
+                if want[1]:  # a non-finite score falls back whatever the pick
+                    assert got[0] == want[0], (width, healthy_share, k)
+                seen["masked"] += 0 < sum(healthy) < width
+                seen["none_healthy"] += not any(healthy)
+                seen["nan"] += not want[1]
+    assert all(seen.values()), seen
 
 
 def _with_metadata(tmp_path, change) -> OnnxPolicy:
