@@ -693,6 +693,132 @@ static PyObject *py_bind_snapshot(PyObject *self, PyObject *cls)
     Py_RETURN_TRUE;
 }
 
+/* ---- ClusterTracker.view's snapshots (router/policy/tracking.py's _Snapshot is the reference) ---- */
+
+/* ReplicaSnapshot's fields in order; all but stats_age_s and prefix_match_blocks are copied from the tracker's
+ * attribute of the same name; stats_age_s comes from last_scrape_s and the view's time. */
+enum { S_ID, S_HEALTHY, S_OUT, S_PROMPT, S_DECODE, S_WAITING, S_RUNNING, S_KV, S_KVCAP, S_AGE, S_DISPATCHED, S_MATCH,
+       S_TTFT, S_TPOT, S_AWAIT_N, S_AWAIT_TOK, N_SNAP };
+static const char *SNAP_NAMES[N_SNAP] = {
+    "replica_id", "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "waiting",
+    "running", "kv_cache_usage", "kv_capacity_tokens", "stats_age_s", "dispatched_since_scrape",
+    "prefix_match_blocks", "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens"};
+static PyObject *snap_names[N_SNAP], *last_scrape_name;
+static PyTypeObject *view_snapshot_type, *tracker_type;
+static Py_ssize_t snap_off[N_SNAP], tracker_off[N_SNAP]; /* tracker_off[S_AGE]: last_scrape_s */
+
+/* The offset of a plain object slot `name` of cls, or -1 (no exception) if it is anything else */
+static Py_ssize_t plain_slot(PyObject *cls, PyObject *name)
+{
+    PyObject *d = PyObject_GetAttr(cls, name);
+    if (!d) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX)
+        off = ((PyMemberDescrObject *)d)->d_member->offset;
+    Py_DECREF(d);
+    return off;
+}
+
+/* bind_view(snapshot_cls, tracker_cls) -> bool: snapshots() builds snapshot_cls instances slot by slot and
+ * reads tracker_cls instances by slot (other trackers, e.g. subclasses with properties, with getattr). False
+ * (and snapshots() unusable) unless every field is a plain object slot of both. */
+static PyObject *py_bind_view(PyObject *self, PyObject *args)
+{
+    PyObject *snap_cls, *tracker_cls;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &snap_cls, &PyType_Type, &tracker_cls))
+        return NULL;
+    Py_ssize_t so[N_SNAP], to[N_SNAP];
+    for (int i = 0; i < N_SNAP; i++) {
+        so[i] = plain_slot(snap_cls, snap_names[i]);
+        to[i] = i == S_MATCH ? 0 : plain_slot(tracker_cls, i == S_AGE ? last_scrape_name : snap_names[i]);
+        if (so[i] < 0 || to[i] < 0)
+            Py_RETURN_FALSE;
+    }
+    memcpy(snap_off, so, sizeof so);
+    memcpy(tracker_off, to, sizeof to);
+    Py_XSETREF(view_snapshot_type, (PyTypeObject *)Py_NewRef(snap_cls));
+    Py_XSETREF(tracker_type, (PyTypeObject *)Py_NewRef(tracker_cls));
+    Py_RETURN_TRUE;
+}
+
+/* A new reference to tracker field i, or NULL with an exception set */
+static PyObject *tracker_field(PyObject *t, int i)
+{
+    PyObject *name = i == S_AGE ? last_scrape_name : snap_names[i];
+    if (Py_TYPE(t) != tracker_type)
+        return PyObject_GetAttr(t, name);
+    PyObject *x = *(PyObject **)((char *)t + tracker_off[i]);
+    if (!x)
+        PyErr_SetObject(PyExc_AttributeError, name);
+    return Py_XNewRef(x);
+}
+
+/* max(0, now - last), inf when never scraped: the same float Python's expression gives for float times */
+static PyObject *stats_age(PyObject *last, double now)
+{
+    if (last == Py_None)
+        return PyFloat_FromDouble(INFINITY);
+    const double l = PyFloat_AsDouble(last);
+    if (l == -1.0 && PyErr_Occurred())
+        return NULL;
+    return PyFloat_FromDouble(now > l ? now - l : 0.0);
+}
+
+/* snapshots(trackers, now_s, matches) -> tuple: a bound snapshot per tracker (bind_view first); matches is
+ * None (no prefix match anywhere) or a list of ints, one per tracker */
+static PyObject *py_snapshots(PyObject *self, PyObject *args)
+{
+    PyObject *trackers, *matches;
+    double now;
+    if (!PyArg_ParseTuple(args, "O!dO", &PyList_Type, &trackers, &now, &matches))
+        return NULL;
+    if (!view_snapshot_type) {
+        PyErr_SetString(PyExc_RuntimeError, "snapshots: bind_view() has not bound the snapshot type");
+        return NULL;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(trackers);
+    if (matches != Py_None && (!PyList_Check(matches) || PyList_GET_SIZE(matches) != n)) {
+        PyErr_SetString(PyExc_ValueError, "snapshots: matches must be None or a list as long as trackers");
+        return NULL;
+    }
+    PyObject *out = PyTuple_New(n);
+    if (!out)
+        return NULL;
+    PyObject *zero = PyLong_FromLong(0);
+    if (!zero)
+        goto fail;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *t = PyList_GET_ITEM(trackers, k);
+        PyObject *snap = view_snapshot_type->tp_alloc(view_snapshot_type, 0);
+        if (!snap)
+            goto fail;
+        PyTuple_SET_ITEM(out, k, snap);
+        for (int i = 0; i < N_SNAP; i++) {
+            PyObject *v;
+            if (i == S_MATCH)
+                v = Py_NewRef(matches == Py_None ? zero : PyList_GET_ITEM(matches, k));
+            else if (i == S_AGE) {
+                PyObject *last = tracker_field(t, i);
+                v = last ? stats_age(last, now) : NULL;
+                Py_XDECREF(last);
+            } else
+                v = tracker_field(t, i);
+            if (!v)
+                goto fail;
+            *(PyObject **)((char *)snap + snap_off[i]) = v;
+        }
+    }
+    Py_DECREF(zero);
+    return out;
+fail:
+    Py_XDECREF(zero);
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, age_cap, out): build_features for
  * one view into `out` float32 [len(replicas), 25], the same bytes as the numpy path */
 static PyObject *py_rows(PyObject *self, PyObject *args)
@@ -799,6 +925,8 @@ static PyMethodDef methods[] = {
     {"inputs", py_inputs, METH_VARARGS, "inputs(rows, n_rows, spec_i, spec_f, out): model_inputs of one decision"},
     {"logits", py_logits, METH_VARARGS, "logits(rows, n_rows, spec_i, spec_f, weights, dims, out): one decision"},
     {"best", py_best, METH_VARARGS, "best(rows, n_rows, spec_i, spec_f, weights, dims) -> (pick, finite): one decision"},
+    {"bind_view", py_bind_view, METH_VARARGS, "bind_view(snapshot_cls, tracker_cls): what snapshots() builds and reads"},
+    {"snapshots", py_snapshots, METH_VARARGS, "snapshots(trackers, now_s, matches): ClusterTracker.view's snapshots"},
     {"bind_snapshot", py_bind_snapshot, METH_O, "bind_snapshot(cls): rows() reads instances of cls by slot"},
     {"rows", py_rows, METH_VARARGS, "rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, cap, out)"},
     {NULL, NULL, 0, NULL},
@@ -811,5 +939,10 @@ PyMODINIT_FUNC PyInit__fastnet(void)
     for (int a = 0; a < N_ATTRS; a++)
         if (!(attr_names[a] = PyUnicode_InternFromString(ATTR_NAMES[a])))
             return NULL;
+    for (int i = 0; i < N_SNAP; i++)
+        if (!(snap_names[i] = PyUnicode_InternFromString(SNAP_NAMES[i])))
+            return NULL;
+    if (!(last_scrape_name = PyUnicode_InternFromString("last_scrape_s")))
+        return NULL;
     return PyModule_Create(&module);
 }

@@ -12,6 +12,11 @@ import math
 from router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
 from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo, make_view
 
+try:
+    from router.policy import _fastnet as _compiled
+except ImportError:  # built without a C compiler: the Python snapshots below
+    _compiled = None
+
 # Expected decode length when a request carries no max_tokens.
 DEFAULT_DECODE_TOKENS_EST = 256
 EMA_ALPHA = 0.2
@@ -20,6 +25,13 @@ _INF = math.inf
 
 class ReplicaTracker:
     """Counters and last-scrape values of one replica, as the router knows them."""
+
+    # slots: the compiled view reads them by offset (a subclass may add a __dict__ and properties)
+    __slots__ = (
+        "replica_id", "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens",
+        "dispatched_since_scrape", "waiting", "running", "kv_cache_usage", "kv_capacity_tokens", "last_scrape_s",
+        "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens", "_inflight",
+    )  # fmt: skip
 
     def __init__(self, replica_id: str) -> None:
         self.replica_id = replica_id
@@ -153,9 +165,11 @@ class ClusterTracker:
     def view(self, now_s: float, request: RequestInfo) -> ClusterView:
         blocks = request.prefix_blocks
         trackers = self.trackers
+        matches = self.prefix_index.match_many([t.replica_id for t in trackers], blocks) if blocks else None
+        if _compiled is not None:  # the same snapshots, built in C (tests/policy/test_fast_types.py)
+            return make_view(_compiled.snapshots(trackers, now_s, matches))
         # ReplicaTracker.snapshot(now_s, match), inlined: this runs for every replica at every decision
-        if blocks:
-            matches = self.prefix_index.match_many([t.replica_id for t in trackers], blocks)
+        if matches is not None:
             return make_view(
                 tuple(
                     [
@@ -181,3 +195,7 @@ class ClusterTracker:
             cap = max(1, t.kv_capacity_tokens // self.prefix_block_tokens) if t.kv_capacity_tokens else None
             self.prefix_index.insert(t.replica_id, request.prefix_blocks, cap)
         return t
+
+
+if _compiled is not None and not _compiled.bind_view(ReplicaSnapshot, ReplicaTracker):
+    _compiled = None  # pragma: no cover - the fields and the slots went out of sync: Python builds the views

@@ -109,3 +109,63 @@ def test_prefix_match_many_equals_match_per_replica():
         assert [s.prefix_match_blocks for s in ct.view(1.0, RequestInfo("v", 1, prefix_blocks=blocks)).replicas] == want[:-1]
         matched += sum(want)
     assert matched > 0  # the index does match something
+
+
+def test_compiled_views_equal_python_views_field_for_field_and_type_for_type(monkeypatch):
+    """ClusterTracker.view builds snapshots in C where the extension is built; the Python comprehension is the
+    reference: same values and the same Python types in every field (an int stays an int, None stays None)."""
+    from router.policy import tracking
+
+    if tracking._compiled is None:
+        pytest.skip("the C extension is not built (tests/policy/test_fastnet.py requires it in CI)")
+    compiled = tracking._compiled
+    rng = np.random.default_rng(4)
+    ct = ClusterTracker([f"r{i}" for i in range(12)], prefix_block_tokens=16)
+    for step in range(400):
+        now = step * 0.05
+        req = RequestInfo(f"q{step}", int(rng.integers(1, 900)), None if step % 4 == 0 else int(rng.integers(1, 64)),
+                          tuple(int(x) for x in rng.integers(0, 6, int(rng.integers(0, 4)))))
+        got = ct.view(now, req)
+        monkeypatch.setattr(tracking, "_compiled", None)
+        want = ct.view(now, req)
+        monkeypatch.setattr(tracking, "_compiled", compiled)
+        assert type(got) is ClusterView and type(got.replicas) is tuple
+        for g, w in zip(got.replicas, want.replicas, strict=True):
+            assert type(g) is ReplicaSnapshot
+            for f in dataclasses.fields(ReplicaSnapshot):
+                a, b = getattr(g, f.name), getattr(w, f.name)
+                assert (a, type(a)) == (b, type(b)), (step, f.name)
+        i = int(rng.integers(0, 12))
+        ct.dispatch(i, req)
+        t = ct.trackers[int(rng.integers(0, 12))]
+        if step % 5 == 0:
+            t.on_scrape(now, int(rng.integers(0, 5)), None if step % 3 else 2, 0.3 if step % 2 else None, 4096)
+        if step % 3 == 0:
+            ct.trackers[i].on_first_token(req.request_id, float(rng.uniform(0.01, 0.3)))
+        if step % 7 == 0:
+            ct.trackers[i].on_complete(req.request_id, float(rng.uniform(0.005, 0.05)))
+        if step % 11 == 0:
+            t.healthy = not t.healthy
+
+
+def test_compiled_view_reads_a_tracker_subclass_through_its_properties():
+    """A subclass whose fields are properties (router/shared.py's SharedReplicaTracker) is read with getattr."""
+    from router.policy import tracking
+
+    if tracking._compiled is None:
+        pytest.skip("the C extension is not built")
+
+    class Doubled(tracking.ReplicaTracker):
+        @property
+        def outstanding(self):
+            return 2 * self._n
+
+        @outstanding.setter
+        def outstanding(self, value):
+            self._n = value
+
+    ct = ClusterTracker(["a"])
+    ct.trackers[0] = Doubled("a")
+    ct.trackers[0].outstanding = 3
+    assert ct.view(1.0, RequestInfo("q", 10)).replicas[0].outstanding == 6
+    assert tracking._compiled.bind_view(ReplicaSnapshot, object) is False  # no slots: nothing bound, stays as was
