@@ -33,10 +33,12 @@ class DecisionCost:
     """Deterministic decision time for simulations: `base_s + per_replica_s x replicas`.
 
     The learned figures fit the decide p99s of tests/bench/decision_latency_learned.py on the compiled fast
-    path (router/policy/fastnet.py, compiled feature rows; 113 / 144 / 346 / 838 us at 4 / 16 / 64 / 128
-    replicas, least squares, the shared 2-core development machine at load average ~2, 2026-11-25): the p99, because that is
-    what the live rule judges (FallbackPolicy's rolling window), so a simulation falls back where the
-    router would. Without the C extension onnxruntime and numpy decide, 3-4x slower (p99 ~600 us at 16
+    path (router/policy/fastnet.py: compiled feature rows, vectorised network, one call to the pick;
+    16.0 / 57.1 / 175.8 / 324.9 us at 4 / 16 / 64 / 128 replicas, least squares, the 2-core development
+    machine, 2026-11-27): the p99, because that is what the live rule judges (FallbackPolicy's rolling
+    window), so a simulation falls back where the router would. A live router's decisions run on colder
+    caches than this loop's (README, "The decision budget"), so at the largest fleets it may fall back
+    earlier than a simulation says. Without the C extension onnxruntime and numpy decide, 3-4x slower (p99 ~600 us at 16
     replicas), and the router falls back more often than simulations say."""
 
     base_s: float
@@ -46,7 +48,7 @@ class DecisionCost:
         return self.base_s + self.per_replica_s * len(view.replicas)
 
 
-LEARNED_COST = DecisionCost(49e-6, 5.9e-6)  # over a 0.5 ms budget from 77 replicas on
+LEARNED_COST = DecisionCost(13e-6, 2.46e-6)  # over a 0.5 ms budget from 198 replicas on
 BASELINE_COST = DecisionCost(20e-6, 0.7e-6)
 
 
