@@ -38,6 +38,7 @@ LEARNED, BASELINE = "learned", "least-outstanding"
 DEFAULT_POLICIES = ("least-outstanding", "expected-wait", "learned")
 SPEED_FIT_ROUNDS = 3  # simulate-and-correct rounds of the in-fleet engine speed factors (fit_in_fleet)
 EXTRA_OVERHEAD_QUANTILE = 10  # percentile of TTFT at which the warm-up's real and simulated runs are matched
+MIN_BIN = 5  # requests an in-flight count needs to count in the TTFT-vs-load line (ttft_line)
 ROUTER_ESTIMATE_CHARS_PER_TOKEN = 4.0  # router.policy.estimate.DEFAULT_CHARS_PER_TOKEN
 
 
@@ -55,7 +56,7 @@ class Served:
     ttft_s: float
     tpot_s: float
     e2e_s: float
-    replica: int = -1  # simulated: index of the replica that served it
+    replica: int = -1  # index of the server that served it (-1: not known)
 
 
 def pcts(values: list[float]) -> dict[str, float | None]:
@@ -126,10 +127,13 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
     least-outstanding: the simulator must know how often that happened live)."""
     from fleet.router_process import start_router
     from fleet.loadgen import ClientSpec, run_load
+    from router.settings import replica_id
 
     _wait_idle(urls)
     itl0 = _engine_itl(urls)
-    router = start_router(urls, policy, work / "router", scrape_interval_s=scrape_interval_s)
+    # the router names the serving replica in a response header: which server each request saw
+    router = start_router(urls, policy, work / "router", scrape_interval_s=scrape_interval_s,
+                          env={"ROUTEWISE_REPLICA_HEADER": "true"})
     try:
         results, _ = asyncio.run(run_load(plan, ClientSpec(url=router.base_url, model=model, timeout_s=120.0), progress))
         page = router.metrics()
@@ -138,11 +142,13 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
     itl1 = _engine_itl(urls)
     engine_itl = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(itl0, itl1)]  # per server (sum, count) over the replay
     tokens = _tokenize(urls[0], model, [r.prompt for r in plan])
+    index = {replica_id(u): i for i, u in enumerate(urls)}
     served = []
     for req, res, n in zip(plan, results, tokens):
         if not res.ok:
             raise FidelityError(f"policy {policy}: request sent at {req.send_s:.2f} s failed on the real fleet: {res.error}")
-        served.append(Served(req.send_s, n, res.output_tokens, res.ttft_s, res.tpot_s, res.e2e_s))
+        served.append(Served(req.send_s, n, res.output_tokens, res.ttft_s, res.tpot_s, res.e2e_s,
+                             index.get(res.replica, -1)))
     decisions = len(plan) + page.retries
     return served, engine_itl, sum(page.fallbacks.values()) / decisions if decisions else 0.0
 
@@ -271,6 +277,44 @@ def capacity_rps(profile_paths: list[Path], mean_prompt: float, mean_output: flo
 def _mean(deltas: list[tuple[float, float]]) -> float:
     total, count = sum(d[0] for d in deltas), sum(d[1] for d in deltas)
     return total / count if count else math.nan
+
+
+def in_flight_at_arrival(served: list[Served]) -> np.ndarray:
+    """Per request: how many requests of the same server had arrived and not finished when it arrived."""
+    out = np.zeros(len(served), dtype=int)
+    by_replica: dict[int, list[int]] = {}
+    for i, s in enumerate(served):
+        by_replica.setdefault(s.replica, []).append(i)
+    for idx in by_replica.values():
+        start = np.array([served[i].arrival_s for i in idx])
+        end = start + np.array([served[i].e2e_s for i in idx])
+        for k, i in enumerate(idx):
+            out[i] = int(np.count_nonzero((start < start[k]) & (end > start[k])))
+    return out
+
+
+def ttft_line(served: list[Served], slots: list[int] | None = None, replica: int | None = None) -> tuple[float, float]:
+    """(a, b): the median TTFT as a + b x requests in flight on the same server at arrival, a least-squares
+    line through the median TTFT at each in-flight count seen at least MIN_BIN times, weighted by that count.
+    With `slots` (each server's max_num_seqs) only requests that found a free batch slot count: beyond it TTFT
+    is queueing, which the simulator models itself, and which would otherwise hide the per-request delay.
+    With `replica`, that server's requests only."""
+    n = in_flight_at_arrival(served)
+    ttft = np.array([s.ttft_s for s in served])
+    keep = np.array([(replica is None or s.replica == replica) and (slots is None or s.replica < 0 or k < slots[s.replica])
+                     for s, k in zip(served, n)], dtype=bool)
+    n, ttft = n[keep], ttft[keep]
+    xs, ys, ws = [], [], []
+    for k in np.unique(n):
+        sel = n == k
+        if sel.sum() >= MIN_BIN:
+            xs.append(float(k))
+            ys.append(float(np.median(ttft[sel])))
+            ws.append(float(sel.sum()))
+    if len(xs) < 2:
+        return (float(np.median(ttft)) if len(ttft) else 0.0), 0.0
+    b, a = np.polyfit(xs, ys, 1, w=np.sqrt(ws))
+    return float(a), float(b)
 
 
 def extra_overhead(real_ttft_s: list[float], sim_ttft_s: list[float]) -> float:
@@ -496,6 +540,10 @@ def _main(args: argparse.Namespace) -> int:
                               "real_client_side_s": mean_itl(real[policy])}
             fallbacks[policy] = {"real": fallback_real, "sim": fallback_sim}
         report = compare(real, sim)
+        # where the error comes from: how each server's median TTFT grows with its load, real and simulated
+        slots = [g.max_num_seqs for g in cluster.replicas]
+        report["ttft_vs_in_flight"] = {p: [{"real": ttft_line(real[p], slots, i), "sim": ttft_line(sim[p], slots, i)}
+                                           for i in range(len(slots))] for p in real}
         report["mean_inter_token_latency"] = engine
         report["fallback_share"] = fallbacks
         report.update(
@@ -514,6 +562,11 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"{p}: mean inter-token latency real {e['real_server_side_s'] * 1e3:.1f} ms in the engines "
                       f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms; "
                       f"fallback decisions real {fallbacks[p]['real']:.1%}, simulated {fallbacks[p]['sim']:.1%}")
+            for p, lines in report["ttft_vs_in_flight"].items():
+                print(f"{p}: median TTFT (ms) vs requests in flight on the server at arrival, requests with a free batch "
+                      "slot: " + "; ".join(f"server {i} real {ln['real'][0] * 1e3:.1f} + {ln['real'][1] * 1e3:.2f}/req, "
+                                            f"sim {ln['sim'][0] * 1e3:.1f} + {ln['sim'][1] * 1e3:.2f}/req"
+                                            for i, ln in enumerate(lines)))
             la = report["load_average"]
             print(f"offered {rate:.2f} req/s ({rate / cap:.2f} of calibrated capacity {cap:.2f}); load average "
                   f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {report['wall_s']:.0f} s")

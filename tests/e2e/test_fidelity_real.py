@@ -32,6 +32,9 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
     assert report["servers"] == vllm_servers
     assert len(report["speed_factors"]) == len(vllm_servers) and all(f > 0 for f in report["speed_factors"])
     assert report["extra_request_overhead_s"] >= 0
+    # per policy and server, the line of median TTFT against its load, real and simulated
+    assert set(report["ttft_vs_in_flight"]) == set(POLICIES)
+    assert all(len(lines) == len(vllm_servers) for lines in report["ttft_vs_in_flight"].values())
     for i, path in enumerate(report["profiles"]):
         # a warming sweep, then --calibrations (default 3) sweeps: the kept profile is the median-capacity one at the
         # segment's mean lengths
@@ -49,6 +52,7 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
     for policy, row in report["policies"].items():
         real, sim = raw[policy]["real"], raw[policy]["sim"]
         assert row["requests"] == len(real) == len(sim) > 0
+        assert all(0 <= r["replica"] < len(vllm_servers) for r in real)  # the router named each request's server
         # the simulation got exactly the real arrivals and lengths
         assert [(r["arrival_s"], r["prompt_tokens"]) for r in real] == [(s["arrival_s"], s["prompt_tokens"]) for s in sim]
         for m in METRICS:

@@ -68,6 +68,53 @@ def test_unreachable_fleet_is_one_line(capsys):
     assert len(err) == 1 and f"127.0.0.1:{port}/v1/models: probe 'models'" in err[0]
 
 
+def test_in_flight_at_arrival_counts_the_same_server_only():
+    from fleet.fidelity import Served, in_flight_at_arrival
+
+    rows = [Served(0.0, 10, 5, 0.01, 0.01, 1.0, 0), Served(0.1, 10, 5, 0.01, 0.01, 1.0, 1),
+            Served(0.5, 10, 5, 0.01, 0.01, 0.2, 0), Served(0.6, 10, 5, 0.01, 0.01, 0.2, 0),
+            Served(1.5, 10, 5, 0.01, 0.01, 0.2, 0)]
+    # request 3 arrives while 0 and 2 run on server 0 (1 runs on server 1); request 4 after all finished
+    assert list(in_flight_at_arrival(rows)) == [0, 0, 1, 2, 0]
+
+
+def test_ttft_line_finds_a_per_request_delay_and_ignores_a_queued_tail():
+    """Median TTFT = 20 ms + 3 ms per request in flight at arrival, with a tenth of the requests queued for
+    seconds: the line is the 20 ms + 3 ms one (medians per in-flight count), which ordinary least squares on
+    the requests would tilt."""
+    from fleet.fidelity import Served, in_flight_at_arrival, ttft_line
+
+    rng = np.random.default_rng(0)
+    rows, t = [], 0.0
+    for _ in range(3000):
+        t += float(rng.exponential(0.02))
+        rows.append(Served(t, 100, 10, 0.0, 0.01, float(rng.uniform(0.05, 0.3)), int(rng.integers(0, 2))))
+    n = in_flight_at_arrival(rows)
+    for row, k in zip(rows, n):
+        row.ttft_s = 0.020 + 0.003 * k + float(rng.normal(0, 0.002)) + (2.0 if rng.random() < 0.1 else 0.0)
+    assert len(set(n.tolist())) >= 4  # the load varies enough for a line
+    a, b = ttft_line(rows)
+    assert a == pytest.approx(0.020, abs=0.002) and b == pytest.approx(0.003, abs=0.0007)
+    flat = [Served(r.arrival_s, 1, 1, 0.05, 0.01, r.e2e_s, r.replica) for r in rows]
+    assert ttft_line(flat) == pytest.approx((0.05, 0.0), abs=1e-9)
+
+
+def test_ttft_line_with_slots_leaves_out_requests_that_queued_for_a_batch_slot():
+    from fleet.fidelity import Served, in_flight_at_arrival, ttft_line
+
+    rng = np.random.default_rng(1)
+    rows, t = [], 0.0
+    for _ in range(3000):
+        t += float(rng.exponential(0.01))
+        rows.append(Served(t, 100, 10, 0.0, 0.01, float(rng.uniform(0.02, 0.12)), 0))
+    n = in_flight_at_arrival(rows)
+    for row, k in zip(rows, n):  # 4 slots: from the 5th request on, each one ahead adds 100 ms of queueing
+        row.ttft_s = 0.010 + 0.002 * k + 0.1 * max(0, k - 3)
+    a, b = ttft_line(rows, slots=[4])
+    assert a == pytest.approx(0.010, abs=1e-6) and b == pytest.approx(0.002, abs=1e-6)
+    assert ttft_line(rows)[1] > 0.02  # without the slots the queueing tilts the line
+
+
 def test_extra_overhead_is_a_constant_shift_not_a_queueing_tail():
     """A real fleet that adds 8 ms to every request: 8 ms. One that queues its busiest half for seconds the
     simulator did not (no constant shift): nothing, where the median gap would have said ~1 s."""
