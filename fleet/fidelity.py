@@ -120,14 +120,14 @@ def _engine_itl(urls: list[str]) -> list[tuple[float, float]]:
 
 
 def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scrape_interval_s: float,
-                progress: bool) -> tuple[list[Served], list[tuple[float, float]], float]:
+                progress: bool) -> tuple[list[Served], list[tuple[float, float]], float, dict[str, int]]:
     """The plan through a fresh router with `policy`: what each request saw, in plan order, the engines' own
     mean inter-token latency over the replay (server-side, to tell engine speed from HTTP and queueing), and the
     share of the router's decisions its fallback made (a learned policy over its time budget decides as
-    least-outstanding: the simulator must know how often that happened live)."""
+    least-outstanding: the simulator must know how often that happened live) with the count per reason."""
     from fleet.router_process import start_router
     from fleet.loadgen import ClientSpec, run_load
-    from router.settings import replica_id
+    from urllib.parse import urlsplit
 
     _wait_idle(urls)
     itl0 = _engine_itl(urls)
@@ -142,7 +142,7 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
     itl1 = _engine_itl(urls)
     engine_itl = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(itl0, itl1)]  # per server (sum, count) over the replay
     tokens = _tokenize(urls[0], model, [r.prompt for r in plan])
-    index = {replica_id(u): i for i, u in enumerate(urls)}
+    index = {urlsplit(u).netloc: i for i, u in enumerate(urls)}  # the header names a replica by host:port
     served = []
     for req, res, n in zip(plan, results, tokens):
         if not res.ok:
@@ -150,7 +150,8 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
         served.append(Served(req.send_s, n, res.output_tokens, res.ttft_s, res.tpot_s, res.e2e_s,
                              index.get(res.replica, -1)))
     decisions = len(plan) + page.retries
-    return served, engine_itl, sum(page.fallbacks.values()) / decisions if decisions else 0.0
+    share = sum(page.fallbacks.values()) / decisions if decisions else 0.0
+    return served, engine_itl, share, {k: int(v) for k, v in page.fallbacks.items() if v}
 
 
 def mean_itl(served: list[Served], replica: int | None = None) -> float:
@@ -341,7 +342,7 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
                     r.max_tokens) for r in plan]
     log(f"fidelity: warm-up: {len(plan)} requests of the train window to measure each engine's speed under load")
-    served, itl, _ = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
+    served, itl, *_ = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
     # A slower replica gets fewer requests in the simulation, so smaller batches and a shorter inter-token latency:
     # one ratio of real to simulated latency overshoots (by 10-30 % on the CPU fleet). Re-simulating with the
     # factors found and correcting them again converges on the factors at which the simulated engines run as fast
@@ -533,12 +534,12 @@ def _main(args: argparse.Namespace) -> int:
             plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
                             r.max_tokens) for r in plan]
             log(f"fidelity: {policy}: {len(plan)} requests through the router")
-            real[policy], itl, fallback_real = replay_real(urls, policy, plan, model, work, args.scrape_interval,
-                                                           not args.quiet)
+            real[policy], itl, fallback_real, reasons = replay_real(urls, policy, plan, model, work,
+                                                                    args.scrape_interval, not args.quiet)
             sim[policy], fallback_sim = simulate_same(real[policy], cluster, policy, estimate_scale)
             engine[policy] = {"real_server_side_s": _mean(itl), "sim_s": mean_itl(sim[policy]),
                               "real_client_side_s": mean_itl(real[policy])}
-            fallbacks[policy] = {"real": fallback_real, "sim": fallback_sim}
+            fallbacks[policy] = {"real": fallback_real, "sim": fallback_sim, "real_reasons": reasons}
         report = compare(real, sim)
         # where the error comes from: how each server's median TTFT grows with its load, real and simulated
         slots = [g.max_num_seqs for g in cluster.replicas]
@@ -561,7 +562,9 @@ def _main(args: argparse.Namespace) -> int:
             for p, e in engine.items():
                 print(f"{p}: mean inter-token latency real {e['real_server_side_s'] * 1e3:.1f} ms in the engines "
                       f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms; "
-                      f"fallback decisions real {fallbacks[p]['real']:.1%}, simulated {fallbacks[p]['sim']:.1%}")
+                      f"fallback decisions real {fallbacks[p]['real']:.1%} "
+                      f"({', '.join(f'{k} {v}' for k, v in fallbacks[p]['real_reasons'].items()) or 'none'}), "
+                      f"simulated {fallbacks[p]['sim']:.1%}")
             for p, lines in report["ttft_vs_in_flight"].items():
                 print(f"{p}: median TTFT (ms) vs requests in flight on the server at arrival, requests with a free batch "
                       "slot: " + "; ".join(f"server {i} real {ln['real'][0] * 1e3:.1f} + {ln['real'][1] * 1e3:.2f}/req, "

@@ -20,7 +20,7 @@ from typing import Any
 
 from router.hold_queue import HoldQueue
 from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
-from router.policy.fallback import FALLBACK_REASONS, Decision
+from router.policy.fallback import BUDGET_COOLDOWN, FALLBACK_REASONS, Decision
 from router.policy.late_binding import restrict
 from router.policy.served import GUARD_FIELDS, served_policy
 from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
@@ -103,7 +103,16 @@ class PolicyRunner:
         self.last_error = None
 
     def decide(self, view: ClusterView, request: RequestInfo) -> Decision:
-        d = self.policy.decide(view, request)
+        policy = self.policy
+        trips = policy.trips
+        d = policy.decide(view, request)
+        if policy.trips != trips and (trip := policy.last_trip) is not None:
+            log.warning(
+                "policy %s (%s arm): %d of its last %d decisions overran the %.2f ms decision budget (slowest %.2f ms); "
+                "least-outstanding decides the next %d (llm_router_fallbacks_total{reason=\"over_budget\"})",
+                self.label, self.arm, trip.slow, trip.window, (policy.budget_s or 0.0) * 1e3, trip.slowest_s * 1e3,
+                BUDGET_COOLDOWN,
+            )
         self.decisions += 1
         if d.fallback_reason is not None:
             self.fallback_counts[d.fallback_reason] += 1

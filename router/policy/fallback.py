@@ -36,6 +36,15 @@ class Decision:
     error: str | None = None  # the exception text, for logs and the admin API
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetTrip:
+    """Why a cool-down started: `slow` of the last `window` decisions overran the budget."""
+
+    slow: int
+    window: int
+    slowest_s: float
+
+
 # The guards a learned policy runs with unless configured otherwise (router/settings.py). Training
 # sees scrape ages up to ~20 s (the stale-metrics scenario: 5 +- 2 s interval, 3 s lag, 20 % failed
 # scrapes), so only older stats mean the scraper is broken rather than slow. The overload guard is
@@ -102,6 +111,9 @@ class FallbackPolicy(Policy):
         self.fallback_counts: dict[str, int] = {}  # reason -> decisions, since the last reset
         self._slow: deque[bool] = deque(maxlen=BUDGET_WINDOW)
         self._n_slow = 0
+        self._slowest = 0.0  # the slowest over-budget decision in the window, seconds
+        self.trips = 0  # cool-downs started (the router logs each one)
+        self.last_trip: BudgetTrip | None = None
         self._cooldown = 0  # decisions left in which the primary is not called
 
     def describe(self) -> dict:
@@ -160,7 +172,7 @@ class FallbackPolicy(Policy):
             elif self.cost is not None:
                 elapsed = self.cost(view)
             if elapsed is not None and self.budget_s is not None:
-                self._judge(elapsed > self.budget_s)
+                self._judge(elapsed)
         if reason is None and pick is not None:
             if not (0 <= pick < len(reps)) or not reps[pick].healthy:
                 reason = "masked_pick"
@@ -175,17 +187,23 @@ class FallbackPolicy(Policy):
         self.last_decision = decision
         return decision
 
-    def _judge(self, slow: bool) -> None:
+    def _judge(self, elapsed: float) -> None:
         """Track the rolling share of slow decisions; over 1 % of the window starts a cool-down."""
+        slow = elapsed > self.budget_s  # type: ignore[operator]
         if len(self._slow) == BUDGET_WINDOW:
             self._n_slow -= self._slow[0]
         self._slow.append(slow)
         self._n_slow += slow
+        if slow:
+            self._slowest = max(self._slowest, elapsed)
         n = len(self._slow)
         if n >= BUDGET_MIN_SAMPLES and self._n_slow >= 2 and self._n_slow * 100 > n:
             self._cooldown = BUDGET_COOLDOWN
+            self.last_trip = BudgetTrip(self._n_slow, n, self._slowest)
+            self.trips += 1
             self._slow.clear()
             self._n_slow = 0
+            self._slowest = 0.0
 
     def _overloaded(self, reps: tuple[ReplicaSnapshot, ...], pick: int) -> bool:
         others = [r.outstanding for i, r in enumerate(reps) if r.healthy and i != pick]

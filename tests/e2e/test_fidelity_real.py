@@ -68,7 +68,7 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
         p99 = [report["policies"][p]["ttft_s"]["p99"][src] for p in order]
         assert p99 == sorted(p99)
     # heuristics never fall back, live or simulated (a learned arm's share is reported, not asserted)
-    assert report["fallback_share"] == {p: {"real": 0.0, "sim": 0.0} for p in POLICIES}
+    assert report["fallback_share"] == {p: {"real": 0.0, "sim": 0.0, "real_reasons": {}} for p in POLICIES}
     assert report["ranking_by_ttft_p99"]["same"] == (
         report["ranking_by_ttft_p99"]["real"] == report["ranking_by_ttft_p99"]["sim"]
     )

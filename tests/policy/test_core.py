@@ -179,6 +179,7 @@ def test_a_persistently_slow_policy_is_skipped_for_a_cooldown_then_measured_agai
     reasons = [fb.decide(VIEW3, REQ).fallback_reason for _ in range(BUDGET_WINDOW)]
     tripped = reasons.index("over_budget")
     assert 0 < tripped <= slow_every + 1 and set(reasons[tripped:]) == {"over_budget"}
+    assert fb.trips == 1 and fb.last_trip.slow >= 2 and fb.last_trip.slowest_s == 0.002  # what the router logs
     calls = Pick.calls
     skipped = [fb.decide(VIEW3, REQ) for _ in range(BUDGET_COOLDOWN - (len(reasons) - tripped))]
     assert Pick.calls == calls and all(d.fallback_reason == "over_budget" and d.index == 1 for d in skipped)

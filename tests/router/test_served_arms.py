@@ -45,3 +45,25 @@ def test_explicit_guards_apply_to_every_arm():
     assert r.arms["control"].policy.max_stats_age_s == 5.0 and r.arms["treatment"].policy.max_stats_age_s == 5.0
     assert r.arms["treatment"].policy.overload_margin is None  # explicitly off
     assert r.arms["treatment"].policy.overload_ratio == LEARNED_GUARDS["overload_ratio"]
+
+
+def test_a_budget_cooldown_is_logged_once_with_its_figures(caplog):
+    """An operator sees why the policy stopped deciding: one warning when a cool-down starts, not one per decision."""
+    import logging
+
+    from router.policy.fallback import BUDGET_MIN_SAMPLES
+    from router.policy.types import RequestInfo
+
+    r = router(policy="expected-wait", decision_budget_s=0.0005)
+    runner = r.main
+    times = iter([0.0, 0.001] * 2 + [0.0, 0.0] * BUDGET_MIN_SAMPLES + [0.0, 0.0] * 50)
+    runner.policy.clock = lambda: next(times)  # two slow decisions, then fast ones
+    caplog.set_level(logging.WARNING, logger="router.routing")
+    for t in r.replicas.cluster.trackers:
+        t.healthy = True
+    view = r.replicas.cluster.view(0.0, RequestInfo("q", 10, 5))
+    reasons = [runner.decide(view, RequestInfo(f"q{i}", 10, 5)).fallback_reason for i in range(BUDGET_MIN_SAMPLES + 20)]
+    assert reasons[BUDGET_MIN_SAMPLES - 1] is None and reasons[BUDGET_MIN_SAMPLES] == "over_budget"
+    warnings = [rec.getMessage() for rec in caplog.records if "decision budget" in rec.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "expected-wait" in warnings[0] and "2 of its last 100 decisions" in warnings[0] and "slowest 1.00 ms" in warnings[0]
