@@ -528,8 +528,9 @@ end:
 }
 
 /* Parses (rows, n_rows, spec_i, spec_f, weights, dims[, out]) and runs the network into `out` (or `own`,
- * n_rows floats, when the call has no out); returns the healthy column's index, or -1 with an exception set. */
-static int logits_call(PyObject *args, int with_out, float **own, int *R_out, const float **rows_out, long *healthy_col)
+ * n_rows floats, when the call has no out, and then a copy of the healthy column in `healthy`); 0, or -1 with
+ * an exception set. */
+static int logits_call(PyObject *args, int with_out, float **own, int *R_out, const float **healthy)
 {
     Py_buffer rows, sf, wb, out = {0};
     int R;
@@ -563,10 +564,9 @@ static int logits_call(PyObject *args, int with_out, float **own, int *R_out, co
         }
         for (int r = 0; r < R; r++)
             h[r] = ((const float *)rows.buf)[(size_t)r * dims[0] + si[SI_HEALTHY]];
-        *rows_out = h;
+        *healthy = h;
     }
     *R_out = R;
-    *healthy_col = si[SI_HEALTHY];
     rc = 0;
 end:
     PyBuffer_Release(&rows);
@@ -581,8 +581,7 @@ end:
 static PyObject *py_logits(PyObject *self, PyObject *args)
 {
     int R;
-    long col;
-    if (logits_call(args, 1, NULL, &R, NULL, &col))
+    if (logits_call(args, 1, NULL, &R, NULL))
         return NULL;
     Py_RETURN_NONE;
 }
@@ -596,8 +595,7 @@ static PyObject *py_best(PyObject *self, PyObject *args)
     float *logit = NULL;
     const float *healthy = NULL;
     int R;
-    long col;
-    if (logits_call(args, 0, &logit, &R, &healthy, &col)) {
+    if (logits_call(args, 0, &logit, &R, &healthy)) {
         free(logit);
         return NULL;
     }
@@ -616,87 +614,9 @@ static PyObject *py_best(PyObject *self, PyObject *args)
     return Py_BuildValue("(iO)", pick, finite ? Py_True : Py_False);
 }
 
-/* ---- build_features rows, from the snapshots (router/policy/features.py is the reference) ---- */
+/* ---- the replica snapshots: built from the trackers (ClusterTracker.view), read by build_features rows ---- */
 
-enum { A_HEALTHY, A_OUT, A_PROMPT, A_DECODE, A_WAITING, A_RUNNING, A_KV, A_KVCAP, A_AGE, A_DISPATCHED, A_MATCH,
-       A_TTFT, A_TPOT, A_AWAIT_N, A_AWAIT_TOK, N_ATTRS };
-static const char *ATTR_NAMES[N_ATTRS] = {
-    "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "waiting", "running",
-    "kv_cache_usage", "kv_capacity_tokens", "stats_age_s", "dispatched_since_scrape", "prefix_match_blocks",
-    "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens"};
-static PyObject *attr_names[N_ATTRS];
-#define N_ROW 25 /* 20 replica + 5 request columns, in FEATURE_NAMES order */
-
-/* Where each attribute lives in an instance of the snapshot type (a slots dataclass: one PyObject * per slot
- * at a fixed offset), resolved once by bind_snapshot(); other types are read with getattr. */
-static PyTypeObject *snapshot_type;
-static Py_ssize_t slot_offset[N_ATTRS];
-
-/* The value as a double; *none = 1 (and 0.0) for None. -1 with an exception set on a non-number. */
-static int as_number(PyObject *x, double *v, int *none)
-{
-    *none = x == Py_None;
-    if (*none)
-        *v = 0.0;
-    else if (PyFloat_CheckExact(x))
-        *v = PyFloat_AS_DOUBLE(x);
-    else
-        *v = PyFloat_AsDouble(x);
-    return (*v == -1.0 && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* The attribute as a double (as_number) */
-static int read_number(PyObject *obj, int a, double *v, int *none)
-{
-    if (Py_TYPE(obj) == snapshot_type) {
-        PyObject *x = *(PyObject **)((char *)obj + slot_offset[a]);
-        if (!x) {
-            PyErr_SetObject(PyExc_AttributeError, attr_names[a]);
-            return -1;
-        }
-        return as_number(x, v, none);
-    }
-    PyObject *x = PyObject_GetAttr(obj, attr_names[a]);
-    if (!x)
-        return -1;
-    const int rc = as_number(x, v, none);
-    Py_DECREF(x);
-    return rc;
-}
-
-/* bind_snapshot(cls): read instances of cls through their slots; False (and getattr for them) unless every
- * attribute rows() reads is a plain object slot of cls */
-static PyObject *py_bind_snapshot(PyObject *self, PyObject *cls)
-{
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "bind_snapshot: expected a class");
-        return NULL;
-    }
-    Py_ssize_t off[N_ATTRS];
-    for (int a = 0; a < N_ATTRS; a++) {
-        PyObject *d = PyObject_GetAttr(cls, attr_names[a]);
-        if (!d) {
-            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-                return NULL;
-            PyErr_Clear();
-            Py_RETURN_FALSE;
-        }
-        const int plain = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
-        if (plain)
-            off[a] = ((PyMemberDescrObject *)d)->d_member->offset;
-        Py_DECREF(d);
-        if (!plain)
-            Py_RETURN_FALSE;
-    }
-    memcpy(slot_offset, off, sizeof off);
-    Py_XSETREF(snapshot_type, (PyTypeObject *)Py_NewRef(cls));
-    Py_RETURN_TRUE;
-}
-
-/* ---- ClusterTracker.view's snapshots (router/policy/tracking.py's _Snapshot is the reference) ---- */
-
-/* ReplicaSnapshot's fields in order; all but stats_age_s and prefix_match_blocks are copied from the tracker's
- * attribute of the same name; stats_age_s comes from last_scrape_s and the view's time. */
+/* ReplicaSnapshot's fields, in order */
 enum { S_ID, S_HEALTHY, S_OUT, S_PROMPT, S_DECODE, S_WAITING, S_RUNNING, S_KV, S_KVCAP, S_AGE, S_DISPATCHED, S_MATCH,
        S_TTFT, S_TPOT, S_AWAIT_N, S_AWAIT_TOK, N_SNAP };
 static const char *SNAP_NAMES[N_SNAP] = {
@@ -704,14 +624,21 @@ static const char *SNAP_NAMES[N_SNAP] = {
     "running", "kv_cache_usage", "kv_capacity_tokens", "stats_age_s", "dispatched_since_scrape",
     "prefix_match_blocks", "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens"};
 static PyObject *snap_names[N_SNAP], *last_scrape_name;
-static PyTypeObject *view_snapshot_type, *tracker_type;
-static Py_ssize_t snap_off[N_SNAP], tracker_off[N_SNAP]; /* tracker_off[S_AGE]: last_scrape_s */
 
-/* The offset of a plain object slot `name` of cls, or -1 (no exception) if it is anything else */
+/* Where each field lives in an instance of the bound snapshot and tracker types (slots: one PyObject * per field at
+ * a fixed offset), resolved once by bind_snapshot() / bind_tracker(); other types are read with getattr.
+ * tracker_off[S_AGE] is last_scrape_s; the tracker has no prefix_match_blocks. */
+static PyTypeObject *snapshot_type, *tracker_type;
+static Py_ssize_t snap_off[N_SNAP], tracker_off[N_SNAP];
+
+/* The offset of a plain object slot `name` of cls; -1 (no exception) if it is missing or anything else, -2 with an
+ * exception set if looking it up failed otherwise */
 static Py_ssize_t plain_slot(PyObject *cls, PyObject *name)
 {
     PyObject *d = PyObject_GetAttr(cls, name);
     if (!d) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -2;
         PyErr_Clear();
         return -1;
     }
@@ -722,27 +649,33 @@ static Py_ssize_t plain_slot(PyObject *cls, PyObject *name)
     return off;
 }
 
-/* bind_view(snapshot_cls, tracker_cls) -> bool: snapshots() builds snapshot_cls instances slot by slot and
- * reads tracker_cls instances by slot (other trackers, e.g. subclasses with properties, with getattr). False
- * (and snapshots() unusable) unless every field is a plain object slot of both. */
-static PyObject *py_bind_view(PyObject *self, PyObject *args)
+/* bind(cls, type, offsets, as_tracker): resolve every field's slot of cls (as the tracker: last_scrape_s for
+ * stats_age_s, no prefix_match_blocks); True and bound, False (binding unchanged) if one is not a plain slot */
+static PyObject *bind(PyObject *cls, PyTypeObject **type, Py_ssize_t *offsets, int as_tracker)
 {
-    PyObject *snap_cls, *tracker_cls;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &snap_cls, &PyType_Type, &tracker_cls))
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "bind: expected a class");
         return NULL;
-    Py_ssize_t so[N_SNAP], to[N_SNAP];
+    }
+    Py_ssize_t off[N_SNAP];
     for (int i = 0; i < N_SNAP; i++) {
-        so[i] = plain_slot(snap_cls, snap_names[i]);
-        to[i] = i == S_MATCH ? 0 : plain_slot(tracker_cls, i == S_AGE ? last_scrape_name : snap_names[i]);
-        if (so[i] < 0 || to[i] < 0)
+        off[i] = as_tracker && i == S_MATCH ? 0 : plain_slot(cls, as_tracker && i == S_AGE ? last_scrape_name : snap_names[i]);
+        if (off[i] == -2)
+            return NULL;
+        if (off[i] < 0)
             Py_RETURN_FALSE;
     }
-    memcpy(snap_off, so, sizeof so);
-    memcpy(tracker_off, to, sizeof to);
-    Py_XSETREF(view_snapshot_type, (PyTypeObject *)Py_NewRef(snap_cls));
-    Py_XSETREF(tracker_type, (PyTypeObject *)Py_NewRef(tracker_cls));
+    memcpy(offsets, off, sizeof off);
+    Py_XSETREF(*type, (PyTypeObject *)Py_NewRef(cls));
     Py_RETURN_TRUE;
 }
+
+/* bind_snapshot(cls): snapshots() builds instances of cls and rows() reads them slot by slot */
+static PyObject *py_bind_snapshot(PyObject *self, PyObject *cls) { return bind(cls, &snapshot_type, snap_off, 0); }
+
+/* bind_tracker(cls): snapshots() reads instances of cls slot by slot (other trackers, e.g. subclasses with
+ * properties, with getattr) */
+static PyObject *py_bind_tracker(PyObject *self, PyObject *cls) { return bind(cls, &tracker_type, tracker_off, 1); }
 
 /* A new reference to tracker field i, or NULL with an exception set */
 static PyObject *tracker_field(PyObject *t, int i)
@@ -767,7 +700,7 @@ static PyObject *stats_age(PyObject *last, double now)
     return PyFloat_FromDouble(now > l ? now - l : 0.0);
 }
 
-/* snapshots(trackers, now_s, matches) -> tuple: a bound snapshot per tracker (bind_view first); matches is
+/* snapshots(trackers, now_s, matches) -> tuple: a snapshot per tracker (both types bound first); matches is
  * None (no prefix match anywhere) or a list of ints, one per tracker */
 static PyObject *py_snapshots(PyObject *self, PyObject *args)
 {
@@ -775,8 +708,8 @@ static PyObject *py_snapshots(PyObject *self, PyObject *args)
     double now;
     if (!PyArg_ParseTuple(args, "O!dO", &PyList_Type, &trackers, &now, &matches))
         return NULL;
-    if (!view_snapshot_type) {
-        PyErr_SetString(PyExc_RuntimeError, "snapshots: bind_view() has not bound the snapshot type");
+    if (!snapshot_type || !tracker_type) {
+        PyErr_SetString(PyExc_RuntimeError, "snapshots: bind_snapshot() and bind_tracker() have not both bound a type");
         return NULL;
     }
     const Py_ssize_t n = PyList_GET_SIZE(trackers);
@@ -792,7 +725,7 @@ static PyObject *py_snapshots(PyObject *self, PyObject *args)
         goto fail;
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *t = PyList_GET_ITEM(trackers, k);
-        PyObject *snap = view_snapshot_type->tp_alloc(view_snapshot_type, 0);
+        PyObject *snap = snapshot_type->tp_alloc(snapshot_type, 0);
         if (!snap)
             goto fail;
         PyTuple_SET_ITEM(out, k, snap);
@@ -817,6 +750,48 @@ fail:
     Py_XDECREF(zero);
     Py_DECREF(out);
     return NULL;
+}
+
+/* ---- build_features rows, from the snapshots (router/policy/features.py is the reference) ---- */
+
+/* The snapshot fields rows() reads, in this order */
+enum { A_HEALTHY, A_OUT, A_PROMPT, A_DECODE, A_WAITING, A_RUNNING, A_KV, A_KVCAP, A_AGE, A_DISPATCHED, A_MATCH,
+       A_TTFT, A_TPOT, A_AWAIT_N, A_AWAIT_TOK, N_ATTRS };
+static const int ROW_FIELDS[N_ATTRS] = {S_HEALTHY, S_OUT, S_PROMPT, S_DECODE, S_WAITING, S_RUNNING, S_KV, S_KVCAP,
+                                        S_AGE, S_DISPATCHED, S_MATCH, S_TTFT, S_TPOT, S_AWAIT_N, S_AWAIT_TOK};
+#define N_ROW 25 /* 20 replica + 5 request columns, in FEATURE_NAMES order */
+
+/* The value as a double; *none = 1 (and 0.0) for None. -1 with an exception set on a non-number. */
+static int as_number(PyObject *x, double *v, int *none)
+{
+    *none = x == Py_None;
+    if (*none)
+        *v = 0.0;
+    else if (PyFloat_CheckExact(x))
+        *v = PyFloat_AS_DOUBLE(x);
+    else
+        *v = PyFloat_AsDouble(x);
+    return (*v == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Field ROW_FIELDS[a] of a snapshot as a double (as_number) */
+static int read_number(PyObject *obj, int a, double *v, int *none)
+{
+    const int i = ROW_FIELDS[a];
+    if (Py_TYPE(obj) == snapshot_type) {
+        PyObject *x = *(PyObject **)((char *)obj + snap_off[i]);
+        if (!x) {
+            PyErr_SetObject(PyExc_AttributeError, snap_names[i]);
+            return -1;
+        }
+        return as_number(x, v, none);
+    }
+    PyObject *x = PyObject_GetAttr(obj, snap_names[i]);
+    if (!x)
+        return -1;
+    const int rc = as_number(x, v, none);
+    Py_DECREF(x);
+    return rc;
 }
 
 /* rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, age_cap, out): build_features for
@@ -925,9 +900,9 @@ static PyMethodDef methods[] = {
     {"inputs", py_inputs, METH_VARARGS, "inputs(rows, n_rows, spec_i, spec_f, out): model_inputs of one decision"},
     {"logits", py_logits, METH_VARARGS, "logits(rows, n_rows, spec_i, spec_f, weights, dims, out): one decision"},
     {"best", py_best, METH_VARARGS, "best(rows, n_rows, spec_i, spec_f, weights, dims) -> (pick, finite): one decision"},
-    {"bind_view", py_bind_view, METH_VARARGS, "bind_view(snapshot_cls, tracker_cls): what snapshots() builds and reads"},
+    {"bind_tracker", py_bind_tracker, METH_O, "bind_tracker(cls): snapshots() reads instances of cls by slot"},
     {"snapshots", py_snapshots, METH_VARARGS, "snapshots(trackers, now_s, matches): ClusterTracker.view's snapshots"},
-    {"bind_snapshot", py_bind_snapshot, METH_O, "bind_snapshot(cls): rows() reads instances of cls by slot"},
+    {"bind_snapshot", py_bind_snapshot, METH_O, "bind_snapshot(cls): snapshots() builds, rows() reads cls by slot"},
     {"rows", py_rows, METH_VARARGS, "rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, cap, out)"},
     {NULL, NULL, 0, NULL},
 };
@@ -936,9 +911,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastnet", "The rout
 
 PyMODINIT_FUNC PyInit__fastnet(void)
 {
-    for (int a = 0; a < N_ATTRS; a++)
-        if (!(attr_names[a] = PyUnicode_InternFromString(ATTR_NAMES[a])))
-            return NULL;
     for (int i = 0; i < N_SNAP; i++)
         if (!(snap_names[i] = PyUnicode_InternFromString(SNAP_NAMES[i])))
             return NULL;

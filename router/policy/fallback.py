@@ -138,11 +138,12 @@ class FallbackPolicy(Policy):
             return None, "exception", f"{type(exc).__name__}: {exc}"
         if scores.shape != (len(view.replicas),):
             return None, "nan", f"scores not finite or of shape {scores.shape}"
-        pick, finite = best_of(scores, [r.healthy for r in view.replicas])
+        healthy = [r.healthy for r in view.replicas]
+        pick, finite = best_of(scores, healthy)
         if not finite:
             return None, "nan", f"scores not finite or of shape {scores.shape}"
         if self.min_confidence is not None and pick >= 0:
-            masked = np.where([r.healthy for r in view.replicas], scores, -np.inf)
+            masked = np.where(healthy, scores, -np.inf)
             z = masked - masked[pick]
             probs = np.exp(z) / np.exp(z).sum()
             if probs[pick] < self.min_confidence:

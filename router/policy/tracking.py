@@ -197,5 +197,5 @@ class ClusterTracker:
         return t
 
 
-if _compiled is not None and not _compiled.bind_view(ReplicaSnapshot, ReplicaTracker):
+if _compiled is not None and not (_compiled.bind_snapshot(ReplicaSnapshot) and _compiled.bind_tracker(ReplicaTracker)):
     _compiled = None  # pragma: no cover - the fields and the slots went out of sync: Python builds the views

@@ -168,4 +168,5 @@ def test_compiled_view_reads_a_tracker_subclass_through_its_properties():
     ct.trackers[0] = Doubled("a")
     ct.trackers[0].outstanding = 3
     assert ct.view(1.0, RequestInfo("q", 10)).replicas[0].outstanding == 6
-    assert tracking._compiled.bind_view(ReplicaSnapshot, object) is False  # no slots: nothing bound, stays as was
+    assert tracking._compiled.bind_tracker(object) is False  # no slots: nothing bound, stays as was
+    assert ct.view(1.0, RequestInfo("q", 10)).replicas[0].outstanding == 6
