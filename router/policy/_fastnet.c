@@ -373,11 +373,13 @@ VECTOR_CLONES static int forward(const float *inp, const float *mask, int R, con
         TAKE(n2w, H) TAKE(n2b, H) TAKE(wf0, (size_t)H * FF) TAKE(bf0, FF) TAKE(wf2, (size_t)FF * H) TAKE(bf2, H)
         layernorm(h, R, H, n1w, n1b, y);
         linear(y, R, H, wq, bq, 3 * H, a); /* a = qkv [R, 3H] */
-        for (int k = 0; k < R; k++) /* keys transposed [H][R] and values by head [heads][R][hd]: contiguous loops */
-            for (int j = 0; j < H; j++) {
-                kt[(size_t)j * R + k] = a[(size_t)k * 3 * H + H + j];
-                vt[((size_t)(j / hd) * R + k) * hd + j % hd] = a[(size_t)k * 3 * H + 2 * H + j];
-            }
+        for (int k = 0; k < R; k++) { /* keys transposed [H][R] and values by head [heads][R][hd]: contiguous loops */
+            const float *ak = a + (size_t)k * 3 * H + H, *av = ak + H;
+            for (int j = 0; j < H; j++)
+                kt[(size_t)j * R + k] = ak[j];
+            for (int g = 0; g < heads; g++)
+                memcpy(vt + ((size_t)g * R + k) * hd, av + (size_t)g * hd, sizeof(float) * hd);
+        }
         for (int g = 0; g < heads; g++) {
             for (int i = 0; i < R; i++) {
                 const float *q = a + (size_t)i * 3 * H + g * hd;

@@ -83,20 +83,24 @@ def percentiles(samples_ns: list[int]) -> tuple[float, float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99)), float(a.mean())
 
 
-def bench(model: Path, n: int, iters: int, budget_s: float, seed: int, fast: bool) -> dict:
+def bench(model: Path, n: int, iters: int, budget_s: float, seed: int, fast: bool | None, idle_s: float = 0.0) -> dict:
+    """fast: the learned policy on fastnet (True) or onnxruntime (False), or least-outstanding (None, no breakdown)."""
     rng = np.random.default_rng(seed)
     cluster = busy_cluster(n, rng)
     # no budget here, so every decision is the model's: the share over `budget_s` is counted instead
     # (the router skips a model whose rolling p99 is over budget, router/policy/fallback.py)
-    primary = OnnxPolicy(model, fast=fast)
+    primary = LeastOutstanding(seed=2) if fast is None else OnnxPolicy(model, fast=fast)
     policy = FallbackPolicy(primary, LeastOutstanding(seed=1), clock=time.perf_counter,
                             max_stats_age_s=10.0, overload_margin=32)
-    if primary.load_error is not None:
-        raise SystemExit(f"model did not load: {primary.load_error}")
-    executor = primary.describe()["executor"]
-    if fast and executor != "fastnet":
-        return {"skipped": primary.executor_note}
-    session = primary._session
+    if fast is None:
+        executor = "least-outstanding"
+    else:
+        if primary.load_error is not None:
+            raise SystemExit(f"model did not load: {primary.load_error}")
+        executor = primary.describe()["executor"]
+        if fast and executor != "fastnet":
+            return {"skipped": primary.executor_note}
+        session = primary._session
     requests = [RequestInfo(f"q{i}", int(rng.integers(50, 4000)), int(rng.integers(16, 512)),
                             tuple(int(x) for x in rng.integers(0, 50, int(rng.integers(0, 12))))) for i in range(256)]
     views = [cluster.view(1.0, r) for r in requests]
@@ -105,11 +109,19 @@ def bench(model: Path, n: int, iters: int, budget_s: float, seed: int, fast: boo
     clock = time.perf_counter_ns
     for i in range(iters + 200):  # 200 warm-up decisions
         req = requests[i % 256]
+        if idle_s:
+            time.sleep(idle_s)
         t0 = clock()
         view = cluster.view(1.0, req)
         t1 = clock()
         d = policy.decide(view, req)
         t2 = clock()
+        if fast is None:
+            if i >= 200:
+                view_t.append(t1 - t0)
+                decide.append(t2 - t1)
+                total.append(t2 - t0)
+            continue
         feats = build_features(view, req)
         t3 = clock()
         if fast:  # the executor's whole part (cross-replica inputs + network) in one call
@@ -134,6 +146,9 @@ def bench(model: Path, n: int, iters: int, budget_s: float, seed: int, fast: boo
             if d.elapsed_s is not None and d.elapsed_s > budget_s:
                 fallbacks["over budget"] = fallbacks.get("over budget", 0) + 1
     del views
+    if fast is None:
+        return {"n": n, "executor": executor, "decide": percentiles(decide), "view": percentiles(view_t),
+                "total": percentiles(total), "fallbacks": fallbacks, "iters": iters}
     rest = np.asarray(decide) - np.asarray(feat_t) - np.asarray(cross_t) - np.asarray(ort_t)
     return {"n": n, "executor": executor, "decide": percentiles(decide), "view": percentiles(view_t), "features": percentiles(feat_t),
             "cross": percentiles(cross_t), "onnxruntime": percentiles(ort_t), "total": percentiles(total),
@@ -156,24 +171,35 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor", choices=["both", "fastnet", "onnxruntime"], default="both",
                    help="which executor(s) to time (both: side by side, interleaved per replica count)")
+    p.add_argument("--idle-ms", type=float, default=0.0,
+                   help="sleep this long before each decision, untimed: a live router at 50 req/s idles ~20 ms "
+                        "between requests, and on a shared host its caches go cold meanwhile (try --idle-ms 20 "
+                        "--iters 500); adds a least-outstanding row, the same decision path without the model")
     args = p.parse_args()
-    executors = {"both": (True, False), "fastnet": (True,), "onnxruntime": (False,)}[args.executor]
+    executors: tuple[bool | None, ...] = {"both": (True, False), "fastnet": (True,), "onnxruntime": (False,)}[args.executor]
+    if args.idle_ms:
+        executors += (None,)
     with tempfile.TemporaryDirectory() as tmp:
         model, what = make_model(args, Path(tmp))
         print(f"model: {what}")
         print(f"{args.iters} decisions per replica count after 200 warm-up; times in microseconds; "
-              f"budget {args.budget_us:.0f} us; 1 onnxruntime thread")
+              f"budget {args.budget_us:.0f} us; 1 onnxruntime thread"
+              + (f"; {args.idle_ms:g} ms idle before each decision" if args.idle_ms else ""))
         print(f"{'replicas':>8} {'executor':>11} | {'view+decide p50':>15} {'p99':>7} | {'decide p50':>10} {'p99':>7} | "
               f"{'view p50':>8} | {'rows p50':>8} | {'cross p50':>9} | {'net p50':>7} {'p99':>7} | {'rest p50':>8} | "
               "fallbacks / over budget")
         gc.collect()
         for n in (int(x) for x in args.replicas.split(",")):
             for fast in executors:
-                r = bench(model, n, args.iters, args.budget_us / 1e6, args.seed, fast)
+                r = bench(model, n, args.iters, args.budget_us / 1e6, args.seed, fast, args.idle_ms / 1e3)
                 if "skipped" in r:
                     print(f"{n:>8} {'fastnet':>11} | not timed: {r['skipped']}")
                     continue
-                t, d, v, f, c, o = r["total"], r["decide"], r["view"], r["features"], r["cross"], r["onnxruntime"]
+                t, d, v = r["total"], r["decide"], r["view"]
+                if fast is None:
+                    print(f"{n:>8} {'least-out':>11} | {t[0]:>15.1f} {t[1]:>7.1f} | {d[0]:>10.1f} {d[1]:>7.1f} | {v[0]:>8.1f} |")
+                    continue
+                f, c, o = r["features"], r["cross"], r["onnxruntime"]
                 fb = ", ".join(f"{k} {c / r['iters']:.1%}" for k, c in r["fallbacks"].items()) or "none"
                 cross = f"{c[0]:>9.1f}" if not fast else f"{'(in net)':>9}"
                 print(f"{n:>8} {r['executor']:>11} | {t[0]:>15.1f} {t[1]:>7.1f} | {d[0]:>10.1f} {d[1]:>7.1f} | {v[0]:>8.1f} | "
@@ -182,7 +208,8 @@ def main() -> int:
           "view = ClusterTracker.view (snapshots + prefix match), paid once per request; rows = build_features; "
           "cross = model_inputs (numpy; fastnet computes it inside its one call); net = onnxruntime's run, or "
           "fastnet's whole call; rest = decide - rows - cross - net (mask, argmax, guards); the breakdown columns "
-          "are timed in separate calls after each decision.")
+          "are timed in separate calls after each decision"
+          + (", warm: with --idle-ms, `rest` also carries the decision's cold-cache penalty." if args.idle_ms else "."))
     return 0
 
 
