@@ -109,6 +109,24 @@ def errors_on(log_dir: Path, models: dict[str, Path], pair_window_s: float = 0.5
     return out
 
 
+def error_floor(log_dir: Path, l2: float = 1.0) -> dict[str, float]:
+    """Yardsticks for the MAE of log TTFT on the second half of a log: a constant (the first half's median) and a
+    ridge regression on the chosen replica's feature row fitted on the first half, the same traffic the errors
+    are measured on. What the features cannot explain (scheduling jitter on a shared CPU) stays in both, so no
+    fine-tune can be expected to go much below the ridge's figure on that traffic."""
+    from trainer.finetune import log_target, split
+    from trainer.fleet_log import read_fleet_log
+
+    first, second = split(read_fleet_log(log_dir), 0.5)
+    y1, y2 = log_target(first.ttft_s), log_target(second.ttft_s)
+    x1, x2 = (d.features[np.arange(len(d)), d.actions].astype(np.float64) for d in (first, second))
+    mu, sd = x1.mean(0), x1.std(0) + 1e-6
+    a1, a2 = (np.c_[np.ones(len(x)), (x - mu) / sd] for x in (x1, x2))
+    w = np.linalg.solve(a1.T @ a1 + l2 * np.eye(a1.shape[1]), a1.T @ y1)
+    return {"constant": round(float(np.mean(np.abs(y2 - np.median(y1)))), 4),
+            "ridge_on_same_traffic": round(float(np.mean(np.abs(a2 @ w - y2))), 4)}
+
+
 def pct(xs: list[float | None], q: float) -> float:
     ok = [x for x in xs if x is not None]
     return float(np.percentile(ok, q)) if ok else float("nan")
@@ -122,6 +140,7 @@ def main() -> int:
     ap.add_argument("--explore", type=float, default=0.2, help="exploration share while segment A is logged (default 0.2)")
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", type=Path, help="copy the decision logs and the fine-tuned model here (to refit offline)")
     args = ap.parse_args()
     python = vllm_python()
     if python is None:
@@ -153,6 +172,7 @@ def main() -> int:
             print(f"  {name:22s} p50 {results[name]['p50_s'] * 1e3:7.1f} ms  p99 {results[name]['p99_s'] * 1e3:7.1f} ms  "
                   f"failed {results[name]['failed']}", flush=True)
         unseen = errors_on(work / "log-b-shipped", {"shipped": shipped, "fine-tuned": work / "finetuned.onnx"})
+        floor = error_floor(work / "log-b-shipped")
     finally:
         stop_servers(servers)
     best_h = min(results["least-outstanding"]["p99_s"], results["expected-wait"]["p99_s"])
@@ -169,9 +189,22 @@ def main() -> int:
               f"pair order accuracy {e['pair_order_accuracy']} ({e['pairs']} pairs)")
     ratio = unseen["fine-tuned"]["mae_log_ttft"] / unseen["shipped"]["mae_log_ttft"]
     print(f"error ratio fine-tuned / shipped on unseen traffic: {ratio:.2f} (target <= 0.5)")
+    print(f"yardsticks on the same half of segment B's log: a constant predicts with MAE {floor['constant']:.4f}, a ridge "
+          f"regression fitted on the other half of that very log {floor['ridge_on_same_traffic']:.4f} (about the floor "
+          f"for any model of these features on this traffic: "
+          f"{floor['ridge_on_same_traffic'] / unseen['shipped']['mae_log_ttft']:.2f} x shipped's error)")
     if args.json:
         print(json.dumps({"results": results, "finetune": {"before": report.before, "after": report.after},
-                          "unseen": unseen}, indent=2))
+                          "unseen": unseen, "unseen_yardsticks": floor}, indent=2))
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        for name in ("log-a", "log-b-shipped", "finetuned.onnx"):
+            src, dst = work / name, args.keep / name
+            if src.is_dir():
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+            elif src.exists():
+                shutil.copy2(src, dst)
+        print(f"decision logs and fine-tuned model kept in {args.keep}")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
