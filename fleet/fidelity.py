@@ -38,6 +38,7 @@ LEARNED, BASELINE = "learned", "least-outstanding"
 DEFAULT_POLICIES = ("least-outstanding", "expected-wait", "learned")
 SPEED_FIT_ROUNDS = 3  # simulate-and-correct rounds of the in-fleet engine speed factors (fit_in_fleet)
 EXTRA_OVERHEAD_QUANTILE = 10  # percentile of TTFT at which the warm-up's real and simulated runs are matched
+BOOTSTRAP_RESAMPLES = 1000  # resamplings behind the p99 intervals of the report
 MIN_BIN = 5  # requests an in-flight count needs to count in the TTFT-vs-load line (ttft_line)
 ROUTER_ESTIMATE_CHARS_PER_TOKEN = 4.0  # router.policy.estimate.DEFAULT_CHARS_PER_TOKEN
 
@@ -203,6 +204,22 @@ def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: fl
 # ---------------------------------------------------------------- the report
 
 
+def p99_bootstrap(ttft_s: list[list[float]], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> np.ndarray:
+    """p99 of each list's values over `resamples` resamplings of it (with replacement): [len(ttft_s), resamples].
+    A lower bound on a p99's run-to-run noise: requests that queue together are not independent."""
+    rng = np.random.default_rng(seed)
+    out = np.full((len(ttft_s), resamples), np.nan)
+    for i, vals in enumerate(ttft_s):
+        v = np.array([x for x in vals if x is not None and not math.isnan(x)])
+        if len(v):
+            out[i] = np.percentile(v[rng.integers(0, len(v), (resamples, len(v)))], 99, axis=1)
+    return out
+
+
+def _interval(boot: np.ndarray) -> list[float] | None:
+    return None if np.isnan(boot).any() else [float(x) for x in np.percentile(boot, [2.5, 97.5])]
+
+
 def compare(real: dict[str, list[Served]], sim: dict[str, list[Served]]) -> dict:
     policies = list(real)
     rows = {}
@@ -214,14 +231,27 @@ def compare(real: dict[str, list[Served]], sim: dict[str, list[Served]]) -> dict
         row["requests"] = len(real[p])
         rows[p] = row
     rank = {src: sorted(policies, key=lambda p: rows[p]["ttft_s"]["p99"][src]) for src in ("real", "sim")}
-    report: dict = {"policies": rows, "ranking_by_ttft_p99": {**rank, "same": rank["real"] == rank["sim"]}}
+    boot = {src: dict(zip(policies, p99_bootstrap([[x.ttft_s for x in runs[p]] for p in policies])))
+            for src, runs in (("real", real), ("sim", sim))}
+    for p in policies:
+        rows[p]["ttft_s"]["p99"]["ci95"] = {src: _interval(boot[src][p]) for src in ("real", "sim")}
+
+    def separated(src: str) -> bool:  # each policy's interval below the next one's in the ranking
+        ci = [rows[p]["ttft_s"]["p99"]["ci95"][src] for p in rank[src]]
+        return all(a is not None and b is not None and a[1] < b[0] for a, b in zip(ci, ci[1:]))
+
+    report: dict = {"policies": rows, "ranking_by_ttft_p99": {
+        **rank, "same": rank["real"] == rank["sim"], "separated": {src: separated(src) for src in ("real", "sim")}}}
     if LEARNED in rows and BASELINE in rows:
-        gain = {}
+        gain, gain_ci = {}, {}
         for src in ("real", "sim"):
             base, learned = rows[BASELINE]["ttft_s"]["p99"][src], rows[LEARNED]["ttft_s"]["p99"][src]
             gain[src] = 1.0 - learned / base if base else None
+            with np.errstate(divide="ignore", invalid="ignore"):
+                gain_ci[src] = _interval(1.0 - boot[src][LEARNED] / boot[src][BASELINE])
         ratio = gain["real"] / gain["sim"] if gain["real"] is not None and gain["sim"] else None
-        report["learned_gain_ttft_p99"] = {"real": gain["real"], "predicted": gain["sim"], "ratio": ratio}
+        report["learned_gain_ttft_p99"] = {"real": gain["real"], "predicted": gain["sim"], "ratio": ratio,
+                                           "real_ci95": gain_ci["real"], "predicted_ci95": gain_ci["sim"]}
     errs = [abs(v["rel_err"]) for p in rows.values() for m in ("ttft_s", "e2e_s") for k, v in p[m].items()
             if v["rel_err"] is not None]
     report["max_abs_rel_err_ttft_e2e"] = max(errs) if errs else None
@@ -246,10 +276,20 @@ def format_report(report: dict) -> str:
     rk = report["ranking_by_ttft_p99"]
     lines.append(f"ranking by p99 TTFT: real {' < '.join(rk['real'])}; sim {' < '.join(rk['sim'])} "
                  f"({'same' if rk['same'] else 'DIFFERENT'})")
+    ci = lambda c: "-" if c is None else f"[{c[0] * 1e3:.0f}, {c[1] * 1e3:.0f}]"  # noqa: E731
+    lines.append("p99 TTFT 95 % bootstrap intervals, ms (requests resampled: a lower bound on the noise): "
+                 + "; ".join(f"{p} real {ci(row['ttft_s']['p99']['ci95']['real'])} sim {ci(row['ttft_s']['p99']['ci95']['sim'])}"
+                             for p, row in report["policies"].items()))
+    sep = rk["separated"]
+    where = lambda ok: "outside that noise (each interval below the next one's)" if ok else \
+        "inside that noise (neighbours' intervals overlap)"  # noqa: E731
+    lines.append(f"  the real ranking is {where(sep['real'])}; the simulated one {where(sep['sim'])}")
     g = report.get("learned_gain_ttft_p99")
     if g:
-        lines.append(f"learned gain over least-outstanding (p99 TTFT): real {_pct(g['real'])}, predicted "
-                     f"{_pct(g['predicted'])}, ratio {'-' if g['ratio'] is None else format(g['ratio'], '.2f')}")
+        pc = lambda c: "-" if c is None else f"[{c[0] * 100:+.0f}%, {c[1] * 100:+.0f}%]"  # noqa: E731
+        lines.append(f"learned gain over least-outstanding (p99 TTFT): real {_pct(g['real'])} {pc(g['real_ci95'])}, "
+                     f"predicted {_pct(g['predicted'])} {pc(g['predicted_ci95'])}, "
+                     f"ratio {'-' if g['ratio'] is None else format(g['ratio'], '.2f')}")
     return "\n".join(lines)
 
 

@@ -19,8 +19,10 @@ def test_errors_ranking_and_gain_ratio():
     cell = rep["policies"]["least-outstanding"]["ttft_s"]["p50"]
     assert cell["real"] == pytest.approx(0.1) and cell["sim"] == pytest.approx(0.11)
     assert cell["rel_err"] == pytest.approx(0.1)
-    assert rep["ranking_by_ttft_p99"] == {"real": ["learned", "least-outstanding"],
-                                          "sim": ["learned", "least-outstanding"], "same": True}
+    rank = rep["ranking_by_ttft_p99"]
+    assert {k: rank[k] for k in ("real", "sim", "same")} == {"real": ["learned", "least-outstanding"],
+                                                            "sim": ["learned", "least-outstanding"], "same": True}
+    assert rank["separated"] == {"real": False, "sim": False}  # one slow request in 100 each: inside the noise
     g = rep["learned_gain_ttft_p99"]
     real_p99 = [rep["policies"][p]["ttft_s"]["p99"]["real"] for p in ("learned", "least-outstanding")]
     sim_p99 = [rep["policies"][p]["ttft_s"]["p99"]["sim"] for p in ("learned", "least-outstanding")]
@@ -128,3 +130,33 @@ def test_extra_overhead_is_a_constant_shift_not_a_queueing_tail():
     assert extra_overhead(real, sim) == 0.0
     assert float(np.median(np.array(real) - np.array(queued))) > 0.9  # what the old estimator measured
     assert extra_overhead([t - 0.01 for t in sim], sim) == 0.0  # never negative
+
+
+def test_p99_intervals_say_whether_a_ranking_is_outside_the_noise():
+    """Two policies 10x apart at the tail with hundreds of requests: separated. Two drawn from the same
+    distribution: their intervals overlap, so whatever order their p99s fall in is inside the noise."""
+    rng = np.random.default_rng(0)
+    fast = list(rng.uniform(0.01, 0.1, 800))
+    slow = [t * 10 for t in rng.uniform(0.01, 0.1, 800)]
+    rep = compare({"a": _served(fast), "b": _served(slow)}, {"a": _served(fast), "b": _served(slow)})
+    ci_a, ci_b = (rep["policies"][p]["ttft_s"]["p99"]["ci95"]["real"] for p in ("a", "b"))
+    p99_a = rep["policies"]["a"]["ttft_s"]["p99"]["real"]
+    assert ci_a[0] <= p99_a <= ci_a[1] and ci_a[1] < ci_b[0]
+    assert rep["ranking_by_ttft_p99"]["separated"] == {"real": True, "sim": True}
+    assert "the real ranking is outside that noise" in format_report(rep)
+
+    twin = list(rng.uniform(0.01, 0.1, 800))
+    rep = compare({"a": _served(fast), "b": _served(twin)}, {"a": _served(fast), "b": _served(twin)})
+    assert rep["ranking_by_ttft_p99"]["separated"] == {"real": False, "sim": False}
+    assert "the real ranking is inside that noise" in format_report(rep)
+
+
+def test_gain_interval_brackets_the_gain_and_is_reproducible():
+    rng = np.random.default_rng(3)
+    base = list(rng.uniform(0.01, 1.0, 600))
+    learned = [t * 0.6 for t in rng.uniform(0.01, 1.0, 600)]
+    real = {"least-outstanding": _served(base), "learned": _served(learned)}
+    rep = compare(real, real)
+    g = rep["learned_gain_ttft_p99"]
+    assert g["real_ci95"][0] < g["real"] < g["real_ci95"][1] and g["real_ci95"] == g["predicted_ci95"]
+    assert compare(real, real)["learned_gain_ttft_p99"] == g  # a fixed seed: the same report for the same data
