@@ -459,6 +459,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profiles", nargs="*", help="calibrated profiles to reuse (one per server) instead of calibrating")
     p.add_argument("--out", help="directory for profiles and raw results (default: a temporary one, removed)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the TTFT tails and the p99s with their intervals, "
+                   "real vs simulated per policy (needs matplotlib: the [sim] extra)")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -480,6 +482,11 @@ def _main(args: argparse.Namespace) -> int:
         raise FidelityError(f"--calibrations {args.calibrations}: must be 0 or more")
     if LEARNED in policies and not DEFAULT_MODEL_PATH.is_file():
         raise FidelityError(f"policy 'learned': no model at {DEFAULT_MODEL_PATH}")
+    if args.plot:  # before minutes of measurement, not after
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise FidelityError(f"--plot {args.plot}: needs matplotlib (pip install 'routewise[sim]')")
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="routewise-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
     log = (lambda m: None) if args.quiet and args.json else (lambda m: print(m, file=sys.stderr))
@@ -595,6 +602,10 @@ def _main(args: argparse.Namespace) -> int:
         if args.out:
             (work / "raw.json").write_text(json.dumps(
                 {p: {"real": [s.__dict__ for s in real[p]], "sim": [s.__dict__ for s in sim[p]]} for p in real}))
+        if args.plot:
+            from fleet.fidelity_plot import plot_fidelity
+
+            log(f"fidelity: wrote {plot_fidelity(real, sim, report, args.plot)}")
         if args.json:
             print(json.dumps(report, indent=2))
         else:

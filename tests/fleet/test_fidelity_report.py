@@ -160,3 +160,29 @@ def test_gain_interval_brackets_the_gain_and_is_reproducible():
     g = rep["learned_gain_ttft_p99"]
     assert g["real_ci95"][0] < g["real"] < g["real_ci95"][1] and g["real_ci95"] == g["predicted_ci95"]
     assert compare(real, real)["learned_gain_ttft_p99"] == g  # a fixed seed: the same report for the same data
+
+
+def test_plot_draws_a_png_of_the_report(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fleet.fidelity_plot import plot_fidelity
+
+    rng = np.random.default_rng(5)
+    real = {p: _served(list(rng.uniform(0.01, s, 300))) for p, s in (("least-outstanding", 1.0), ("learned", 0.5))}
+    sim = {p: _served(list(rng.uniform(0.01, s, 300))) for p, s in (("least-outstanding", 0.9), ("learned", 0.6))}
+    out = plot_fidelity(real, sim, compare(real, sim), tmp_path / "sub" / "fidelity.png")
+    assert out == tmp_path / "sub" / "fidelity.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    from fleet.cli import main
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    # an unreachable server would fail later: the missing matplotlib must be named first
+    assert main(["fidelity", "--server", "http://127.0.0.1:9", "--plot", str(tmp_path / "f.png"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "--plot" in err and "matplotlib" in err and "routewise[sim]" in err
+    assert not (tmp_path / "f.png").exists()
