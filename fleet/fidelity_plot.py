@@ -5,18 +5,22 @@ bootstrap intervals, so a ranking inside the noise looks like one. Needs matplot
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from fleet.fidelity import Served
+
+class Served(Protocol):  # fleet.fidelity.Served; not imported, so that fidelity can import this module
+    ttft_s: float
 
 
-def _sorted_ttft(rows: list[Served]) -> np.ndarray:
+def _sorted_ttft(rows: Sequence[Served]) -> np.ndarray:
     return np.sort([r.ttft_s for r in rows if r.ttft_s is not None and math.isfinite(r.ttft_s)])
 
 
-def plot_fidelity(real: dict[str, list[Served]], sim: dict[str, list[Served]], report: dict, path: str | Path) -> Path:
+def plot_fidelity(real: dict[str, Sequence[Served]], sim: dict[str, Sequence[Served]], report: dict, path: str | Path) -> Path:
     """Write the figure to `path` (PNG, or any format matplotlib infers from the suffix); returns the path."""
     import matplotlib
 
