@@ -9,7 +9,8 @@ calibrated capacity), record each request's TTFT/TPOT/E2E client-side; tokenise 
 simulation gets the true prompt lengths; simulate exactly those arrivals and lengths with the same policy on a
 cluster built from the calibrated profiles (their KV sizes, block size, max_num_seqs, request overhead; the router's
 chars/4 estimate as a bias against the measured chars per token). Report real vs simulated p50/p90/p99 with relative
-errors, the ranking by p99 TTFT, and the learned policy's gain over least-outstanding real vs predicted.
+errors, the ranking by p99 TTFT, and the learned policy's gain over least-outstanding real vs predicted, the p99s
+and the gain with 95 % bootstrap intervals (`--plot FILE.png` draws them: fleet/fidelity_plot.py).
 
 Over 400 lines on purpose: one run (fleet, calibration, live replay, simulation, report) whose steps pass the
 same plan and results along; the report arithmetic is separately tested (tests/fleet/test_fidelity_report.py).
@@ -277,9 +278,9 @@ def format_report(report: dict) -> str:
     lines.append(f"ranking by p99 TTFT: real {' < '.join(rk['real'])}; sim {' < '.join(rk['sim'])} "
                  f"({'same' if rk['same'] else 'DIFFERENT'})")
     ci = lambda c: "-" if c is None else f"[{c[0] * 1e3:.0f}, {c[1] * 1e3:.0f}]"  # noqa: E731
+    cis = {p: row["ttft_s"]["p99"]["ci95"] for p, row in report["policies"].items()}
     lines.append("p99 TTFT 95 % bootstrap intervals, ms (requests resampled: a lower bound on the noise): "
-                 + "; ".join(f"{p} real {ci(row['ttft_s']['p99']['ci95']['real'])} sim {ci(row['ttft_s']['p99']['ci95']['sim'])}"
-                             for p, row in report["policies"].items()))
+                 + "; ".join(f"{p} real {ci(c['real'])} sim {ci(c['sim'])}" for p, c in cis.items()))
     sep = rk["separated"]
     where = lambda ok: "outside that noise (each interval below the next one's)" if ok else \
         "inside that noise (neighbours' intervals overlap)"  # noqa: E731

@@ -20,7 +20,8 @@ def _sorted_ttft(rows: Sequence[Served]) -> np.ndarray:
     return np.sort([r.ttft_s for r in rows if r.ttft_s is not None and math.isfinite(r.ttft_s)])
 
 
-def plot_fidelity(real: dict[str, Sequence[Served]], sim: dict[str, Sequence[Served]], report: dict, path: str | Path) -> Path:
+def plot_fidelity(real: dict[str, Sequence[Served]], sim: dict[str, Sequence[Served]], report: dict,
+                  path: str | Path) -> Path:
     """Write the figure to `path` (PNG, or any format matplotlib infers from the suffix); returns the path."""
     import matplotlib
 

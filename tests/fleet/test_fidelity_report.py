@@ -180,7 +180,8 @@ def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys, tmp
     from fleet.cli import main
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
     # an unreachable server would fail later: the missing matplotlib must be named first
     assert main(["fidelity", "--server", "http://127.0.0.1:9", "--plot", str(tmp_path / "f.png"), "--quiet"]) == 1
     err = capsys.readouterr().err
