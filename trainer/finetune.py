@@ -32,7 +32,7 @@ import copy
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +216,22 @@ def prediction_errors(logits: np.ndarray, c: float, data: FleetData, pair_window
     return {"mae_log_ttft": round(mae, 4), "pair_order_accuracy": None if acc is None else round(acc, 4), "pairs": int(len(i))}
 
 
+def baseline_errors(fit: FleetData, held: FleetData, l2: float = 1.0) -> dict[str, float]:
+    """MAE of log TTFT on `held` of two models fitted on `fit` without the network: a constant (the median) and a
+    ridge regression on the chosen replica's feature row. The ridge is what the logged features explain without
+    the network; a fine-tuned model no better than it has learned what the log can teach, and the rest of its
+    error is noise the features do not see (on a shared CPU fleet: scheduling jitter)."""
+    if not len(fit) or not len(held):
+        raise FinetuneError("baseline_errors: an empty part")
+    y_fit, y_held = log_target(fit.ttft_s), log_target(held.ttft_s)
+    x_fit, x_held = (d.features[np.arange(len(d)), d.actions].astype(np.float64) for d in (fit, held))
+    mu, sd = x_fit.mean(0), x_fit.std(0) + 1e-6
+    a_fit, a_held = (np.c_[np.ones(len(x)), (x - mu) / sd] for x in (x_fit, x_held))
+    w = np.linalg.solve(a_fit.T @ a_fit + l2 * np.eye(a_fit.shape[1]), a_fit.T @ y_fit)
+    return {"constant": round(float(np.mean(np.abs(y_held - np.median(y_fit)))), 4),
+            "ridge_chosen_replica": round(float(np.mean(np.abs(a_held @ w - y_held))), 4)}
+
+
 # ------------------------------------------------------------------ the fit
 def fit(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float) -> list[dict]:
     """Continue the latency regression on `data` (in place); returns per-epoch stats.
@@ -299,6 +315,7 @@ class FinetuneReport:
     before: dict
     after: dict
     wall_s: float
+    baselines: dict = field(default_factory=dict)  # baseline_errors on the same held-out part
 
     def summary(self) -> str:
         b, a = self.before, self.after
@@ -308,7 +325,10 @@ class FinetuneReport:
             f"(skipped {self.skipped or 'none'})\n"
             f"held-out MAE of log TTFT: {b['mae_log_ttft']:.4f} -> {a['mae_log_ttft']:.4f}; "
             f"pair order accuracy ({a['pairs']} pairs): {acc(b)} -> {acc(a)}\n"
-            f"wrote {self.out} ({self.policy_version}) and {self.card} in {self.wall_s:.1f}s"
+            + (f"baselines fitted on the same training part, held-out MAE: constant {self.baselines['constant']:.4f}, "
+               f"ridge on the chosen replica's features {self.baselines['ridge_chosen_replica']:.4f}\n"
+               if self.baselines else "")
+            + f"wrote {self.out} ({self.policy_version}) and {self.card} in {self.wall_s:.1f}s"
         )
 
 
@@ -343,6 +363,7 @@ def finetune(decision_log: str | Path, init: str | Path, out: str | Path, cfg: F
     history = fit(net, train, cfg, c0)
     c1 = calibrate(all_logits(net, train), train)
     after = prediction_errors(all_logits(net, val), c1, val, cfg.pair_window_s)
+    baselines = baseline_errors(train, val)
     version = f"{meta['policy_version'].split('+ft')[0]}+ft{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
     per_replica = np.bincount(data.actions, minlength=data.masks.shape[1]).tolist()
     finetune_doc = {
@@ -363,6 +384,7 @@ def finetune(decision_log: str | Path, init: str | Path, out: str | Path, cfg: F
             },
             "validation_before": before,
             "validation_after": after,
+            "validation_baselines": baselines,
         },
     }
     training_config = dict(meta["training_config"]) | {"finetune": finetune_doc}
@@ -383,4 +405,4 @@ def finetune(decision_log: str | Path, init: str | Path, out: str | Path, cfg: F
     finally:
         tmp.unlink(missing_ok=True)
     return FinetuneReport(str(out), str(card_path), version, data.records, len(train), len(val), data.skipped,
-                          before, after, card["wall_s"])
+                          before, after, card["wall_s"], baselines)

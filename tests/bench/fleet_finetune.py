@@ -110,22 +110,16 @@ def errors_on(log_dir: Path, models: dict[str, Path], pair_window_s: float = 0.5
     return out
 
 
-def error_floor(log_dir: Path, l2: float = 1.0) -> dict[str, float]:
-    """Yardsticks for the MAE of log TTFT on the second half of a log: a constant (the first half's median) and a
-    ridge regression on the chosen replica's feature row fitted on the first half, the same traffic the errors
-    are measured on. What the features cannot explain (scheduling jitter on a shared CPU) stays in both, so no
-    fine-tune can be expected to go much below the ridge's figure on that traffic."""
-    from trainer.finetune import log_target, split
+def error_floor(log_dir: Path) -> dict[str, float]:
+    """Yardsticks for the MAE of log TTFT on the second half of a log (trainer.finetune.baseline_errors fitted on
+    its first half): a constant, and a ridge regression on the chosen replica's features fitted on the same
+    traffic the errors are measured on. What the features cannot explain (scheduling jitter on a shared CPU)
+    stays in both, so no fine-tune can be expected to go much below the ridge's figure on that traffic."""
+    from trainer.finetune import baseline_errors, split
     from trainer.fleet_log import read_fleet_log
 
-    first, second = split(read_fleet_log(log_dir), 0.5)
-    y1, y2 = log_target(first.ttft_s), log_target(second.ttft_s)
-    x1, x2 = (d.features[np.arange(len(d)), d.actions].astype(np.float64) for d in (first, second))
-    mu, sd = x1.mean(0), x1.std(0) + 1e-6
-    a1, a2 = (np.c_[np.ones(len(x)), (x - mu) / sd] for x in (x1, x2))
-    w = np.linalg.solve(a1.T @ a1 + l2 * np.eye(a1.shape[1]), a1.T @ y1)
-    return {"constant": round(float(np.mean(np.abs(y2 - np.median(y1)))), 4),
-            "ridge_on_same_traffic": round(float(np.mean(np.abs(a2 @ w - y2))), 4)}
+    b = baseline_errors(*split(read_fleet_log(log_dir), 0.5))
+    return {"constant": b["constant"], "ridge_on_same_traffic": b["ridge_chosen_replica"]}
 
 
 def pct(xs: list[float | None], q: float) -> float:

@@ -14,7 +14,7 @@ import pytest
 from router.policy.features import FEATURE_SPEC_HASH
 from router.policy.registry import DEFAULT_MODEL_PATH
 from trainer.cli import main
-from trainer.finetune import FinetuneConfig, FinetuneError, all_logits, finetune, load_init_model
+from trainer.finetune import FinetuneConfig, FinetuneError, all_logits, baseline_errors, finetune, load_init_model
 from trainer.fleet_log import FleetLogError, read_fleet_log
 from trainer.simlog import simulate_log
 
@@ -65,6 +65,8 @@ def test_card_and_metadata(small_log, tmp_path):
     assert data["records"] == 300 and data["train_samples"] + data["validation_samples"] == data["samples"] == report.train_samples + report.val_samples
     assert data["duration_s"] > 0 and data["validation_from_unix_s"] > data["from_unix_s"]
     assert card["finetune"]["validation_before"]["mae_log_ttft"] == report.before["mae_log_ttft"]
+    assert card["finetune"]["validation_baselines"] == report.baselines
+    assert set(report.baselines) == {"constant", "ridge_chosen_replica"} and "ridge on the chosen" in report.summary()
     # the fine-tuned model is itself a valid --init (follow chains candidates)
     net, meta = load_init_model(out)
     assert meta["policy_version"] == report.policy_version and "finetune" in meta["training_config"]
@@ -136,3 +138,25 @@ def test_cli_reports_errors_without_traceback(small_log, tmp_path, capsys):
                "--epochs", "1", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["records"] == 300 and (tmp_path / "o.onnx").is_file()
+
+
+def test_baselines_ridge_finds_what_the_features_explain_and_no_more():
+    """log TTFT = 0.8 x feature 3 of the chosen replica + noise of MAE ~0.08: the ridge's held-out error is the
+    noise's, the constant's is far above it."""
+    from router.policy.features import N_FEATURES
+    from trainer.fleet_log import FleetData
+
+    rng = np.random.default_rng(0)
+
+    def data(n: int) -> FleetData:
+        feats = rng.uniform(0.0, 3.0, size=(n, 4, N_FEATURES)).astype(np.float32)
+        actions = rng.integers(0, 4, n)
+        noise = rng.laplace(0.0, 0.08, n)
+        ttft = np.exp(-3.0 + 0.8 * feats[np.arange(n), actions, 3] + noise)
+        return FleetData(feats, np.ones((n, 4), np.float32), actions, ttft, np.arange(n, dtype=float), [], n)
+
+    b = baseline_errors(data(2000), data(1000))
+    assert b["ridge_chosen_replica"] == pytest.approx(0.08, abs=0.015)
+    assert b["constant"] > 4 * b["ridge_chosen_replica"]
+    with pytest.raises(FinetuneError, match="empty"):
+        baseline_errors(data(10).subset(np.arange(0)), data(10))
