@@ -221,6 +221,38 @@ def _interval(boot: np.ndarray) -> list[float] | None:
     return None if np.isnan(boot).any() else [float(x) for x in np.percentile(boot, [2.5, 97.5])]
 
 
+REPEAT_OFFSET_S = 1e6  # pooled repeats are laid end to end on the time axis, never overlapping
+
+
+def rotated(policies: list[str], repeat: int) -> list[str]:
+    """The replay order of repeat `repeat`: each policy goes first, second, ... in turn, so that a drift of the
+    machine over the run does not land on one policy."""
+    k = repeat % len(policies) if policies else 0
+    return policies[k:] + policies[:k]
+
+
+def pool_repeats(runs: list[dict[str, list[Served]]]) -> dict[str, list[Served]]:
+    """Each policy's requests over all repeats, repeat r shifted by r x REPEAT_OFFSET_S so that in-flight counts
+    (in_flight_at_arrival) never mix two repeats."""
+    out: dict[str, list[Served]] = {}
+    for r, run in enumerate(runs):
+        for p, rows in run.items():
+            out.setdefault(p, []).extend(
+                Served(**{**x.__dict__, "arrival_s": x.arrival_s + r * REPEAT_OFFSET_S}) for x in rows)
+    return out
+
+
+def per_repeat(runs_real: list[dict[str, list[Served]]], runs_sim: list[dict[str, list[Served]]],
+               policies: list[str]) -> list[dict]:
+    """Each repeat's replay order, its ranking by p99 TTFT and the learned gain, real and simulated."""
+    out = []
+    for rep, (rr, ss) in enumerate(zip(runs_real, runs_sim)):
+        one = compare({p: rr[p] for p in policies}, {p: ss[p] for p in policies})
+        out.append({"order": rotated(policies, rep), "ranking_by_ttft_p99": one["ranking_by_ttft_p99"],
+                    "learned_gain_ttft_p99": one.get("learned_gain_ttft_p99")})
+    return out
+
+
 def compare(real: dict[str, list[Served]], sim: dict[str, list[Served]]) -> dict:
     policies = list(real)
     rows = {}
@@ -462,6 +494,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the TTFT tails and the p99s with their intervals, "
                    "real vs simulated per policy (needs matplotlib: the [sim] extra)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="replay every policy this many times, in a rotated order (drift lands on none of them); "
+                        "the report pools the repeats and lists each one's ranking and gain (default 1)")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -481,6 +516,8 @@ def _main(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.calibrations < 0:
         raise FidelityError(f"--calibrations {args.calibrations}: must be 0 or more")
+    if args.repeats < 1:
+        raise FidelityError(f"--repeats {args.repeats}: must be 1 or more")
     if LEARNED in policies and not DEFAULT_MODEL_PATH.is_file():
         raise FidelityError(f"policy 'learned': no model at {DEFAULT_MODEL_PATH}")
     if args.plot:  # before minutes of measurement, not after
@@ -569,26 +606,44 @@ def _main(args: argparse.Namespace) -> int:
         factors, extra = [1.0] * len(urls), 0.0
         if args.warmup > 0:
             cluster, factors, extra = fit_in_fleet(args, base, rate, estimate_scale, urls, model, work, cluster, log)
-        real: dict[str, list[Served]] = {}
-        sim: dict[str, list[Served]] = {}
-        engine: dict[str, dict[str, float]] = {}
-        fallbacks: dict[str, dict[str, float]] = {}
-        for k, policy in enumerate(policies):
-            plan, info = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
-            # Fresh prompt text per policy (same lengths and arrivals) so no run hits another's prefix cache. The
-            # synthesiser writes 4 characters per token, the router's rule; the server's tokenizer packs
-            # chars_per_token: write the text that the server counts as the trace's length.
-            synth = PromptSynth(seed=1000 + k)
-            plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
-                            r.max_tokens) for r in plan]
-            log(f"fidelity: {policy}: {len(plan)} requests through the router")
-            real[policy], itl, fallback_real, reasons = replay_real(urls, policy, plan, model, work,
-                                                                    args.scrape_interval, not args.quiet)
-            sim[policy], fallback_sim = simulate_same(real[policy], cluster, policy, estimate_scale)
-            engine[policy] = {"real_server_side_s": _mean(itl), "sim_s": mean_itl(sim[policy]),
-                              "real_client_side_s": mean_itl(real[policy])}
-            fallbacks[policy] = {"real": fallback_real, "sim": fallback_sim, "real_reasons": reasons}
+        runs_real: list[dict[str, list[Served]]] = []
+        runs_sim: list[dict[str, list[Served]]] = []
+        itls: dict[str, list[tuple[float, float]]] = {p: [] for p in policies}
+        shares: dict[str, dict[str, list[float]]] = {p: {"real": [], "sim": []} for p in policies}
+        reasons_all: dict[str, dict[str, int]] = {p: {} for p in policies}
+        for rep in range(args.repeats):
+            runs_real.append({})
+            runs_sim.append({})
+            for policy in rotated(policies, rep):
+                k = policies.index(policy)
+                plan, info = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
+                # Fresh prompt text per policy and repeat (same lengths and arrivals) so no run hits another's
+                # prefix cache. The synthesiser writes 4 characters per token, the router's rule; the server's
+                # tokenizer packs chars_per_token: write the text that the server counts as the trace's length.
+                synth = PromptSynth(seed=1000 + k + 100 * rep)
+                plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
+                                r.max_tokens) for r in plan]
+                log(f"fidelity: {policy}: {len(plan)} requests through the router"
+                    + (f" (repeat {rep + 1} of {args.repeats})" if args.repeats > 1 else ""))
+                served, itl, fallback_real, reasons = replay_real(urls, policy, plan, model, work,
+                                                                  args.scrape_interval, not args.quiet)
+                runs_real[rep][policy] = served
+                runs_sim[rep][policy], fallback_sim = simulate_same(served, cluster, policy, estimate_scale)
+                itls[policy] += itl
+                shares[policy]["real"].append(fallback_real)
+                shares[policy]["sim"].append(fallback_sim)
+                for reason, n in reasons.items():
+                    reasons_all[policy][reason] = reasons_all[policy].get(reason, 0) + n
+        real, sim = pool_repeats(runs_real), pool_repeats(runs_sim)
+        real = {p: real[p] for p in policies}  # the report lists the policies in the order asked for
+        sim = {p: sim[p] for p in policies}
+        engine = {p: {"real_server_side_s": _mean(itls[p]), "sim_s": mean_itl(sim[p]), "real_client_side_s": mean_itl(real[p])}
+                  for p in policies}
+        fallbacks = {p: {"real": float(np.mean(shares[p]["real"])), "sim": float(np.mean(shares[p]["sim"])),
+                         "real_reasons": reasons_all[p]} for p in policies}
         report = compare(real, sim)
+        if args.repeats > 1:  # the pooled figures above; each repeat's own ranking and gain here
+            report["per_repeat"] = per_repeat(runs_real, runs_sim, policies)
         # where the error comes from: how each server's median TTFT grows with its load, real and simulated
         slots = [g.max_num_seqs for g in cluster.replicas]
         report["ttft_vs_in_flight"] = {p: [{"real": ttft_line(real[p], slots, i), "sim": ttft_line(sim[p], slots, i)}
@@ -596,7 +651,7 @@ def _main(args: argparse.Namespace) -> int:
         report["mean_inter_token_latency"] = engine
         report["fallback_share"] = fallbacks
         report.update(
-            speed_factors=factors, extra_request_overhead_s=extra, mean_tokens={"prompt": mean_p, "output": mean_o}, warmup_s=args.warmup, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
+            speed_factors=factors, extra_request_overhead_s=extra, mean_tokens={"prompt": mean_p, "output": mean_o}, warmup_s=args.warmup, repeats=args.repeats, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
             servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
             wall_s=time.monotonic() - t_start,
         )
@@ -611,6 +666,11 @@ def _main(args: argparse.Namespace) -> int:
             print(json.dumps(report, indent=2))
         else:
             print(format_report(report))
+            for rep, one in enumerate(report.get("per_repeat", [])):
+                rk, g = one["ranking_by_ttft_p99"], one["learned_gain_ttft_p99"]
+                print(f"repeat {rep + 1} (replayed {', '.join(one['order'])}): real {' < '.join(rk['real'])}, "
+                      f"sim {' < '.join(rk['sim'])}"
+                      + (f"; learned gain real {_pct(g['real'])}, predicted {_pct(g['predicted'])}" if g else ""))
             for p, e in engine.items():
                 print(f"{p}: mean inter-token latency real {e['real_server_side_s'] * 1e3:.1f} ms in the engines "
                       f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms; "

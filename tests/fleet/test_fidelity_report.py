@@ -187,3 +187,36 @@ def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys, tmp
     err = capsys.readouterr().err
     assert "--plot" in err and "matplotlib" in err and "routewise[sim]" in err
     assert not (tmp_path / "f.png").exists()
+
+
+def test_repeats_rotate_the_order_and_pool_without_mixing_in_flight_counts():
+    from fleet.fidelity import in_flight_at_arrival, pool_repeats, rotated
+
+    pols = ["least-outstanding", "expected-wait", "learned"]
+    assert [rotated(pols, r) for r in range(4)] == [pols, pols[1:] + pols[:1], pols[2:] + pols[:2], pols]
+    # two repeats of the same two overlapping requests: pooled, each still sees only its own repeat in flight
+    one = [Served(0.0, 10, 5, 0.01, 0.01, 2.0, 0), Served(1.0, 10, 5, 0.01, 0.01, 2.0, 0)]
+    pooled = pool_repeats([{"a": one}, {"a": [Served(**x.__dict__) for x in one]}])["a"]
+    assert len(pooled) == 4 and [x.ttft_s for x in pooled] == [0.01] * 4
+    assert list(in_flight_at_arrival(pooled)) == [0, 1, 0, 1]
+    assert one[0].arrival_s == 0.0  # the repeats' own rows are not shifted in place
+
+
+def test_repeats_below_one_is_one_line(capsys):
+    from fleet.cli import main
+
+    assert main(["fidelity", "--server", "http://127.0.0.1:9", "--repeats", "0", "--quiet"]) == 1
+    assert "--repeats 0: must be 1 or more" in capsys.readouterr().err
+
+
+def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
+    from fleet.fidelity import per_repeat
+
+    pols = ["least-outstanding", "learned"]
+    fast, slow = _served([0.1] * 99 + [0.5]), _served([0.1] * 99 + [1.0])
+    runs_real = [{"least-outstanding": slow, "learned": fast}, {"least-outstanding": fast, "learned": slow}]
+    runs_sim = [{"least-outstanding": slow, "learned": fast}, {"least-outstanding": slow, "learned": fast}]
+    reps = per_repeat(runs_real, runs_sim, pols)
+    assert [r["order"] for r in reps] == [pols, pols[::-1]]
+    assert reps[0]["ranking_by_ttft_p99"]["same"] and not reps[1]["ranking_by_ttft_p99"]["same"]
+    assert reps[0]["learned_gain_ttft_p99"]["real"] > 0 > reps[1]["learned_gain_ttft_p99"]["real"]
