@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -217,7 +217,8 @@ def p99_bootstrap(ttft_s: list[list[float]], resamples: int = BOOTSTRAP_RESAMPLE
     return out
 
 
-def _interval(boot: np.ndarray) -> list[float] | None:
+def interval95(boot: np.ndarray) -> list[float] | None:
+    """The central 95 % of bootstrap values (p99_bootstrap's rows); None if any is undefined."""
     return None if np.isnan(boot).any() else [float(x) for x in np.percentile(boot, [2.5, 97.5])]
 
 
@@ -237,8 +238,7 @@ def pool_repeats(runs: list[dict[str, list[Served]]]) -> dict[str, list[Served]]
     out: dict[str, list[Served]] = {}
     for r, run in enumerate(runs):
         for p, rows in run.items():
-            out.setdefault(p, []).extend(
-                Served(**{**x.__dict__, "arrival_s": x.arrival_s + r * REPEAT_OFFSET_S}) for x in rows)
+            out.setdefault(p, []).extend(replace(x, arrival_s=x.arrival_s + r * REPEAT_OFFSET_S) for x in rows)
     return out
 
 
@@ -267,7 +267,7 @@ def compare(real: dict[str, list[Served]], sim: dict[str, list[Served]]) -> dict
     boot = {src: dict(zip(policies, p99_bootstrap([[x.ttft_s for x in runs[p]] for p in policies])))
             for src, runs in (("real", real), ("sim", sim))}
     for p in policies:
-        rows[p]["ttft_s"]["p99"]["ci95"] = {src: _interval(boot[src][p]) for src in ("real", "sim")}
+        rows[p]["ttft_s"]["p99"]["ci95"] = {src: interval95(boot[src][p]) for src in ("real", "sim")}
 
     def separated(src: str) -> bool:  # each policy's interval below the next one's in the ranking
         ci = [rows[p]["ttft_s"]["p99"]["ci95"][src] for p in rank[src]]
@@ -281,7 +281,7 @@ def compare(real: dict[str, list[Served]], sim: dict[str, list[Served]]) -> dict
             base, learned = rows[BASELINE]["ttft_s"]["p99"][src], rows[LEARNED]["ttft_s"]["p99"][src]
             gain[src] = 1.0 - learned / base if base else None
             with np.errstate(divide="ignore", invalid="ignore"):
-                gain_ci[src] = _interval(1.0 - boot[src][LEARNED] / boot[src][BASELINE])
+                gain_ci[src] = interval95(1.0 - boot[src][LEARNED] / boot[src][BASELINE])
         ratio = gain["real"] / gain["sim"] if gain["real"] is not None and gain["sim"] else None
         report["learned_gain_ttft_p99"] = {"real": gain["real"], "predicted": gain["sim"], "ratio": ratio,
                                            "real_ci95": gain_ci["real"], "predicted_ci95": gain_ci["sim"]}

@@ -32,7 +32,7 @@ import copy
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -315,7 +315,7 @@ class FinetuneReport:
     before: dict
     after: dict
     wall_s: float
-    baselines: dict = field(default_factory=dict)  # baseline_errors on the same held-out part
+    baselines: dict  # baseline_errors on the same held-out part
 
     def summary(self) -> str:
         b, a = self.before, self.after
@@ -325,10 +325,9 @@ class FinetuneReport:
             f"(skipped {self.skipped or 'none'})\n"
             f"held-out MAE of log TTFT: {b['mae_log_ttft']:.4f} -> {a['mae_log_ttft']:.4f}; "
             f"pair order accuracy ({a['pairs']} pairs): {acc(b)} -> {acc(a)}\n"
-            + (f"baselines fitted on the same training part, held-out MAE: constant {self.baselines['constant']:.4f}, "
-               f"ridge on the chosen replica's features {self.baselines['ridge_chosen_replica']:.4f}\n"
-               if self.baselines else "")
-            + f"wrote {self.out} ({self.policy_version}) and {self.card} in {self.wall_s:.1f}s"
+            f"baselines fitted on the same training part, held-out MAE: constant {self.baselines['constant']:.4f}, "
+            f"ridge on the chosen replica's features {self.baselines['ridge_chosen_replica']:.4f}\n"
+            f"wrote {self.out} ({self.policy_version}) and {self.card} in {self.wall_s:.1f}s"
         )
 
 

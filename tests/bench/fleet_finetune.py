@@ -34,7 +34,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from fleet.fidelity import p99_bootstrap  # noqa: E402
+from fleet.fidelity import interval95, p99_bootstrap  # noqa: E402
 from fleet.router_process import start_router  # noqa: E402
 from fleet.vllm import (  # noqa: E402
     FLEET_ARGS, SERVED_MODEL_NAME, ensure_tiny_model, start_servers, stop_servers, vllm_python,
@@ -165,7 +165,7 @@ def main() -> int:
             ttfts = run_policy(urls, policy, seg_b, work, log_dir)
             (boot,) = p99_bootstrap([[x for x in ttfts if x is not None]])
             results[name] = {"p50_s": pct(ttfts, 50), "p99_s": pct(ttfts, 99), "failed": sum(x is None for x in ttfts),
-                             "p99_ci95_s": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
+                             "p99_ci95_s": interval95(boot)}
             print(f"  {name:22s} p50 {results[name]['p50_s'] * 1e3:7.1f} ms  p99 {results[name]['p99_s'] * 1e3:7.1f} ms  "
                   f"failed {results[name]['failed']}", flush=True)
         unseen = errors_on(work / "log-b-shipped", {"shipped": shipped, "fine-tuned": work / "finetuned.onnx"})
@@ -176,14 +176,15 @@ def main() -> int:
     ft, sh = results["learned (fine-tuned)"]["p99_s"], results["learned (shipped)"]["p99_s"]
     print(f"\nsegment B ({len(seg_b)} requests, {args.rate}/s for {args.segment_s:.0f}s), TTFT per policy:")
     for name, r in results.items():
-        lo, hi = r["p99_ci95_s"]
+        ci = r["p99_ci95_s"]  # None when no request of that policy succeeded
         print(f"  {name:22s} p50 {r['p50_s'] * 1e3:7.1f} ms   p99 {r['p99_s'] * 1e3:7.1f} ms "
-              f"[{lo * 1e3:.0f}, {hi * 1e3:.0f}]   failed {r['failed']}")
+              + ("[-]" if ci is None else f"[{ci[0] * 1e3:.0f}, {ci[1] * 1e3:.0f}]") + f"   failed {r['failed']}")
     print(f"fine-tuned p99 < shipped p99: {ft < sh} ({ft * 1e3:.1f} vs {sh * 1e3:.1f} ms); "
           f"<= best heuristic p99: {ft <= best_h} ({best_h * 1e3:.1f} ms)")
     ft_ci, sh_ci = results["learned (fine-tuned)"]["p99_ci95_s"], results["learned (shipped)"]["p99_ci95_s"]
+    apart = ft_ci is not None and sh_ci is not None and (ft_ci[1] < sh_ci[0] or sh_ci[1] < ft_ci[0])
     print("  [the p99s' 95 % bootstrap intervals, requests resampled; a lower bound on the noise: fine-tuned vs shipped "
-          f"{'do not overlap' if ft_ci[1] < sh_ci[0] or sh_ci[1] < ft_ci[0] else 'overlap'}]")
+          f"{'do not overlap' if apart else 'overlap (or one is undefined)'}]")
     print(f"prediction error, segment A held-out 20 %: MAE log TTFT {report.before['mae_log_ttft']:.4f} -> "
           f"{report.after['mae_log_ttft']:.4f}")
     for name, e in unseen.items():
