@@ -88,7 +88,24 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the comparison document as JSON instead of a table")
     p.add_argument("--late-binding", action="store_true",
                    help="also run every heuristic with heuristic late binding (rows `<name>+late`, simulator.late_binding)")
+    p.add_argument("--swap-profile", action="append", default=[], metavar="OLD=NEW",
+                   help="run the replicas of profile OLD on profile NEW (a name or a YAML path, e.g. one measured on your "
+                        "GPU): the same arrivals on other hardware; repeatable")
     _split_argument(p)  # fmt: skip
+
+
+def _profile_swap(items: list[str]) -> dict[str, str]:
+    swap = {}
+    for item in items:
+        old, sep, new = item.partition("=")
+        if not sep or not old or not new:
+            raise UsageError(f"--swap-profile takes OLD=NEW, got {item!r}")
+        try:
+            costmodel.load_profile(new)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--swap-profile {item}: {e}") from None
+        swap[old] = str(Path(new).resolve()) if new.endswith((".yaml", ".yml")) else new
+    return swap
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -98,8 +115,15 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     scenarios = resolve_scenarios(args.scenario)
     policies = resolve_policies(args.policies)
+    swap = _profile_swap(args.swap_profile)
+    used = {g.profile for name in scenarios for g in load_scenario(name).cluster.replicas}
+    for old in swap:
+        if old not in used:
+            raise UsageError(f"--swap-profile {old}=...: no chosen scenario has replicas on profile {old!r} "
+                             f"(they use: {', '.join(sorted(used))})")
     start = time.perf_counter()
-    doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers, late_binding=args.late_binding)
+    doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers, late_binding=args.late_binding,
+                  profile_swap=swap)
     wall = time.perf_counter() - start
     if args.json:
         print(to_json(doc))
@@ -109,6 +133,8 @@ def _compare(args: argparse.Namespace) -> int:
             f"\n{len(scenarios)} scenario(s) x {len(policies)} policies x {args.seeds} seed(s), {args.split} split, "
             f"means over seeds; p99/best = p99 TTFT / best heuristic's p99 TTFT; {wall:.1f}s wall"
         )
+        for old, new in swap.items():
+            print(f"replicas on {old} ran on {new}")
     return 0
 
 

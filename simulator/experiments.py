@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 
@@ -81,11 +81,20 @@ LATE_SUFFIX = "+late"  # a heuristic run with heuristic late binding (simulator.
 
 
 def run_policies(
-    scenario: str, policies: Sequence[str], seed: int, split: str, library=None, late_binding: bool = False
+    scenario: str,
+    policies: Sequence[str],
+    seed: int,
+    split: str,
+    library=None,
+    late_binding: bool = False,
+    profile_swap: Mapping[str, str] | None = None,
 ) -> dict[str, dict]:
     """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy.
-    With `late_binding`, every heuristic also runs with late binding, as `<name>+late`."""
+    With `late_binding`, every heuristic also runs with late binding, as `<name>+late`; with `profile_swap`
+    ({OLD: NEW}) the scenario's replicas on profile OLD run on NEW (`Scenario.with_profiles`)."""
     sc = load_scenario(scenario, split=split, library=library)
+    if profile_swap:
+        sc = sc.with_profiles(profile_swap)
     cluster, requests = sc.build(np.random.default_rng(seed))
     out = {}
     for name in policies:
@@ -110,9 +119,11 @@ def _replica_ids(cluster) -> list[str]:
     return list(ClusterSim(cluster, [], seed=0).replica_ids)
 
 
-def _task(args: tuple[str, tuple[str, ...], int, str, bool]) -> tuple[str, int, dict[str, dict]]:
-    scenario, policies, seed, split, late_binding = args
-    return scenario, seed, run_policies(scenario, policies, seed, split, late_binding=late_binding)
+def _task(args: tuple) -> tuple[str, int, dict[str, dict]]:
+    scenario, policies, seed, split, late_binding, profile_swap = args
+    return scenario, seed, run_policies(
+        scenario, policies, seed, split, late_binding=late_binding, profile_swap=dict(profile_swap)
+    )
 
 
 RESULT_FIELDS = ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "goodput", "throughput_rps")
@@ -127,6 +138,7 @@ def compare(
     progress: bool = True,
     late_binding: bool = False,
     executor: Executor | None = None,
+    profile_swap: Mapping[str, str] | None = None,
 ) -> dict:
     """Every policy on every scenario for each seed; seeds fix the arrivals, so policies see the same requests.
 
@@ -135,10 +147,12 @@ def compare(
 
     Returns `{"results": [{scenario, policy, seeds, ttft_p50_s, ttft_p99_s, tpot_p99_s, e2e_p99_s, goodput,
     throughput_rps, <each>_ci95, ttft_p99_vs_best_heuristic, metrics: {all aggregated figures}}, ...]}`,
-    one record per (scenario, policy), averaged over seeds with 95 % t-interval half-widths.
+    one record per (scenario, policy), averaged over seeds with 95 % t-interval half-widths. With
+    `profile_swap` ({OLD: NEW}) every scenario runs with its OLD replicas on profile NEW (the document says so).
     """
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    tasks = [(s, tuple(policies), seed, split, late_binding) for s in scenarios for seed in seed_list]
+    swap = tuple(sorted((profile_swap or {}).items()))
+    tasks = [(s, tuple(policies), seed, split, late_binding, swap) for s in scenarios for seed in seed_list]
     if late_binding:
         policies = list(policies) + [p + LATE_SUFFIX for p in policies if p in BASELINES]
     runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in scenarios for p in policies}
@@ -171,7 +185,10 @@ def compare(
         for r in rows:
             r["ttft_p99_vs_best_heuristic"] = r["ttft_p99_s"] / best if best and best > 0 else math.nan
         results.extend(rows)
-    return {"split": split, "seeds": seed_list, "results": results}
+    doc = {"split": split, "seeds": seed_list, "results": results}
+    if swap:
+        doc["profile_swap"] = dict(swap)
+    return doc
 
 
 def _progress(iterable, bar, step: int):

@@ -8,7 +8,9 @@ a trace-free synthetic workload never repeats between training and evaluation fo
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +79,15 @@ class Scenario:
     @property
     def cluster(self) -> ClusterConfig:
         return self.spec.cluster
+
+    def with_profiles(self, swap: Mapping[str, str]) -> Scenario:
+        """The same scenario with every replica group on profile OLD moved to profile NEW (`swap` = {OLD: NEW}, NEW
+        a name or a YAML path): the same arrivals and fleet shape on other hardware, e.g. a profile measured on
+        your own GPU. Groups on other profiles stay; a NEW that does not load fails naming the field."""
+        groups = [g.model_copy(update={"profile": swap.get(g.profile, g.profile)}) for g in self.spec.cluster.replicas]
+        spec = self.spec.model_copy(update={"cluster": self.spec.cluster.model_copy(update={"replicas": groups})})
+        _check_profiles(self.source, spec)
+        return dataclasses.replace(self, spec=spec)
 
     def build(self, rng: np.random.Generator) -> tuple[ClusterConfig, list[SimRequest]]:
         workload_rng = np.random.default_rng([int(rng.integers(2**63)), _SPLIT_SALT[self.split]])

@@ -119,3 +119,30 @@ def test_compare_json_gives_one_record_per_policy_on_identical_arrivals(capsys):
     # same arrivals for every policy: the same request count, and the best heuristic's ratio is exactly 1
     assert rows[0]["metrics"]["requests"] == rows[1]["metrics"]["requests"] == 200
     assert min(r["ttft_p99_vs_best_heuristic"] for r in rows) == 1.0
+
+
+def test_compare_swap_profile_runs_the_same_arrivals_on_other_hardware(capsys):
+    base = ["compare", "--scenario", str(DATA / "scenario_good.yaml"), "--policies", "least-outstanding", "--seeds", "1",
+            "--json"]
+    assert main(base) == 0
+    h100 = json.loads(capsys.readouterr().out)
+    assert main([*base, "--swap-profile", "llama3-8b-h100=llama3-8b-l4"]) == 0
+    l4 = json.loads(capsys.readouterr().out)
+    assert l4["profile_swap"] == {"llama3-8b-h100": "llama3-8b-l4"} and "profile_swap" not in h100
+    (a,), (b,) = h100["results"], l4["results"]
+    assert a["metrics"]["requests"] == b["metrics"]["requests"]
+    assert b["ttft_p50_s"] > 3 * a["ttft_p50_s"]  # an L4 prefills a 256-token prompt far slower than an H100
+
+
+@pytest.mark.parametrize(
+    "swap, message",
+    [
+        ("llama3-8b-h100", "takes OLD=NEW"),
+        ("llama3-8b-h100=no-such-gpu", "unknown hardware profile 'no-such-gpu'"),
+        ("llama3-8b-a100=llama3-8b-l4", "no chosen scenario has replicas on profile 'llama3-8b-a100'"),
+    ],
+)
+def test_compare_swap_profile_names_what_is_wrong(capsys, swap, message):
+    args = ["compare", "--scenario", str(DATA / "scenario_good.yaml"), "--seeds", "1", "--swap-profile", swap]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err

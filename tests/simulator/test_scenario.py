@@ -93,3 +93,12 @@ def test_every_builtin_scenario_builds_in_both_splits():
 
 def test_builtin_files_live_in_the_package():
     assert all((SCENARIOS_DIR / f"{n}.yaml").is_file() for n in scenario_names())
+
+
+def test_with_profiles_moves_only_the_named_profile():
+    sc = load_scenario("heterogeneous")
+    swapped = sc.with_profiles({"llama3-8b-h100": "llama3-8b-l4"})
+    assert [(g.profile, g.count) for g in swapped.cluster.replicas] == [("llama3-8b-l4", 2), ("llama3-8b-a100", 3)]
+    assert [g.profile for g in sc.cluster.replicas] == ["llama3-8b-h100", "llama3-8b-a100"]  # the original is untouched
+    with pytest.raises(ScenarioError, match=r"cluster\.replicas\.0\.profile.*no-such-gpu"):
+        sc.with_profiles({"llama3-8b-h100": "no-such-gpu"})
