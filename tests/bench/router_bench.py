@@ -13,6 +13,8 @@ worker, proxy_buffering off) and, with --vllm-router (or .venv-vr/bin/vllm-route
 (round_robin) in front of the same backend. Measures
   (a) added latency p50/p99 vs direct at a fixed open-loop rate (default 50 req/s, 20 s), and
   (b) max requests/s with wrk, non-streaming and streaming, for direct, nginx and router.
+On a many-core host pin the proxies to the same CPUs and the load elsewhere (--proxy-cpus, --load-cpus, with
+--nginx-workers N --workers N, --wrk-threads, --backend-procs: tests/bench/README.md).
 With --replicas N the backend also answers on 127.0.0.2 .. 127.0.0.N (loopback) and the routers see N replicas,
 so a policy decides among N; with several --policy values each gets its own router (routewise-wN-<policy>).
 Everything listens on loopback and runs in its own process group; all are stopped at the end.
@@ -116,7 +118,7 @@ class Backend(asyncio.Protocol):
                 self.t.write(self.NOT_FOUND)
 
 
-def run_backend(port: int, hosts_n: int = 1) -> None:
+def run_backend(port: int, hosts_n: int = 1, reuse_port: bool = False) -> None:
     try:
         import uvloop
         uvloop.install()
@@ -125,7 +127,8 @@ def run_backend(port: int, hosts_n: int = 1) -> None:
 
     async def main():
         hosts = [f"127.0.0.{i}" for i in range(1, hosts_n + 1)]
-        server = await asyncio.get_running_loop().create_server(Backend, hosts, port, backlog=1024)
+        server = await asyncio.get_running_loop().create_server(Backend, hosts, port, backlog=1024,
+                                                                reuse_port=reuse_port or None)
         async with server:
             await server.serve_forever()
 
@@ -165,7 +168,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 NGINX_CONF = """
-worker_processes 1;
+worker_processes {workers};
 pid {tmp}/nginx.pid;
 error_log {tmp}/error.log warn;
 events {{ worker_connections 4096; }}
@@ -222,11 +225,20 @@ async def open_loop(url: str, rate: float, duration: float) -> list[float]:
     return lat
 
 
+def _cpu_list(text: str) -> set[int]:
+    """CPUs of a taskset-style list: "0-3,8" -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=1000)[int(q * 1000) - 1]
 
 
-def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path) -> float:
+def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path, threads: int = 1, pin: list[str] = ()) -> float:
     body = dict(BODY, stream=stream)
     script = tmp / f"post_{int(stream)}.lua"
     script.write_text(
@@ -234,7 +246,7 @@ def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path) -> float:
         f"wrk.body = '{json.dumps(body, separators=(',', ':'))}'\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
     )
-    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "-s", str(script), url],
+    out = subprocess.run([*pin, "wrk", f"-t{threads}", f"-c{conns}", f"-d{duration}s", "-s", str(script), url],
                          capture_output=True, text=True, check=True).stdout
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     errs = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -259,11 +271,16 @@ def main() -> int:
     ap.add_argument("--vllm-router", default=str(REPO / ".venv-vr/bin/vllm-router"),
                     help="vllm-router executable (skipped when absent)")
     ap.add_argument("--nice", type=int, default=0, help="run the proxies under nice -n N (shared machines)")
+    ap.add_argument("--nginx-workers", type=int, default=1, help="nginx worker processes (compare N cores with N)")
+    ap.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (a many-core host needs more than one)")
+    ap.add_argument("--backend-procs", type=int, default=1, help="backend processes sharing its port (SO_REUSEPORT)")
+    ap.add_argument("--proxy-cpus", help="pin nginx, vllm-router and the routers to these CPUs (taskset list, e.g. 0-3)")
+    ap.add_argument("--load-cpus", help="pin the backend, wrk and this script to these CPUs (e.g. 8-15)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--backend-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.backend_only:
-        run_backend(args.backend_only, args.replicas)
+        run_backend(args.backend_only, args.replicas, reuse_port=args.backend_procs > 1)
         return 0
     if not 1 <= args.replicas <= 250:
         sys.exit(f"--replicas {args.replicas}: must be 1..250")
@@ -275,13 +292,20 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
     bport, nport = free_port(), free_port()
     nice = ["nice", "-n", str(args.nice)] if args.nice else []
+    if args.proxy_cpus:
+        nice = ["taskset", "-c", args.proxy_cpus, *nice]
+    load_pin = ["taskset", "-c", args.load_cpus] if args.load_cpus else []
+    if args.load_cpus:
+        os.sched_setaffinity(0, _cpu_list(args.load_cpus))
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(subprocess.Popen([sys.executable, __file__, "--backend-only", str(bport), "--replicas", str(args.replicas)],
-                                      start_new_session=True))
+        for _ in range(args.backend_procs):
+            procs.append(subprocess.Popen([sys.executable, __file__, "--backend-only", str(bport), "--replicas",
+                                           str(args.replicas), "--backend-procs", str(args.backend_procs)],
+                                          start_new_session=True))
         wait_port(bport)
         targets = {"direct": bport, "nginx": nport}
-        (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, backend=bport, port=nport))
+        (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, backend=bport, port=nport, workers=args.nginx_workers))
         nginx = shutil.which("nginx") or "/usr/sbin/nginx"
         procs.append(subprocess.Popen([*nice, nginx, "-c", str(tmp / "nginx.conf"), "-p", str(tmp), "-g", "daemon off;"],
                                       start_new_session=True))
@@ -321,7 +345,8 @@ def main() -> int:
         for stream in () if args.no_wrk else (False, True):
             key = "streaming" if stream else "non_streaming"
             results["rps"][key] = {
-                name: wrk(f"http://127.0.0.1:{port}/v1/completions", stream, args.wrk_duration, args.connections, tmp)
+                name: wrk(f"http://127.0.0.1:{port}/v1/completions", stream, args.wrk_duration, args.connections, tmp,
+                          args.wrk_threads, load_pin)
                 for name, port in targets.items()
             }
     finally:
@@ -353,7 +378,8 @@ def main() -> int:
                   f"p99 <= {d['decision_p99_s'] * 1e6:6.0f} us  fell back {d['fallback_share']:.1%} ({fb})")
     if not results["rps"]:
         return 0
-    print(f"\n(b) max requests/s with wrk -t1 -c{args.connections} -d{args.wrk_duration}s (x nginx)")
+    print(f"\n(b) max requests/s with wrk -t{args.wrk_threads} -c{args.connections} -d{args.wrk_duration}s (x nginx, "
+          f"{args.nginx_workers} worker(s))")
     print(f"{'target':<{width}} " + " ".join(f"{key:>22}" for key in results["rps"]))
     for name in targets:
         cells = [f"{row[name]:9.0f} ({row[name] / row['nginx']:4.2f}x)" for row in results["rps"].values()]
