@@ -17,13 +17,17 @@ import numpy as np
 from router.policy.registry import make_policy
 from router.policy.types import ClusterView, RequestInfo
 from router.policy.decision_record import PendingRecord, decision_record
+from simulator.scenario import load_scenario
 from trainer.config import TrainConfig
 from trainer.instances import InstanceBuilder, InstanceSpec
 from trainer.rollout import SpecEnv
 
 
 def _env(scenario: str, max_requests: int) -> SpecEnv:
-    cfg = TrainConfig.model_validate({"env": {"scenarios": [scenario], "max_requests": max_requests, "randomise": False}})
+    width = max(16, load_scenario(scenario, split="train").cluster.replica_count())  # the live router has no padding limit
+    cfg = TrainConfig.model_validate(
+        {"env": {"scenarios": [scenario], "max_requests": max_requests, "randomise": False, "max_replicas": width}}
+    )
     return SpecEnv(cfg, InstanceBuilder(cfg.env))
 
 
@@ -53,14 +57,21 @@ def simulate_log(
                 pending.append((env.now_s, view, request, action, None if explored else action))
                 _, mask, _, done, _ = env.step(action)
             records = {str(r.request_id): r for r in env.records()}
+            final = {str(req.request_id): i for i, (_, _, req, _, _) in enumerate(pending)}  # a crash re-decides
+            attempts: dict[str, int] = {}
             last = 0.0
-            for now, view, request, action, primary in pending:
-                r = records.get(str(request.request_id))
-                ok = r is not None and not r.error and r.first_token_s is not None
+            for i, (now, view, request, action, primary) in enumerate(pending):
+                rid = str(request.request_id)
+                attempt = attempts[rid] = attempts.get(rid, -1) + 1
+                r = records.get(rid)
+                # Only a request's last attempt can have served it, and only if its first token came after that
+                # decision (the simulator re-decides a crashed replica's requests, even those already streaming).
+                ok = (final[rid] == i and r is not None and not r.error and r.first_token_s is not None
+                      and r.first_token_s >= now)
                 p = PendingRecord(
                     time_s=t_base + now, request=request, view=view, arm="main", policy=behaviour, index=action,
-                    primary_index=primary, fallback_reason=None, decision_s=None, stream=True, status=200 if ok else 503,
-                    ok=ok, ttft_s=(r.first_token_s - now) if ok else None, prefix_block_tokens=64,
+                    primary_index=primary, fallback_reason=None, decision_s=None, attempt=attempt, stream=True,
+                    status=200 if ok else 503, ok=ok, ttft_s=(r.first_token_s - now) if ok else None, prefix_block_tokens=64,
                 )
                 fh.write(json.dumps(decision_record(p), separators=(",", ":")) + "\n")
                 last = now

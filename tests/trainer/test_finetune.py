@@ -160,3 +160,24 @@ def test_baselines_ridge_finds_what_the_features_explain_and_no_more():
     assert b["constant"] > 4 * b["ridge_chosen_replica"]
     with pytest.raises(FinetuneError, match="empty"):
         baseline_errors(data(10).subset(np.arange(0)), data(10))
+
+
+def test_simulated_log_of_a_fleet_wider_than_training_padding(tmp_path):
+    """A 32-replica fleet (training pads observations to 16) logs as the live router would: every decision,
+    with the index of any of the 32 replicas."""
+    path = simulate_log("shape-conv-32", tmp_path, behaviour="learned", episodes=1, max_requests=150, epsilon=0.2, seed=2)
+    data = read_fleet_log(tmp_path)
+    assert sum(1 for _ in open(path)) == 150
+    assert data.features.shape[1] == 32 and data.actions.max() >= 16
+
+
+def test_simulated_log_of_a_crash_marks_retries_and_no_negative_ttft(tmp_path):
+    """The simulator re-decides a crashed replica's requests, some already streaming: those decisions are logged
+    as later attempts, and only an attempt whose first token came after it carries a TTFT (the reader used to
+    refuse the log over a negative one)."""
+    path = simulate_log("crash", tmp_path, behaviour="learned", episodes=2, max_requests=1000, seed=1)
+    recs = [json.loads(line) for line in open(path)]
+    assert any(r["attempt"] > 0 for r in recs)
+    assert all(r["ttft_s"] is None or r["ttft_s"] >= 0 for r in recs)
+    data = read_fleet_log(tmp_path)
+    assert data.skipped["retry"] == sum(r["attempt"] > 0 for r in recs)
