@@ -16,6 +16,7 @@ as in vLLM. So the measured time is what the profile's roofline part should pred
 
     python tests/bench/gpu_roofline.py [--profile llama3-8b-h100] [--out DIR]          # on a GPU machine, ~1 min
     python tests/bench/gpu_roofline.py --device cpu --tiny                               # the same code, a tiny shape
+    python tests/bench/gpu_roofline.py --report simulator/profiles/measured/llama3-8b-h100-measured.yaml  # no GPU
 
 Never needed by the project: the router, simulator and tests run without a GPU; this only checks a profile.
 """
@@ -327,14 +328,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="timed replays per probe (median reported)")
     ap.add_argument("--max-cache-gib", type=float, default=36.0, help="skip probes whose KV cache is larger")
     ap.add_argument("--out", type=Path, help="write roofline.json and PROFILE-measured.yaml (the refit) here")
+    ap.add_argument("--report", type=Path, metavar="MEASURED.yaml",
+                    help="no GPU: report again from the iterations a measured profile records (e.g. "
+                         "simulator/profiles/measured/llama3-8b-h100-measured.yaml)")
     args = ap.parse_args(argv)
+    profile = load_profile(args.profile)
+    if args.report:
+        device_name, date, ceil, rows = recorded(args.report)
+        shape = shape_for(profile, args.intermediate, args.vocab)
+        print(f"# recorded in {args.report}: {device_name}, {date}; profile {profile.name} ({profile.gpu_name})")
+    else:
+        measured = measure(args, profile)
+        if isinstance(measured, int):
+            return measured
+        device_name, shape, ceil, rows = measured
+        date = datetime.date.today().isoformat()
+    summary = report(profile, rows, ceil, tiny=args.tiny)
+    summary |= dict(device=device_name, date=date, shape=asdict(shape))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "roofline.json").write_text(json.dumps(summary, indent=2))
+        if not args.tiny:
+            write_profile(args.out / f"{profile.name}-measured.yaml", args.profile, fit(profile, _fit_rows(rows)), summary)
+    return 0
 
+
+def recorded(path: Path) -> tuple[str, str, dict, list[tuple[Probe, float]]]:
+    """(device, date, ceilings, timed probes) recorded in a measured profile's `measured` section."""
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text())
+    m = doc.get("measured") if isinstance(doc, dict) else None
+    if not isinstance(m, dict) or not m.get("iterations"):
+        raise SystemExit(f"error: {path}: no measured.iterations (write one with --out on a GPU)")
+    rows = [(Probe(int(it["prefill"]), int(it["decodes"]), int(it["context"])), float(it["ms"]) / 1e3) for it in m["iterations"]]
+    return str(m.get("device", "?")), str(m.get("date", "?")), dict(m.get("ceilings") or {}), rows
+
+
+def measure(args: argparse.Namespace, profile: Profile):
+    """Build the model on the device, check it, time every probe: (device, shape, ceilings, timed probes), or an
+    exit status."""
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no CUDA device (use --device cpu --tiny to check the code)", file=sys.stderr)
         return 2
-    profile = load_profile(args.profile)
     shape = TINY if args.tiny else shape_for(profile, args.intermediate, args.vocab)
     if not args.tiny and abs(shape.params / profile.params - 1) > 0.02:
         print(f"error: the shape has {shape.params:.3e} parameters, the profile {profile.params:.3e}: "
@@ -361,8 +399,21 @@ def main(argv: list[str] | None = None) -> int:
         t = measure_probe(torch, model, probe, args.device, args.reps)
         rows.append((probe, t))
         print(f"  [{i}/{len(probes)}] {probe.label}: {t * 1e3:.3f} ms", flush=True)
+    return device_name, shape, ceil, rows
 
-    fitted = fit(profile, [(p.prefill, p.decodes, p.simulator_args()[2], t) for p, t in rows])
+
+def _fit_rows(rows: list[tuple[Probe, float]]) -> list[tuple[int, int, int, float]]:
+    """(prefill tokens, decode seqs, context tokens, seconds): the rows `costmodel.fit` and fleet calibrate's fits take."""
+    return [(p.prefill, p.decodes, p.simulator_args()[2], t) for p, t in rows]
+
+
+def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: bool = False) -> dict:
+    """Print measured vs profile vs refit per iteration and the two cost-model forms' residuals; the summary."""
+    import numpy as np
+
+    from fleet.calibrate import fit_linear, fit_roofline
+
+    fitted = fit(profile, _fit_rows(rows))
     co, fco = profile.coefficients(), fitted.coefficients()
     table = []
     for probe, t in rows:
@@ -375,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                           refit_ms=refit * 1e3, refit_error=refit / t - 1,
                           tflops=flops / t / 1e12, gbs=nbytes / t / 1e9))
     print()
-    if args.tiny:
+    if tiny:
         print("(--tiny: a check of the code; its times say nothing about the profile)")
     print(f"{'iteration':34} {'measured ms':>11} {'profile ms':>10} {'error':>7} {'refit ms':>9} {'error':>7} "
           f"{'TFLOP/s':>8} {'GB/s':>6}")
@@ -384,12 +435,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['refit_ms']:9.3f} {r['refit_error']:+7.0%} {r['tflops']:8.0f} {r['gbs']:6.0f}")
     errs = sorted(abs(r["error"]) for r in table)
     rerrs = sorted(abs(r["refit_error"]) for r in table)
+    # the choice `fleet calibrate --server` makes between its two forms: the smaller RMS relative residual
+    arr = np.asarray(_fit_rows(rows), dtype=np.float64)
+    _, linear_rms = fit_linear(arr)
+    _, roofline_rms = fit_roofline(profile, arr)
     summary = dict(
-        device=device_name, date=datetime.date.today().isoformat(), profile=profile.name, shape=asdict(shape), ceilings=ceil,
+        profile=profile.name, ceilings=ceil,
         profile_efficiency=dict(prefill_mfu=profile.prefill_mfu, decode_bw_util=profile.decode_bw_util),
         refit=dict(prefill_mfu=fitted.prefill_mfu, decode_bw_util=fitted.decode_bw_util, overhead_s=fitted.overhead_s),
         median_abs_error=statistics.median(errs), max_abs_error=errs[-1],
-        refit_median_abs_error=statistics.median(rerrs), refit_max_abs_error=rerrs[-1], rows=table,
+        refit_median_abs_error=statistics.median(rerrs), refit_max_abs_error=rerrs[-1],
+        rms_relative_residual={"roofline": roofline_rms, "linear": linear_rms}, rows=table,
     )
     print()
     print(f"profile (without its {profile.overhead_s * 1e3:.1f} ms CPU overhead): prefill MFU {profile.prefill_mfu:.2f}, "
@@ -398,12 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"refit on these timings: prefill MFU {fitted.prefill_mfu:.2f}, decode bandwidth utilisation "
           f"{fitted.decode_bw_util:.2f}, fixed {fitted.overhead_s * 1e3:.2f} ms; |error| median "
           f"{summary['refit_median_abs_error']:.0%}, max {summary['refit_max_abs_error']:.0%}")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "roofline.json").write_text(json.dumps(summary, indent=2))
-        if not args.tiny:
-            write_profile(args.out / f"{profile.name}-measured.yaml", args.profile, fitted, summary)
-    return 0
+    chosen = "roofline" if roofline_rms < linear_rms else "linear"
+    print(f"RMS relative residual: roofline {roofline_rms:.3f}, linear form {linear_rms:.3f}: fleet calibrate's rule "
+          f"would choose the {chosen}")
+    return summary
 
 
 if __name__ == "__main__":

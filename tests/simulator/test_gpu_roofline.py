@@ -69,3 +69,15 @@ def test_write_profile_round_trips(tmp_path):
     loaded = profile_from_file(out)
     assert (loaded.name, loaded.prefill_mfu, loaded.overhead_s) == ("llama3-8b-h100-measured", 0.6, 0.003)
     assert loaded.iteration_time(8192, 0, 8192) < base.iteration_time(8192, 0, 8192)
+
+
+def test_report_from_the_recorded_h100_iterations(tmp_path):
+    """--report needs no GPU: it refits the iterations the measured profile records. On the H100 the refit beats
+    the estimate and the roofline beats fleet calibrate's linear form (which wins on the CPU servers)."""
+    assert gpu_roofline.main(["--report", str(MEASURED), "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "roofline.json").read_text())
+    assert doc["device"].startswith("NVIDIA H100") and len(doc["rows"]) == 20
+    assert doc["refit_median_abs_error"] < doc["median_abs_error"] / 2
+    assert doc["rms_relative_residual"]["roofline"] < doc["rms_relative_residual"]["linear"]
+    rewritten = profile_from_file(tmp_path / "llama3-8b-h100-measured.yaml")
+    assert rewritten.prefill_mfu == pytest.approx(profile_from_file(MEASURED).prefill_mfu, abs=1e-4)
