@@ -166,11 +166,13 @@ class SharedClusterTracker(ClusterTracker):
         self._cols: dict[str, int] = {}
         self._ncols = 0
         self._removed: dict[str, ReplicaTracker] = {}  # a removed replica's tracker still owns its column's row
+        self._pairs: list[tuple[ReplicaTracker, int]] | None = None  # (tracker in the view, its column), cached
         super().__init__([], **kwargs)
 
     def add(self, replica_id: str) -> ReplicaTracker:
         if replica_id in self.by_id:
             return self.by_id[replica_id]
+        self._pairs = None
         t = self._removed.pop(replica_id, None)
         if t is not None:  # back (DNS flap): the same tracker, so its requests in flight stay counted once
             self.trackers.append(t)
@@ -191,6 +193,7 @@ class SharedClusterTracker(ClusterTracker):
     def remove(self, replica_id: str) -> None:
         t = self.by_id.get(replica_id)
         super().remove(replica_id)
+        self._pairs = None
         if isinstance(t, SharedReplicaTracker):
             self._removed[replica_id] = t
 
@@ -198,11 +201,11 @@ class SharedClusterTracker(ClusterTracker):
         """Reads every worker's counters into the trackers' host-wide sums (one numpy sum per call)."""
         if not self._cols:
             return
-        totals = self.load.counters[:, : self._ncols].sum(axis=0)
-        for rid, col in self._cols.items():
-            t = self.by_id.get(rid)
-            if t is not None:
-                t._total = totals[col].tolist()  # type: ignore[attr-defined]
+        if self._pairs is None:
+            self._pairs = [(self.by_id[rid], col) for rid, col in self._cols.items() if rid in self.by_id]
+        totals = self.load.counters[:, : self._ncols].sum(axis=0).tolist()  # one conversion, not one per replica
+        for t, col in self._pairs:
+            t._total = totals[col]  # type: ignore[attr-defined]
 
     def view(self, now_s: float, request: RequestInfo) -> ClusterView:
         self.refresh()
