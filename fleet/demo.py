@@ -35,10 +35,12 @@ from urllib.parse import urlsplit
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleet.fidelity import interval95, p99_bootstrap
 from fleet.loadgen import (
     TRACE_CHOICES,
     ClientSpec,
     PlanSpec,
+    RequestResult,
     build_plan,
     format_side_by_side,
     run_load,
@@ -195,6 +197,26 @@ def _replica_mix(summary: dict, arms: list[str], names: dict[str, str]) -> list[
         parts = [f"{label} {100 * n / total:.0f}%" for label, n in labelled]
         lines.append(f"  {arm:<10} " + ", ".join(parts))
     return lines
+
+
+def p99_intervals(results: list[RequestResult], arms: list[str]) -> dict[str, list[float] | None]:
+    """Each arm's TTFT p99 95 % bootstrap interval over its requests (seconds; None without samples)."""
+    boot = p99_bootstrap([[r.ttft_s for r in results if r.group == arm and r.ok] for arm in arms])
+    return {arm: interval95(boot[i]) for i, arm in enumerate(arms)}
+
+
+def p99_verdict(intervals: dict[str, list[float] | None]) -> str | None:
+    """One line: both arms' TTFT p99 intervals and whether this run can rank the arms at all."""
+    c, t = intervals.get("control"), intervals.get("treatment")
+    if c is None or t is None:
+        return None
+    line = (f"TTFT p99, 95 % interval over requests (bootstrap; a lower bound on the noise): control "
+            f"[{c[0] * 1e3:.0f}, {c[1] * 1e3:.0f}] ms, treatment [{t[0] * 1e3:.0f}, {t[1] * 1e3:.0f}] ms: ")
+    if t[1] < c[0]:
+        return line + "treatment lower, outside the noise"
+    if c[1] < t[0]:
+        return line + "treatment higher, outside the noise"
+    return line + "they overlap, so this run does not rank the arms (a longer --duration narrows them)"
 
 
 def decision_summary(metrics_text: str) -> dict[str, dict]:
@@ -360,6 +382,10 @@ def main(args: argparse.Namespace) -> int:
         title += f": control = {args.control}, treatment = {treatment}"
     print(title)
     print(format_side_by_side(summary, arms_seen))
+    intervals = p99_intervals(results, arms_seen)
+    verdict = p99_verdict(intervals)
+    if verdict:
+        print(verdict)
     if decisions:
         print("routing decisions per arm (router /metrics): who decided, and how long it took")
         for arm, d in decisions.items():
@@ -372,6 +398,7 @@ def main(args: argparse.Namespace) -> int:
         print("\n".join(mix))
     print(f"(demo took {time.monotonic() - started:.0f} s; logs in {log_root})")
     if args.json:
-        args.json.write_text(json.dumps({"plan": info, "summary": summary, "ab": ab, "treatment": treatment, "decisions": decisions}, indent=1))
+        args.json.write_text(json.dumps({"plan": info, "summary": summary, "ab": ab, "treatment": treatment, "decisions": decisions,
+                                         "ttft_p99_interval_s": intervals}, indent=1))
     errors = sum(s["errors"] for s in summary.values())
     return 0 if errors == 0 else 1

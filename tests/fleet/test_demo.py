@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,3 +162,19 @@ def test_decision_summary_reads_fallback_share_and_latency_per_arm():
     d = decision_summary(text)["treatment"]
     assert d["decisions"] == 100 and d["fallbacks"] == {"over_budget": 3} and d["fallback_share"] == 0.03
     assert d["decision_p50_s"] == 0.0001 and d["decision_p99_s"] == 0.001
+
+
+def test_p99_verdict_ranks_the_arms_only_outside_the_noise():
+    from fleet.demo import p99_intervals, p99_verdict
+    from fleet.loadgen import RequestResult
+
+    rng = np.random.default_rng(0)
+
+    def arm(name: str, scale: float, n: int = 400) -> list[RequestResult]:
+        return [RequestResult(group=name, ok=True, ttft_s=float(x)) for x in rng.exponential(scale, n)]
+
+    apart = p99_intervals(arm("control", 0.1) + arm("treatment", 1.0), ["control", "treatment"])
+    assert p99_verdict(apart).endswith("treatment higher, outside the noise")
+    same = p99_intervals(arm("control", 0.1) + arm("treatment", 0.1), ["control", "treatment"])
+    assert "they overlap" in p99_verdict(same)
+    assert p99_verdict(p99_intervals(arm("all", 0.1), ["all"])) is None  # no A/B, nothing to rank
