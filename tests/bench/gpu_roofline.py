@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from simulator.costmodel import Profile, fit, load_profile  # noqa: E402
+from simulator.costmodel import Profile, load_profile  # noqa: E402
 
 GIB = 1024**3
 
@@ -343,13 +343,13 @@ def main(argv: list[str] | None = None) -> int:
             return measured
         device_name, shape, ceil, rows = measured
         date = datetime.date.today().isoformat()
-    summary = report(profile, rows, ceil, tiny=args.tiny)
+    summary, fitted = report(profile, rows, ceil, tiny=args.tiny)
     summary |= dict(device=device_name, date=date, shape=asdict(shape))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "roofline.json").write_text(json.dumps(summary, indent=2))
         if not args.tiny:
-            write_profile(args.out / f"{profile.name}-measured.yaml", args.profile, fit(profile, _fit_rows(rows)), summary)
+            write_profile(args.out / f"{profile.name}-measured.yaml", args.profile, fitted, summary)
     return 0
 
 
@@ -407,13 +407,17 @@ def _fit_rows(rows: list[tuple[Probe, float]]) -> list[tuple[int, int, int, floa
     return [(p.prefill, p.decodes, p.simulator_args()[2], t) for p, t in rows]
 
 
-def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: bool = False) -> dict:
-    """Print measured vs profile vs refit per iteration and the two cost-model forms' residuals; the summary."""
+def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: bool = False) -> tuple[dict, Profile]:
+    """Print measured vs profile vs refit per iteration and the two cost-model forms' residuals; (the summary,
+    the refitted profile)."""
     import numpy as np
 
     from fleet.calibrate import fit_linear, fit_roofline
 
-    fitted = fit(profile, _fit_rows(rows))
+    # costmodel.fit as `fleet calibrate` applies it, with its RMS relative residual (the rule that picks a form)
+    arr = np.asarray(_fit_rows(rows), dtype=np.float64)
+    fitted, roofline_rms = fit_roofline(profile, arr)
+    _, linear_rms = fit_linear(arr)
     co, fco = profile.coefficients(), fitted.coefficients()
     table = []
     for probe, t in rows:
@@ -435,10 +439,6 @@ def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: 
               f"{r['refit_ms']:9.3f} {r['refit_error']:+7.0%} {r['tflops']:8.0f} {r['gbs']:6.0f}")
     errs = sorted(abs(r["error"]) for r in table)
     rerrs = sorted(abs(r["refit_error"]) for r in table)
-    # the choice `fleet calibrate --server` makes between its two forms: the smaller RMS relative residual
-    arr = np.asarray(_fit_rows(rows), dtype=np.float64)
-    _, linear_rms = fit_linear(arr)
-    _, roofline_rms = fit_roofline(profile, arr)
     summary = dict(
         profile=profile.name, ceilings=ceil,
         profile_efficiency=dict(prefill_mfu=profile.prefill_mfu, decode_bw_util=profile.decode_bw_util),
@@ -457,7 +457,7 @@ def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: 
     chosen = "roofline" if roofline_rms < linear_rms else "linear"
     print(f"RMS relative residual: roofline {roofline_rms:.3f}, linear form {linear_rms:.3f}: fleet calibrate's rule "
           f"would choose the {chosen}")
-    return summary
+    return summary, fitted
 
 
 if __name__ == "__main__":
