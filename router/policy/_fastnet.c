@@ -138,38 +138,43 @@ static inline v8 max8(v8 a, v8 b)
     return (v8)((gt & (v8i)a) | (~gt & (v8i)b));
 }
 
-/* out[r, :] = b + x[r, :] @ w, w row-major [k, m]. Two rows at a time, 32 columns at a time: eight
- * independent FMA chains keep both FMA units busy (one row alone waits on the FMA latency) and each weight
- * load serves two rows. */
+/* out[r, :] = b + x[r, :] @ w, w row-major [k, m]. Three rows at a time, 32 columns at a time: twelve
+ * independent FMA chains keep both FMA units busy (one row alone waits on the FMA latency), each weight load
+ * serves three rows, and the twelve accumulators and four weight vectors fill the sixteen registers. */
 VECTOR_CLONES static void linear(const float *restrict x, int R, int k, const float *restrict w, const float *restrict b, int m,
                                  float *restrict out)
 {
     int r = 0;
-    for (; r + 2 <= R; r += 2) {
-        const float *restrict x0 = x + (size_t)r * k, *restrict x1 = x0 + k;
-        float *restrict o0 = out + (size_t)r * m, *restrict o1 = o0 + m;
+    for (; r + 3 <= R; r += 3) {
+        const float *restrict x0 = x + (size_t)r * k, *restrict x1 = x0 + k, *restrict x2 = x1 + k;
+        float *restrict o0 = out + (size_t)r * m, *restrict o1 = o0 + m, *restrict o2 = o1 + m;
         int j0 = 0;
         for (; j0 + 32 <= m; j0 += 32) {
             v8 a0 = load8(b + j0), a1 = load8(b + j0 + 8), a2 = load8(b + j0 + 16), a3 = load8(b + j0 + 24);
-            v8 c0 = a0, c1 = a1, c2 = a2, c3 = a3;
+            v8 c0 = a0, c1 = a1, c2 = a2, c3 = a3, d0 = a0, d1 = a1, d2 = a2, d3 = a3;
             for (int i = 0; i < k; i++) {
                 const float *wi = w + (size_t)i * m + j0;
                 const v8 w0 = load8(wi), w1 = load8(wi + 8), w2 = load8(wi + 16), w3 = load8(wi + 24);
-                const v8 u = splat8(x0[i]), v = splat8(x1[i]);
+                v8 u = splat8(x0[i]);
                 a0 += u * w0; a1 += u * w1; a2 += u * w2; a3 += u * w3;
-                c0 += v * w0; c1 += v * w1; c2 += v * w2; c3 += v * w3;
+                u = splat8(x1[i]);
+                c0 += u * w0; c1 += u * w1; c2 += u * w2; c3 += u * w3;
+                u = splat8(x2[i]);
+                d0 += u * w0; d1 += u * w1; d2 += u * w2; d3 += u * w3;
             }
             store8(o0 + j0, a0); store8(o0 + j0 + 8, a1); store8(o0 + j0 + 16, a2); store8(o0 + j0 + 24, a3);
             store8(o1 + j0, c0); store8(o1 + j0 + 8, c1); store8(o1 + j0 + 16, c2); store8(o1 + j0 + 24, c3);
+            store8(o2 + j0, d0); store8(o2 + j0 + 8, d1); store8(o2 + j0 + 16, d2); store8(o2 + j0 + 24, d3);
         }
         for (int j = j0; j < m; j++)
-            o0[j] = o1[j] = b[j];
+            o0[j] = o1[j] = o2[j] = b[j];
         for (int i = 0; i < k && j0 < m; i++) {
-            const float v0 = x0[i], v1 = x1[i];
+            const float v0 = x0[i], v1 = x1[i], v2 = x2[i];
             const float *restrict wi = w + (size_t)i * m;
             for (int j = j0; j < m; j++) {
                 o0[j] += v0 * wi[j];
                 o1[j] += v1 * wi[j];
+                o2[j] += v2 * wi[j];
             }
         }
     }
@@ -224,46 +229,69 @@ static inline float erf_fast(float x)
     return x * p / q;
 }
 
-/* exp for the softmax (arguments <= 0): Cephes' expf polynomial, |relative error| ~1e-7, and exactly 0 below
- * -87 (a masked key), where expf would return a denormal; unlike libm's expf it vectorises. */
-static inline float exp_fast(float x)
+/* exp of eight softmax arguments (<= 0, or NaN, which stays NaN): Cephes' expf polynomial, |relative error|
+ * ~1e-7, and exactly 0 below -87 (a masked key), where expf would return a denormal; in vector form, since
+ * libm's expf does not vectorise. n = round(x / ln 2) by the 1.5 x 2^23 trick: the sum's low mantissa bits
+ * are n itself, so no float-int conversions. */
+static inline v8 exp8(v8 x)
 {
-    const float under = x < -87.0f;
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const v8i under = x < splat8(-87.0f);
+    x = max8(splat8(-87.0f), x); /* this order keeps a NaN */
+    const v8 shifted = x * 1.44269504088896341f + 12582912.0f;
+    const v8 n = shifted - 12582912.0f;
     x = x - n * 0.693359375f - n * -2.12194440e-4f;
-    float y = 1.9875691500e-4f;
+    v8 y = splat8(1.9875691500e-4f);
     y = y * x + 1.3981999507e-3f;
     y = y * x + 8.3334519073e-3f;
     y = y * x + 4.1665795894e-2f;
     y = y * x + 1.6666665459e-1f;
     y = y * x + 5.0000001201e-1f;
     y = y * x * x + x + 1.0f;
-    union { int i; float f; } scale = {.i = ((int)n + 127) << 23};
-    return under ? 0.0f : y * scale.f;
+    const v8 scale = (v8)(((v8i)shifted - 0x4B400000 + 127) << 23);
+    return (v8)((v8i)(y * scale) & ~under);
 }
 
-/* s[k] = exp(s[k] * scale + mask penalty - max) for one query's scores; returns their sum */
-VECTOR_CLONES static float softmax_exp(float *restrict s, int R, float scale, const float *restrict mask)
+/* The attention weights of all R queries at once, in place: s[i][k] = exp(s[i][k] * scale + mask penalty -
+ * row max), and inv[i] = 1 / their row sum. Row maxima first, then the exponentials over the whole matrix:
+ * no row waits for another, so the exponentials run at throughput rather than along one row's chain. */
+VECTOR_CLONES static void softmax_rows(float *restrict s, int R, float scale, const float *restrict mask, float *restrict inv)
 {
-    v8 part = splat8(-INFINITY);
     const v8 sc = splat8(scale), one = splat8(1.0f), off = splat8(-1e9f);
-    int k = 0;
-    for (; k + 8 <= R; k += 8) {
-        const v8 v = load8(s + k) * sc + (one - load8(mask + k)) * off;
-        store8(s + k, v);
-        part = max8(v, part);
+    for (int i = 0; i < R; i++) {
+        float *restrict si = s + (size_t)i * R;
+        v8 part = splat8(-INFINITY);
+        int k = 0;
+        for (; k + 8 <= R; k += 8) {
+            const v8 v = load8(si + k) * sc + (one - load8(mask + k)) * off;
+            store8(si + k, v);
+            part = max8(v, part);
+        }
+        float mx = -INFINITY;
+        for (; k < R; k++) {
+            si[k] = si[k] * scale + (1.0f - mask[k]) * -1e9f;
+            mx = si[k] > mx ? si[k] : mx;
+        }
+        for (int j = 0; j < 8; j++)
+            mx = part[j] > mx ? part[j] : mx;
+        inv[i] = mx; /* the row maximum, until the second pass */
     }
-    float mx = -INFINITY;
-    for (; k < R; k++) {
-        s[k] = s[k] * scale + (1.0f - mask[k]) * -1e9f;
-        mx = s[k] > mx ? s[k] : mx;
+    for (int i = 0; i < R; i++) {
+        float *restrict si = s + (size_t)i * R;
+        const float mx = inv[i];
+        const v8 m = splat8(mx);
+        int k = 0;
+        for (; k + 8 <= R; k += 8)
+            store8(si + k, exp8(load8(si + k) - m));
+        if (k < R) { /* the last few through a padded vector */
+            float pad[8];
+            for (int j = 0; j < 8; j++)
+                pad[j] = k + j < R ? si[k + j] : mx;
+            const v8 e = exp8(load8(pad) - m);
+            for (int j = 0; k + j < R; j++)
+                si[k + j] = e[j];
+        }
+        inv[i] = 1.0f / sum_lanes(si, R);
     }
-    for (int j = 0; j < 8; j++)
-        mx = part[j] > mx ? part[j] : mx;
-    for (k = 0; k < R; k++)
-        s[k] = exp_fast(s[k] - mx);
-    return sum_lanes(s, R);
 }
 
 VECTOR_CLONES static void gelu(float *restrict x, size_t n)
@@ -323,13 +351,20 @@ static inline void attend(int hd, int R, const float *restrict p, const float *r
         cx[z] *= inv;
 }
 
-/* Walks the weight blob in fastnet.pack_layout's order; returns NULL if it runs past `end`. */
+/* Every array of the weight blob and of the work buffer starts on a 64-byte boundary (ALIGN floats): a
+ * 32-byte load that straddles two cache lines costs two, and the weight rows are loaded at every row. The
+ * blob's base is aligned by fastnet.FastNet, which pads each array to a multiple of ALIGN floats. */
+#define ALIGN 16
+static inline size_t up_align(size_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+
+/* Walks the weight blob in fastnet.pack_layout's order (each array padded to ALIGN floats); returns NULL if
+ * it runs past `end`. */
 static const float *take(const float **p, size_t n, const float *end)
 {
     const float *at = *p;
-    if (at + n > end)
+    if (at + up_align(n) > end)
         return NULL;
-    *p = at + n;
+    *p = at + up_align(n);
     return at;
 }
 
@@ -346,11 +381,16 @@ VECTOR_CLONES static int forward(const float *inp, const float *mask, int R, con
         big = (size_t)3 * H;
     if ((size_t)FF > big)
         big = (size_t)FF;
-    float *buf = malloc(sizeof(float) * ((size_t)R * (big + 6 * (size_t)H) + (size_t)R));
+    /* a: inputs, qkv or the feed-forward's hidden; sm: one head's scores [R][R]; qh: one head's queries */
+    const size_t nRH = up_align((size_t)R * H), nR = up_align((size_t)R);
+    const size_t n_buf = up_align((size_t)R * big) + 6 * nRH + up_align((size_t)R * R) + 2 * nR + up_align((size_t)R * hd);
+    float *buf = aligned_alloc(64, sizeof(float) * n_buf);
     if (!buf)
         return -2;
-    float *a = buf, *h = a + (size_t)R * big, *y = h + (size_t)R * H, *t = y + (size_t)R * H, *ctx = t + (size_t)R * H;
-    float *kt = ctx + (size_t)R * H, *vt = kt + (size_t)R * H, *s = vt + (size_t)R * H;
+    float *a = buf, *h = a + up_align((size_t)R * big), *y = h + nRH, *t = y + nRH, *ctx = t + nRH;
+    float *kt = ctx + nRH, *vt = kt + nRH, *sm = vt + nRH, *zeros = sm + up_align((size_t)R * R);
+    float *inv = zeros + nR, *qh = inv + nR;
+    memset(zeros, 0, sizeof(float) * (size_t)R);
     int rc = -3;
 #define TAKE(var, n)                          \
     const float *var = take(&p, (n), end);    \
@@ -380,33 +420,18 @@ VECTOR_CLONES static int forward(const float *inp, const float *mask, int R, con
             for (int g = 0; g < heads; g++)
                 memcpy(vt + ((size_t)g * R + k) * hd, av + (size_t)g * hd, sizeof(float) * hd);
         }
-        for (int g = 0; g < heads; g++) {
+        for (int g = 0; g < heads; g++) { /* scores = q k^T as one matrix product, softmax by rows, then attend */
+            for (int i = 0; i < R; i++)
+                memcpy(qh + (size_t)i * hd, a + (size_t)i * 3 * H + g * hd, sizeof(float) * hd);
+            linear(qh, R, hd, kt + (size_t)g * hd * R, zeros, R, sm);
+            softmax_rows(sm, R, scale, mask, inv);
+            const float *vh = vt + (size_t)g * R * hd;
             for (int i = 0; i < R; i++) {
-                const float *q = a + (size_t)i * 3 * H + g * hd;
-                const float *restrict kh = kt + (size_t)g * hd * R;
-                int k0 = 0;
-                for (; k0 + 32 <= R; k0 += 32) { /* scores of 32 keys at once, in four registers */
-                    v8 s0 = splat8(0.0f), s1 = s0, s2 = s0, s3 = s0;
-                    for (int z = 0; z < hd; z++) {
-                        const v8 qz = splat8(q[z]);
-                        const float *kz = kh + (size_t)z * R + k0;
-                        s0 += qz * load8(kz); s1 += qz * load8(kz + 8); s2 += qz * load8(kz + 16); s3 += qz * load8(kz + 24);
-                    }
-                    store8(s + k0, s0); store8(s + k0 + 8, s1); store8(s + k0 + 16, s2); store8(s + k0 + 24, s3);
-                }
-                for (int k = k0; k < R; k++) {
-                    float acc = 0.0f;
-                    for (int z = 0; z < hd; z++)
-                        acc += q[z] * kh[(size_t)z * R + k];
-                    s[k] = acc;
-                }
-                const float inv = 1.0f / softmax_exp(s, R, scale, mask);
-                const float *vh = vt + (size_t)g * R * hd;
                 float *cx = ctx + (size_t)i * H + g * hd;
                 if (hd == 16)
-                    attend16(R, s, vh, inv, cx);
+                    attend16(R, sm + (size_t)i * R, vh, inv[i], cx);
                 else
-                    attend(hd, R, s, vh, inv, cx);
+                    attend(hd, R, sm + (size_t)i * R, vh, inv[i], cx);
             }
         }
         linear(ctx, R, H, wo, bo, H, t);
@@ -771,6 +796,10 @@ static int as_number(PyObject *x, double *v, int *none)
         *v = 0.0;
     else if (PyFloat_CheckExact(x))
         *v = PyFloat_AS_DOUBLE(x);
+    else if (x == Py_True || x == Py_False)
+        *v = x == Py_True;
+    else if (PyLong_CheckExact(x)) /* float(int) without the intermediate float object */
+        *v = PyLong_AsDouble(x);
     else
         *v = PyFloat_AsDouble(x);
     return (*v == -1.0 && PyErr_Occurred()) ? -1 : 0;
@@ -918,5 +947,10 @@ PyMODINIT_FUNC PyInit__fastnet(void)
             return NULL;
     if (!(last_scrape_name = PyUnicode_InternFromString("last_scrape_s")))
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "ALIGN_FLOATS", ALIGN)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

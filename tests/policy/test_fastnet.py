@@ -58,7 +58,8 @@ def test_shipped_model_decides_on_the_fast_path_like_onnxruntime() -> None:
     policy = OnnxPolicy(DEFAULT_MODEL_PATH)
     assert policy.describe()["executor"] == "fastnet", policy.executor_note
     rng = np.random.default_rng(7)
-    for width in (1, 3, 16, 64, 128):
+    # widths off every block size of the C loops: rows in threes, keys and exponentials in eights
+    for width in (1, 2, 3, 5, 16, 33, 64, 128, 200):
         for _ in range(10):
             rows = _rows(rng, width, 0.8)
             want = policy.onnxruntime_logits(rows)
@@ -162,6 +163,23 @@ def test_bad_buffers_raise_instead_of_crashing() -> None:
         _fastnet.logits(rows, 4, fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims, np.empty(3, np.float32))
     with pytest.raises(ValueError, match="no replicas"):
         _fastnet.logits(rows[:0], 0, fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims, np.empty(0, np.float32))
+
+
+@needs_ext
+def test_weights_are_laid_out_for_aligned_vector_loads() -> None:
+    """Each packed array starts on a 64-byte boundary, in pack_layout's order, with its values unchanged."""
+    value = json.loads(OnnxPolicy(DEFAULT_MODEL_PATH, fast=False).metadata[fastnet.METADATA_KEY])
+    flat = np.frombuffer(base64.b64decode(value["weights"]), dtype=np.float32)
+    weights = fastnet.FastNet(json.dumps(value))._weights
+    assert weights.ctypes.data % 64 == 0
+    at = src = 0
+    for _, shape in fastnet.pack_layout(value["hidden"], value["layers"]):
+        n = int(np.prod(shape))
+        assert (weights.ctypes.data + 4 * at) % 64 == 0
+        np.testing.assert_array_equal(weights[at : at + n], flat[src : src + n])
+        assert not weights[at + n : at + -(-n // 16) * 16].any()  # the padding
+        at, src = at + -(-n // 16) * 16, src + n
+    assert at == len(weights) and src == len(flat)
 
 
 def test_layout_covers_the_blob_exactly() -> None:
