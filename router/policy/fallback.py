@@ -157,8 +157,10 @@ class FallbackPolicy(Policy):
             # a replica never scraped yet (age inf, e.g. just after start) has no stats to go stale; its
             # features say so (stats_missing) and training starts every episode in that state
             limit = self.max_stats_age_s
-            if any(r.healthy and limit < r.stats_age_s < math.inf for r in reps):
-                reason = "stale_stats"
+            for r in reps:  # a plain loop, age first: this runs over every replica at every decision
+                if limit < r.stats_age_s < math.inf and r.healthy:
+                    reason = "stale_stats"
+                    break
         pick: int | None = None
         error: str | None = None
         elapsed: float | None = None
@@ -207,6 +209,8 @@ class FallbackPolicy(Policy):
             self._slowest = 0.0
 
     def _overloaded(self, reps: tuple[ReplicaSnapshot, ...], pick: int) -> bool:
+        if reps[pick].outstanding <= self.overload_margin:  # type: ignore[operator]
+            return False  # the reference below is never negative: no need to look at the others
         others = [r.outstanding for i, r in enumerate(reps) if r.healthy and i != pick]
         if not others:
             return False
