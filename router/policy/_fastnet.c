@@ -365,6 +365,37 @@ VECTOR_CLONES static void attend16(int R, const float *restrict p, const float *
     store8(cx + 8, ((a1 + b1) + (c1 + d1)) * s);
 }
 
+/* attend16 for six queries at once (rows i..i+5 of p, which is [R][R]): twelve chains, and each load of a key's
+ * values serves six queries instead of one. cx is the first query's output; the next ones are `stride` apart. */
+VECTOR_CLONES static void attend16x6(int R, const float *restrict p, const float *restrict v, const float *restrict inv,
+                                     float *restrict cx, int stride)
+{
+    v8 a0 = splat8(0.0f), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0;
+    const float *restrict p0 = p, *restrict p1 = p0 + R, *restrict p2 = p1 + R, *restrict p3 = p2 + R, *restrict p4 = p3 + R,
+                          *restrict p5 = p4 + R;
+    for (int k = 0; k < R; k++) {
+        const v8 v0 = load8(v + (size_t)k * 16), v1 = load8(v + (size_t)k * 16 + 8);
+        v8 u = splat8(p0[k]);
+        a0 += u * v0; a1 += u * v1;
+        u = splat8(p1[k]);
+        b0 += u * v0; b1 += u * v1;
+        u = splat8(p2[k]);
+        c0 += u * v0; c1 += u * v1;
+        u = splat8(p3[k]);
+        d0 += u * v0; d1 += u * v1;
+        u = splat8(p4[k]);
+        e0 += u * v0; e1 += u * v1;
+        u = splat8(p5[k]);
+        f0 += u * v0; f1 += u * v1;
+    }
+    const v8 acc[12] = {a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1};
+    for (int q = 0; q < 6; q++) {
+        const v8 s = splat8(inv[q]);
+        store8(cx + (size_t)q * stride, acc[2 * q] * s);
+        store8(cx + (size_t)q * stride + 8, acc[2 * q + 1] * s);
+    }
+}
+
 /* the same for any width */
 static inline void attend(int hd, int R, const float *restrict p, const float *restrict v, float inv, float *restrict cx)
 {
@@ -452,7 +483,11 @@ VECTOR_CLONES static int forward(const float *inp, const float *mask, int R, con
             linear(qh, R, hd, kt + (size_t)g * hd * R, zeros, R, sm);
             softmax_rows(sm, R, scale, mask, inv);
             const float *vh = vt + (size_t)g * R * hd;
-            for (int i = 0; i < R; i++) {
+            int i = 0;
+            if (hd == 16)
+                for (; i + 6 <= R; i += 6)
+                    attend16x6(R, sm + (size_t)i * R, vh, inv + i, ctx + (size_t)i * H + g * hd, H);
+            for (; i < R; i++) {
                 float *cx = ctx + (size_t)i * H + g * hd;
                 if (hd == 16)
                     attend16(R, sm + (size_t)i * R, vh, inv[i], cx);
