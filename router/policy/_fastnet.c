@@ -252,8 +252,8 @@ static inline v8 exp8(v8 x)
 }
 
 /* The attention weights of all R queries at once, in place: s[i][k] = exp(s[i][k] * scale + mask penalty -
- * row max), and inv[i] = 1 / their row sum. Row maxima first, then the exponentials over the whole matrix:
- * no row waits for another, so the exponentials run at throughput rather than along one row's chain. */
+ * row max), and inv[i] = 1 / their row sum; s is one head's score matrix [R][R], made by one matrix product
+ * (linear) rather than query by query. */
 VECTOR_CLONES static void softmax_rows(float *restrict s, int R, float scale, const float *restrict mask, float *restrict inv)
 {
     const v8 sc = splat8(scale), one = splat8(1.0f), off = splat8(-1e9f);
