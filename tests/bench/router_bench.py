@@ -285,9 +285,13 @@ def main() -> int:
     if not 1 <= args.replicas <= 250:
         sys.exit(f"--replicas {args.replicas}: must be 1..250")
     policies = args.policy.split(",")
-    for tool in ("nginx", "wrk"):
-        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
-            sys.exit(f"{tool} not found")
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if not args.no_wrk:  # (b) needs wrk, and nginx as the reference of its ratios
+        for tool, found in (("nginx", nginx), ("wrk", shutil.which("wrk"))):
+            if found is None:
+                sys.exit(f"{tool} not found (--no-wrk runs the latency part without wrk, and without nginx's row)")
+    elif nginx is None:
+        print("nginx not found: its row is left out", file=sys.stderr)
 
     tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
     bport, nport = free_port(), free_port()
@@ -304,12 +308,13 @@ def main() -> int:
                                            str(args.replicas), "--backend-procs", str(args.backend_procs)],
                                           start_new_session=True))
         wait_port(bport)
-        targets = {"direct": bport, "nginx": nport}
-        (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, backend=bport, port=nport, workers=args.nginx_workers))
-        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-        procs.append(subprocess.Popen([*nice, nginx, "-c", str(tmp / "nginx.conf"), "-p", str(tmp), "-g", "daemon off;"],
-                                      start_new_session=True))
-        wait_port(nport)
+        targets = {"direct": bport}
+        if nginx is not None:
+            targets["nginx"] = nport
+            (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, backend=bport, port=nport, workers=args.nginx_workers))
+            procs.append(subprocess.Popen([*nice, nginx, "-c", str(tmp / "nginx.conf"), "-p", str(tmp), "-g", "daemon off;"],
+                                          start_new_session=True))
+            wait_port(nport)
         if Path(args.vllm_router).exists():
             vport = targets["vllm-router"] = free_port()
             procs.append(subprocess.Popen(
