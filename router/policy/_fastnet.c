@@ -674,6 +674,24 @@ static PyObject *py_logits(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* the first largest logit among healthy replicas (-1 if none is healthy; healthy: column `col` of `rows`, `width`
+ * floats per replica) and whether every healthy replica's logit is finite */
+static void pick_best(const float *logit, const float *rows, int R, int width, int col, int *pick_out, int *finite_out)
+{
+    int pick = -1, finite = 1;
+    for (int r = 0; r < R; r++) {
+        if (!(rows[(size_t)r * width + col] > 0.5f))
+            continue;
+        const float v = logit[r];
+        if (!isfinite(v))
+            finite = 0;
+        else if (pick < 0 || v > logit[pick])
+            pick = r;
+    }
+    *pick_out = pick;
+    *finite_out = finite;
+}
+
 /* best(rows, n_rows, spec_i, spec_f, weights, dims) -> (pick, finite): the first largest logit among healthy
  * replicas (-1 if none is healthy) and whether every healthy replica's logit is finite. One call instead of
  * logits() and four numpy calls, each of which costs tens of microseconds on a cold cache (a live router
@@ -687,16 +705,8 @@ static PyObject *py_best(PyObject *self, PyObject *args)
         free(logit);
         return NULL;
     }
-    int pick = -1, finite = 1;
-    for (int r = 0; r < R; r++) {
-        if (!(healthy[r] > 0.5f))
-            continue;
-        const float v = logit[r];
-        if (!isfinite(v))
-            finite = 0;
-        else if (pick < 0 || v > logit[pick])
-            pick = r;
-    }
+    int pick, finite;
+    pick_best(logit, healthy, R, 1, 0, &pick, &finite);
     free(logit);
     free((void *)healthy);
     return Py_BuildValue("(iO)", pick, finite ? Py_True : Py_False);
@@ -886,41 +896,24 @@ static int read_number(PyObject *obj, int a, double *v, int *none)
     return rc;
 }
 
-/* rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, age_cap, out): build_features for
- * one view into `out` float32 [len(replicas), 25], the same bytes as the numpy path */
-static PyObject *py_rows(PyObject *self, PyObject *args)
+/* build_features rows of the snapshots in `reps` into `o` float32 [len(reps), N_ROW]; 0, or -1 with an exception
+ * set. is_log: one byte per column; sc: the columns' float64 scales (checked by the callers). */
+static int rows_into(PyObject *reps, double prompt, PyObject *max_tok_obj, Py_ssize_t n_blocks, const unsigned char *is_log,
+                     const double *sc, double cap, float *o)
 {
-    PyObject *reps, *max_tok_obj;
-    double prompt, cap;
-    Py_ssize_t n_blocks;
-    Py_buffer flags, scales, out;
-    if (!PyArg_ParseTuple(args, "O!dOny*y*dw*", &PyTuple_Type, &reps, &prompt, &max_tok_obj, &n_blocks, &flags, &scales,
-                          &cap, &out))
-        return NULL;
-    PyObject *res = NULL;
     const Py_ssize_t n = PyTuple_GET_SIZE(reps);
     double *raw = NULL;
-    if (check_f32(&out, n * N_ROW, "out"))
-        goto end;
-    if (flags.len != N_ROW) {
-        PyErr_SetString(PyExc_ValueError, "rows: log_flags must have one byte per feature column");
-        goto end;
-    }
-    if (scales.len != N_ROW * (Py_ssize_t)sizeof(double)) {
-        PyErr_SetString(PyExc_ValueError, "rows: scales must be float64, one per feature column");
-        goto end;
-    }
     double max_tok = 0.0, max_tok_missing = 1.0;
     if (max_tok_obj != Py_None) {
         max_tok = PyFloat_AsDouble(max_tok_obj);
         max_tok_missing = 0.0;
         if (max_tok == -1.0 && PyErr_Occurred())
-            goto end;
+            goto fail;
     }
     raw = malloc(sizeof(double) * (size_t)(n ? n : 1) * N_ROW);
     if (!raw) {
         PyErr_NoMemory();
-        goto end;
+        goto fail;
     }
     double min_out = 0.0;
     Py_ssize_t n_healthy = 0;
@@ -931,7 +924,7 @@ static PyObject *py_rows(PyObject *self, PyObject *args)
         int none[N_ATTRS];
         for (int a = 0; a < N_ATTRS; a++)
             if (read_number(r, a, &v[a], &none[a]))
-                goto end;
+                goto fail;
         const int healthy = v[A_HEALTHY] != 0.0;
         if (healthy && (n_healthy == 0 || v[A_OUT] < min_out))
             min_out = v[A_OUT];
@@ -963,9 +956,6 @@ static PyObject *py_rows(PyObject *self, PyObject *args)
         row[22] = max_tok_missing;
         row[23] = (double)n_blocks;
     }
-    const unsigned char *is_log = flags.buf;
-    const double *sc = scales.buf;
-    float *o = out.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         double *row = raw + (size_t)i * N_ROW;
         row[3] = row[1] != 0.0 ? row[3] - min_out : 0.0;
@@ -978,13 +968,95 @@ static PyObject *py_rows(PyObject *self, PyObject *args)
             o[i * N_ROW + j] = (float)(x / sc[j]);
         }
     }
+    free(raw);
+    return 0;
+fail:
+    free(raw);
+    return -1;
+}
+
+static int check_row_spec(Py_buffer *flags, Py_buffer *scales)
+{
+    if (flags->len != N_ROW) {
+        PyErr_SetString(PyExc_ValueError, "rows: log_flags must have one byte per feature column");
+        return -1;
+    }
+    if (scales->len != N_ROW * (Py_ssize_t)sizeof(double)) {
+        PyErr_SetString(PyExc_ValueError, "rows: scales must be float64, one per feature column");
+        return -1;
+    }
+    return 0;
+}
+
+/* rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, age_cap, out): build_features for
+ * one view into `out` float32 [len(replicas), 25], the same bytes as the numpy path */
+static PyObject *py_rows(PyObject *self, PyObject *args)
+{
+    PyObject *reps, *max_tok_obj;
+    double prompt, cap;
+    Py_ssize_t n_blocks;
+    Py_buffer flags, scales, out;
+    if (!PyArg_ParseTuple(args, "O!dOny*y*dw*", &PyTuple_Type, &reps, &prompt, &max_tok_obj, &n_blocks, &flags, &scales,
+                          &cap, &out))
+        return NULL;
+    PyObject *res = NULL;
+    if (check_f32(&out, PyTuple_GET_SIZE(reps) * N_ROW, "out") || check_row_spec(&flags, &scales) ||
+        rows_into(reps, prompt, max_tok_obj, n_blocks, flags.buf, scales.buf, cap, out.buf))
+        goto end;
     res = Py_None;
     Py_INCREF(res);
 end:
-    free(raw);
     PyBuffer_Release(&flags);
     PyBuffer_Release(&scales);
     PyBuffer_Release(&out);
+    return res;
+}
+
+/* best_view(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, age_cap, spec_i, spec_f, weights,
+ * dims) -> (pick, finite): rows(...) and best(...) in one call, with the rows in C memory. A live router's caches
+ * are cold between requests, and there allocating the numpy array for the rows alone costs tens of microseconds. */
+static PyObject *py_best_view(PyObject *self, PyObject *args)
+{
+    PyObject *reps, *max_tok_obj, *si_obj, *dims_obj;
+    double prompt, cap;
+    Py_ssize_t n_blocks;
+    Py_buffer flags, scales, sf, wb;
+    long si[SI_LEN], dims[8];
+    if (!PyArg_ParseTuple(args, "O!dOny*y*dOy*y*O", &PyTuple_Type, &reps, &prompt, &max_tok_obj, &n_blocks, &flags,
+                          &scales, &cap, &si_obj, &sf, &wb, &dims_obj))
+        return NULL;
+    PyObject *res = NULL;
+    const Py_ssize_t R = PyTuple_GET_SIZE(reps);
+    float *rows = NULL, *logit = NULL;
+    if (R <= 0 || R > INT_MAX / N_ROW) {
+        PyErr_SetString(PyExc_ValueError, "best_view: no replicas");
+        goto end;
+    }
+    if (check_row_spec(&flags, &scales) || read_longs(si_obj, si, SI_LEN, "spec_i") || read_longs(dims_obj, dims, 8, "dims") ||
+        check_f32(&sf, SF_LEN, "spec_f"))
+        goto end;
+    if (dims[0] != N_ROW) {
+        PyErr_Format(PyExc_ValueError, "best_view: the network reads %ld features, rows() makes %d", dims[0], N_ROW);
+        goto end;
+    }
+    rows = malloc(sizeof(float) * (size_t)R * (N_ROW + 1));
+    if (!rows) {
+        PyErr_NoMemory();
+        goto end;
+    }
+    logit = rows + (size_t)R * N_ROW;
+    if (rows_into(reps, prompt, max_tok_obj, n_blocks, flags.buf, scales.buf, cap, rows) ||
+        run_logits(rows, (int)R, si, sf.buf, dims, wb.buf, (size_t)wb.len / sizeof(float), logit))
+        goto end;
+    int pick, finite;
+    pick_best(logit, rows, (int)R, N_ROW, (int)si[SI_HEALTHY], &pick, &finite);
+    res = Py_BuildValue("(iO)", pick, finite ? Py_True : Py_False);
+end:
+    free(rows);
+    PyBuffer_Release(&flags);
+    PyBuffer_Release(&scales);
+    PyBuffer_Release(&sf);
+    PyBuffer_Release(&wb);
     return res;
 }
 
@@ -996,6 +1068,9 @@ static PyMethodDef methods[] = {
     {"snapshots", py_snapshots, METH_VARARGS, "snapshots(trackers, now_s, matches): ClusterTracker.view's snapshots"},
     {"bind_snapshot", py_bind_snapshot, METH_O, "bind_snapshot(cls): snapshots() builds, rows() reads cls by slot"},
     {"rows", py_rows, METH_VARARGS, "rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, cap, out)"},
+    {"best_view", py_best_view, METH_VARARGS,
+     "best_view(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, cap, spec_i, spec_f, weights, dims)"
+     " -> (pick, finite): rows() and best() in one call"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -139,6 +139,11 @@ class FastNet:
         policy.base.best_of(logits(rows), healthy) in one call, for C-contiguous float32 rows."""
         return _fastnet.best(rows, rows.shape[0], _SPEC_I, _SPEC_F, self._weights, self._dims)
 
+    def best_view(self, row_args: tuple) -> tuple[int, bool]:
+        """best(build_features(view, request)) with the rows built inside the same C call, no numpy array on the
+        way: `row_args` is features.compiled_row_args(view, request)."""
+        return _fastnet.best_view(*row_args, _SPEC_I, _SPEC_F, self._weights, self._dims)
+
 
 def inputs(rows: np.ndarray) -> np.ndarray:
     """model_inputs(rows, healthy column) for one decision, computed by the C code (for tests)."""

@@ -261,16 +261,24 @@ def raw_features(view: ClusterView, request: RequestInfo) -> np.ndarray:
     return raw
 
 
+def compiled_row_args(view: ClusterView, request: RequestInfo) -> tuple | None:
+    """The compiled rows' arguments for one decision (`_fastnet.rows(*args, out)` writes build_features' bytes), or
+    None where build_features runs in numpy. The learned policy's fast path passes them on with the network's."""
+    if _compiled is None:
+        return None
+    reps = view.replicas
+    return (reps if type(reps) is tuple else tuple(reps), request.prompt_tokens_est, request.max_tokens,
+            len(request.prefix_blocks), _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S)
+
+
 def build_features(view: ClusterView, request: RequestInfo, pad_to: int | None = None) -> np.ndarray:
     """Model input, float32, shape (n, N_FEATURES) or (pad_to, N_FEATURES) with zero padding."""
     if _compiled is not None:
-        reps = view.replicas
-        n = len(reps)
+        n = len(view.replicas)
         if pad_to is not None and pad_to < n:
             raise ValueError(f"pad_to={pad_to} is smaller than the replica count {n}")
         out = np.zeros((pad_to, N_FEATURES), np.float32) if pad_to is not None else np.empty((n, N_FEATURES), np.float32)
-        _compiled.rows(reps if type(reps) is tuple else tuple(reps), request.prompt_tokens_est, request.max_tokens,
-                       len(request.prefix_blocks), _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, out[:n])
+        _compiled.rows(*compiled_row_args(view, request), out[:n])  # type: ignore[misc]
         return out
     raw = raw_features(view, request)  # a fresh array: transformed in place
     np.maximum(raw, 0.0, out=raw)

@@ -24,7 +24,15 @@ import numpy as np
 
 from router.policy import fastnet
 from router.policy.base import Policy, PolicyUnavailable, best_of
-from router.policy.features import FEATURE_NAMES, FEATURE_SPEC_HASH, N_MODEL_INPUTS, action_mask, build_features, model_inputs
+from router.policy.features import (
+    FEATURE_NAMES,
+    FEATURE_SPEC_HASH,
+    N_MODEL_INPUTS,
+    action_mask,
+    build_features,
+    compiled_row_args,
+    model_inputs,
+)
 from router.policy.types import ClusterView, RequestInfo
 
 
@@ -150,6 +158,9 @@ class OnnxPolicy(Policy):
     def best(self, view: ClusterView, request: RequestInfo) -> tuple[int, bool]:
         """base.best_of(scores(view, request), healthy), in one compiled call on the fast path."""
         if self._fast is not None:
+            row_args = compiled_row_args(view, request)
+            if row_args is not None:  # rows and network in one C call (the decision log builds the same rows itself)
+                return self._fast.best_view(row_args)
             return self._fast.best(self._input(view, request))
         return best_of(np.asarray(self.scores(view, request), dtype=np.float64), [r.healthy for r in view.replicas])
 

@@ -12,7 +12,7 @@ import pytest
 
 from router.policy import fastnet
 from router.policy.base import best_of
-from router.policy.features import FEATURE_NAMES, N_FEATURES, model_inputs
+from router.policy.features import FEATURE_NAMES, N_FEATURES, build_features, model_inputs
 from router.policy.onnx_policy import OnnxPolicy
 from router.policy.registry import DEFAULT_MODEL_PATH
 
@@ -101,6 +101,54 @@ def test_best_is_best_of_the_logits() -> None:
                 seen["none_healthy"] += not any(healthy)
                 seen["nan"] += not want[1]
     assert all(seen.values()), seen
+
+
+@needs_ext
+def test_best_view_decides_as_best_of_build_features() -> None:
+    """OnnxPolicy.best builds the rows inside the network's C call (FastNet.best_view): the same pick and the
+    same finiteness as FastNet.best on build_features of the same view, on tracker views of every kind."""
+    from router.policy.features import compiled_row_args
+    from router.policy.tracking import ClusterTracker
+    from router.policy.types import RequestInfo
+
+    policy = OnnxPolicy(DEFAULT_MODEL_PATH)
+    rng = np.random.default_rng(5)
+    for width in (1, 2, 3, 7, 16, 33, 128):
+        cluster = ClusterTracker([f"10.0.0.{i}:8000" for i in range(width)])
+        for i, t in enumerate(cluster.trackers):
+            if i % 3:  # the rest never scraped: stats missing
+                t.on_scrape(0.0, int(rng.integers(0, 8)), int(rng.integers(1, 32)), float(rng.uniform(0, 1)), 262_144)
+            for k in range(int(rng.integers(0, 6))):
+                cluster.dispatch(i, RequestInfo(f"w{i}-{k}", int(rng.integers(50, 3000)), 256, (1, 2, int(rng.integers(3, 9)))))
+            t.healthy = bool(rng.random() > 0.2 or i == 0)
+        for k in range(10):
+            request = RequestInfo(f"q{k}", int(rng.integers(10, 4000)), None if k % 4 == 0 else int(rng.integers(1, 512)),
+                                  tuple(int(x) for x in rng.integers(0, 9, k % 5)))
+            view = cluster.view(float(rng.uniform(0, 30)), request)
+            assert compiled_row_args(view, request) is not None
+            assert policy.best(view, request) == policy._fast.best(build_features(view, request))
+
+
+@needs_ext
+def test_best_view_refuses_bad_input_instead_of_crashing() -> None:
+    from router.policy import _fastnet
+    from router.policy.features import _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S
+    from router.policy.types import ReplicaSnapshot
+
+    net = OnnxPolicy(DEFAULT_MODEL_PATH)._fast
+    rep = ReplicaSnapshot("r0", True, 1, 10)
+    spec = (fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims)
+    assert _fastnet.best_view((rep,), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec) == (0, True)
+    with pytest.raises(ValueError, match="no replicas"):
+        _fastnet.best_view((), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec)
+    with pytest.raises(ValueError, match="log_flags"):
+        _fastnet.best_view((rep,), 1000, None, 0, b"\x00", _SCALES, STATS_AGE_CAP_S, *spec)
+    with pytest.raises(AttributeError):
+        _fastnet.best_view((object(),), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec)
+    with pytest.raises(ValueError, match="features"):
+        _fastnet.best_view((rep,), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec[:3], (24, *net._dims[1:]))
+    with pytest.raises(ValueError, match="weight blob"):
+        _fastnet.best_view((rep,), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec[:2], net._weights[:-32], net._dims)
 
 
 def _with_metadata(tmp_path, change) -> OnnxPolicy:
