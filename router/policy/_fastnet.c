@@ -1029,7 +1029,7 @@ static PyObject *py_best_view(PyObject *self, PyObject *args)
     const Py_ssize_t R = PyTuple_GET_SIZE(reps);
     float *rows = NULL, *logit = NULL;
     if (R <= 0 || R > INT_MAX / N_ROW) {
-        PyErr_SetString(PyExc_ValueError, "best_view: no replicas");
+        PyErr_Format(PyExc_ValueError, "best_view: %zd replicas (no replicas, or more than it can index)", R);
         goto end;
     }
     if (check_row_spec(&flags, &scales) || read_longs(si_obj, si, SI_LEN, "spec_i") || read_longs(dims_obj, dims, 8, "dims") ||
