@@ -174,10 +174,12 @@ def learned_available() -> bool:
 
 
 def router_argv(python: str, port: int, replicas: list[str], control: str, treatment: str, share: float,
-                flags: set[str]) -> tuple[list[str], bool]:  # fmt: skip
+                flags: set[str], late_max_num_seqs: int = 0) -> tuple[list[str], bool]:  # fmt: skip
     argv = [python, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port)]
     for url in replicas:
         argv += ["--replica", url]
+    if late_max_num_seqs > 0:
+        argv += ["--late-binding", "--late-binding-max-num-seqs", str(late_max_num_seqs)]
     ab = "--ab-treatment" in flags and "--ab-share" in flags
     if ab:
         argv += ["--policy", control, "--ab-treatment", treatment, "--ab-share", str(share)]
@@ -255,15 +257,38 @@ def decision_summary(metrics_text: str) -> dict[str, dict]:
     return out
 
 
-def decision_stats(router: str) -> dict[str, dict]:
-    """Per-arm decision counts, fallback shares and decision latency from the router's /metrics ({} if unreadable)."""
+def late_dispatches(metrics_text: str) -> dict[str, int]:
+    """Requests the router's late binding let go, by reason (llm_router_late_dispatches_total; "room" after a hold
+    or at once, "idle", "full", "timeout", ...), from its /metrics text; {} when late binding is off."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name == "llm_router_late_dispatches_total" and s.value:
+                out[s.labels["reason"]] = out.get(s.labels["reason"], 0) + int(s.value)
+    return out
+
+
+def held_requests(metrics_text: str) -> int:
+    """How many requests late binding held in the router's queue (llm_router_hold_duration_seconds_count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return int(sum(s.value for fam in text_string_to_metric_families(metrics_text) for s in fam.samples
+                   if s.name == "llm_router_hold_duration_seconds_count"))
+
+
+def router_stats(router: str) -> tuple[dict[str, dict], dict[str, int], int]:
+    """From the router's /metrics: per-arm decision counts, fallback shares and decision latency; late binding's
+    dispatches by reason; requests it held ({}, {}, 0 if unreadable)."""
     from urllib.request import urlopen
 
     try:
         with urlopen(f"{router}/metrics", timeout=2.0) as resp:
-            return decision_summary(resp.read().decode())
+            text = resp.read().decode()
     except OSError:
-        return {}
+        return {}, {}, 0
+    return decision_summary(text), late_dispatches(text), held_requests(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -278,6 +303,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="clip prompts (e.g. 900 for real tiny vLLM servers with --max-model-len 1024)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="emulated replicas: batch slots (default 8)")
+    p.add_argument("--late-binding-max-num-seqs", type=int, default=None, metavar="N",
+                   help="router-side late binding: hold a request while every replica has N in flight, then send it to "
+                   "the first with room (default: the emulated replicas' --max-num-seqs; with --replica: off unless "
+                   "given, since vLLM does not export its max_num_seqs; 0 = off)")
     p.add_argument("--speed", type=float, default=0.5,
                    help="emulated replicas: emulated seconds per wall second (default 0.5: half-speed GPUs, so a "
                         "2-core machine can stream the tokens of a loaded fleet)")
@@ -342,7 +371,14 @@ def main(args: argparse.Namespace) -> int:
                 names[url] = f"{i}:{rep.label()}"
             model = "tiny"
         router_port = free_port()
-        argv, ab = router_argv(python, router_port, urls, args.control, treatment, args.ab_share, router_flags(python))
+        late = args.late_binding_max_num_seqs
+        if late is None:
+            late = 0 if args.replica else args.max_num_seqs
+        flags = router_flags(python)
+        if late > 0 and "--late-binding-max-num-seqs" not in flags:
+            note = (note + "; " if note else "") + "router has no --late-binding-max-num-seqs: late binding off"
+            late = 0
+        argv, ab = router_argv(python, router_port, urls, args.control, treatment, args.ab_share, flags, late)
         if not ab:
             note = (note + "; " if note else "") + f"router has no --ab-treatment: single policy {treatment}"
         procs.start("router", argv)
@@ -352,6 +388,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"  replica  {names[url]:<32} {url}", file=sys.stderr)
         arms = f"control={args.control} / treatment={treatment} ({args.ab_share:.0%})" if ab else f"policy={treatment}"
         print(f"  router   {arms:<32} {router}", file=sys.stderr)
+        print(f"  late     " + (f"held in the router while every replica has {late} requests in flight" if late else "off"),
+              file=sys.stderr)
         if note:
             print(f"  note     {note}", file=sys.stderr)
         wait_ready(procs, urls, router, timeout_s=60.0)
@@ -368,7 +406,7 @@ def main(args: argparse.Namespace) -> int:
         spec = ClientSpec(url=router, model=model, timeout_s=args.timeout)
         results, wall = asyncio.run(run_load(plan, spec, progress=not args.no_progress))
         procs.check_alive()
-        decisions = decision_stats(router)
+        decisions, late_reasons, held = router_stats(router)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the demo's processes", file=sys.stderr)
         return 130
@@ -392,6 +430,10 @@ def main(args: argparse.Namespace) -> int:
             why = ", ".join(f"{k} {v}" for k, v in sorted(d["fallbacks"].items())) or "none"
             print(f"  {arm:<10} {d['decisions']} decisions, fell back to least-outstanding {d['fallback_share']:.1%} "
                   f"({why}); decision latency p50 <= {d['decision_p50_s'] * 1e6:.0f} us, p99 <= {d['decision_p99_s'] * 1e6:.0f} us")
+    if late:
+        why = ", ".join(f"{k} {v}" for k, v in sorted(late_reasons.items())) or "none"
+        print(f"late binding (at {late} in flight per replica): {held} of {len(results)} requests held in the router "
+              f"(dispatches by reason: {why})")
     mix = _replica_mix(summary, arms_seen, names)
     if mix:
         print("replica share per arm:")
@@ -399,6 +441,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"(demo took {time.monotonic() - started:.0f} s; logs in {log_root})")
     if args.json:
         args.json.write_text(json.dumps({"plan": info, "summary": summary, "ab": ab, "treatment": treatment, "decisions": decisions,
+                                         "late_binding_max_num_seqs": late, "held": held, "late_dispatches": late_reasons,
                                          "ttft_p99_interval_s": intervals}, indent=1))
     errors = sum(s["errors"] for s in summary.values())
     return 0 if errors == 0 else 1

@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    "to the first replica with room (router/hold_queue.py; default off)")
     s.add_argument("--late-binding-timeout", type=float, dest="late_binding_timeout_s", metavar="S",
                    help="longest a request is held before it goes to the least-loaded replica (default 2)")
+    s.add_argument("--late-binding-max-num-seqs", type=int, dest="late_binding_max_num_seqs", metavar="N",
+                   help="a replica has room below N requests in flight: pass your vLLM servers' --max-num-seqs, which "
+                   "vLLM does not export (default 256, lowered per replica to what its KV cache holds)")
     s.add_argument("--workers", type=int, help="worker processes sharing the port and one view of the in-flight "
                    "load (default 1; on a dedicated host, its core count)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])

@@ -87,7 +87,7 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="worker processes, one (scenario, seed) per task (default 1)")
     p.add_argument("--json", action="store_true", help="print the comparison document as JSON instead of a table")
     p.add_argument("--late-binding", action="store_true",
-                   help="also run every heuristic with heuristic late binding (rows `<name>+late`, simulator.late_binding)")
+                   help="also run every policy, heuristic or learned, behind heuristic late binding (rows `<name>+late`, simulator.late_binding)")
     p.add_argument("--swap-profile", action="append", default=[], metavar="OLD=NEW",
                    help="run the replicas of profile OLD on profile NEW (a name or a YAML path, e.g. one measured on your "
                         "GPU): the same arrivals on other hardware; repeatable")

@@ -77,7 +77,7 @@ def run_once(scenario: str, policy: str, seed: int, split: str = "eval", library
     return run_policies(scenario, [policy], seed, split, library)[policy]
 
 
-LATE_SUFFIX = "+late"  # a heuristic run with heuristic late binding (simulator.late_binding)
+LATE_SUFFIX = "+late"  # a policy run behind heuristic late binding (simulator.late_binding)
 
 
 def run_policies(
@@ -90,7 +90,7 @@ def run_policies(
     profile_swap: Mapping[str, str] | None = None,
 ) -> dict[str, dict]:
     """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy.
-    With `late_binding`, every heuristic also runs with late binding, as `<name>+late`; with `profile_swap`
+    With `late_binding`, every policy (heuristic or learned) also runs behind late binding, as `<name>+late`; with `profile_swap`
     ({OLD: NEW}) the scenario's replicas on profile OLD run on NEW (`Scenario.with_profiles`)."""
     sc = load_scenario(scenario, split=split, library=library)
     if profile_swap:
@@ -101,7 +101,7 @@ def run_policies(
         policy = served_policy(name, seed=seed)  # guards + deterministic decision-cost budget, as the router serves it
         records = simulate(cluster, requests, policy, seed=seed)
         out[name] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster)) | {"fallback_share": policy.fallback_share}
-        if late_binding and name in BASELINES:
+        if late_binding:
             policy = served_policy(name, seed=seed)
             records, reasons = simulate_late(cluster, requests, policy, seed=seed)
             n = max(1, len(requests))
@@ -154,7 +154,7 @@ def compare(
     swap = tuple(sorted((profile_swap or {}).items()))
     tasks = [(s, tuple(policies), seed, split, late_binding, swap) for s in scenarios for seed in seed_list]
     if late_binding:
-        policies = list(policies) + [p + LATE_SUFFIX for p in policies if p in BASELINES]
+        policies = list(policies) + [p + LATE_SUFFIX for p in policies]
     runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in scenarios for p in policies}
     bar = tqdm(total=len(tasks) * len(policies), desc="simulating", unit="run", disable=not progress, file=sys.stderr)
     if executor is not None:

@@ -42,16 +42,25 @@ class RandomisationConfig(_Strict):
     fleet_replicas: tuple[int, int] = Field(
         (2, 32), description="replica count of a random fleet, log-uniform in [lo, hi] (at most max_replicas)"
     )
+    batch_slots_prob: float = Field(
+        0.0, ge=0, le=1,
+        description="chance that an instance's replicas run with few batch slots (trainer/instances.py few_batch_slots: "
+        "max_num_seqs log-uniform in `batch_slots`, arrivals rescaled to keep the scenario's load on the smaller "
+        "capacity); 0 keeps every scenario's own max_num_seqs (256)",
+    )
+    batch_slots: tuple[int, int] = Field((4, 64), description="max_num_seqs of a few-slots instance, log-uniform in [lo, hi]")
 
     @model_validator(mode="after")
     def _ordered(self) -> "RandomisationConfig":
         for name in ("replica_count_scale", "speed_factor", "scrape_interval_s", "scrape_lag_s", "scrape_failure_prob", "prompt_scale",
-                     "fleet_replicas"):
+                     "fleet_replicas", "batch_slots"):
             lo, hi = getattr(self, name)
             if lo > hi or lo < 0:
                 raise ValueError(f"{name}: need 0 <= lo <= hi, got ({lo}, {hi})")
         if self.fleet_replicas[0] < 1:
             raise ValueError(f"fleet_replicas: need at least 1 replica, got {self.fleet_replicas}")
+        if self.batch_slots[0] < 1:
+            raise ValueError(f"batch_slots: need at least 1 slot, got {self.batch_slots}")
         return self
 
 

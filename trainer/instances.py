@@ -76,19 +76,38 @@ def random_fleet(
         util = max(template.gpu_memory_utilization, min(0.95, (prof.weight_bytes + prof.activation_reserve_bytes) / prof.memory_bytes + 0.05))
         groups.append(template.model_copy(update={"profile": profile, "count": int(c), "speed_factor": 1.0,
                                                   "gpu_memory_utilization": util}))
+    ratio = _capacity_ratio(groups, list(cluster.replicas), requests, rng)
+    faults = [f for f in cluster.faults if f.replica < n]
+    return cluster.model_copy(update={"replicas": groups, "faults": faults}), ratio
+
+
+def _capacity_ratio(new: list[ReplicaGroup], old: list[ReplicaGroup], requests: list[SimRequest], rng: np.random.Generator) -> float:
+    """Capacity of fleet `new` / capacity of fleet `old`, both measured on a sample of this instance's own
+    (scored) request lengths drawn from `rng`."""
     scored = [q for q in requests if q.tenant != WARMUP_TENANT] or requests
     idx = rng.integers(len(scored), size=CAPACITY_PROBE_REQUESTS)
     lengths = (np.array([scored[i].prompt_tokens for i in idx]), np.array([scored[i].output_tokens for i in idx]))
     probe = np.random.default_rng(0)
-    ratio = _capacity(groups, lengths, probe) / _capacity(list(cluster.replicas), lengths, probe)
-    faults = [f for f in cluster.faults if f.replica < n]
-    return cluster.model_copy(update={"replicas": groups, "faults": faults}), ratio
+    return _capacity(new, lengths, probe) / _capacity(old, lengths, probe)
+
+
+def few_batch_slots(
+    cluster: ClusterConfig, requests: list[SimRequest], lo: int, hi: int, rng: np.random.Generator
+) -> tuple[ClusterConfig, float]:
+    """The same fleet run with few batch slots: every replica's max_num_seqs ~ log-uniform [lo, hi] (one value for
+    the fleet, as one vLLM configuration is deployed everywhere). A replica with 8 slots queues its ninth request
+    where the scenarios' replicas batch 256, so waiting time depends on slots as much as on speed. Returns the
+    fleet and its capacity / the fleet's capacity before, so the caller can keep the scenario's load level."""
+    slots = int(round(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
+    groups = [g.model_copy(update={"max_num_seqs": min(g.max_num_seqs, slots)}) for g in cluster.replicas]
+    ratio = _capacity_ratio(groups, list(cluster.replicas), requests, rng)
+    return cluster.model_copy(update={"replicas": groups}), ratio
 
 
 def perturb(
     cluster: ClusterConfig, requests: list[SimRequest], env_cfg: EnvConfig, rng: np.random.Generator, load: float, randomise: bool
 ) -> tuple[ClusterConfig, list[SimRequest]]:
-    """Domain randomisation over replica count, GPU mix/speed, scrape staleness and workload."""
+    """Domain randomisation over replica count, GPU mix/speed, batch slots, scrape staleness and workload."""
     capacity_ratio = 1.0
     prompt_scale = 1.0
     if randomise:
@@ -118,6 +137,9 @@ def perturb(
             scrape = cluster.scrape
         cluster = cluster.model_copy(update={"replicas": groups, "scrape": scrape})
         prompt_scale = float(rng.uniform(*r.prompt_scale))
+        if r.batch_slots_prob > 0 and rng.random() < r.batch_slots_prob:
+            cluster, slots_ratio = few_batch_slots(cluster, requests, *r.batch_slots, rng)
+            capacity_ratio *= slots_ratio
     rate = load * capacity_ratio  # more replicas get proportionally more traffic
     out = []
     for q in requests:

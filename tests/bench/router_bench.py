@@ -343,9 +343,9 @@ def main() -> int:
         for name, lat in lats.items():
             results["latency_ms"][name] = {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "n": len(lat)}
         # each router's own view of its decisions over the latency phase (before wrk adds its load)
-        from fleet.demo import decision_stats
+        from fleet.demo import router_stats
 
-        results["decisions"] = {name: decision_stats(f"http://127.0.0.1:{port}") for name, port in targets.items()
+        results["decisions"] = {name: router_stats(f"http://127.0.0.1:{port}")[0] for name, port in targets.items()
                                 if name.startswith("routewise")}
         for stream in () if args.no_wrk else (False, True):
             key = "streaming" if stream else "non_streaming"

@@ -6,7 +6,7 @@
 
 Per scenario: the best per-request heuristic by mean p99 TTFT over seeds (and its ±95 % CI half-width), the
 learned policy's p99 and their ratio; the best late-binding heuristic (`<name>+late` rows, when present) and
-the learned p99 over it; goodput of the learned policy, the best goodput of any per-request heuristic and (in
+the learned p99 over it; with a `learned+late` row, the learned policy behind late binding against both; goodput of the learned policy, the best goodput of any per-request heuristic and (in
 brackets) of any late-binding one; the learned policy's fallback share (decisions its guards or decision budget handed to the
 fallback heuristic).
 """
@@ -35,24 +35,37 @@ def rows(doc: dict, learned_name: str = LEARNED) -> list[dict]:
     for sc, pol in by_sc.items():
         learned = pol.get(learned_name)
         heur = [r for p, r in pol.items() if p in BASELINES and r["ttft_p99_s"] is not None]
-        late = [r for p, r in pol.items() if p.endswith(LATE) and r["ttft_p99_s"] is not None]
+        late = [r for p, r in pol.items() if p.endswith(LATE) and p[: -len(LATE)] in BASELINES and r["ttft_p99_s"] is not None]
         if learned is None or not heur:
             continue
         best = min(heur, key=lambda r: r["ttft_p99_s"])
         best_late = min(late, key=lambda r: r["ttft_p99_s"]) if late else None
         out.append({
-            "scenario": sc, "learned": learned, "best": best, "best_late": best_late,
+            "scenario": sc, "learned": learned, "best": best, "best_late": best_late, "learned_late": pol.get(learned_name + LATE),
             "best_goodput": max(r["goodput"] for r in heur),
             "best_late_goodput": max(r["goodput"] for r in late) if late else None,
         })  # fmt: skip
     return out
 
 
+def _late_cells(r: dict) -> str:
+    ll, best, late = r["learned_late"], r["best"], r["best_late"]
+    if ll is None:
+        return " - | - | - | - |"
+    ratio = ll["ttft_p99_s"] / best["ttft_p99_s"]
+    vs_late = f"{ll['ttft_p99_s'] / late['ttft_p99_s']:.2f}" if late else "-"
+    return f" {_ms(ll)} | {'**' if ratio <= 1.0 else ''}{ratio:.2f}{'**' if ratio <= 1.0 else ''} | {vs_late} | {ll['goodput']:.3f} |"
+
+
 def markdown(doc: dict, learned_name: str = LEARNED) -> str:
+    """The table; with `learned+late` rows (compare --late-binding) four more columns: the learned policy behind late
+    binding, its p99 over the best per-request heuristic's and over the best late-binding heuristic's, its goodput."""
+    with_late = any(r["learned_late"] for r in rows(doc, learned_name))
     lines = [
         "| scenario | best heuristic | its p99 | learned p99 | learned / best | best late-binding (p99) | "
-        "learned / best late | goodput learned / best (best late) | learned fallback |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "learned / best late | goodput learned / best (best late) | learned fallback |"
+        + (" learned+late p99 | / best | / best late | its goodput |" if with_late else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if with_late else ""),
     ]
     for r in rows(doc, learned_name):
         learned, best, late = r["learned"], r["best"], r["best_late"]
@@ -65,6 +78,7 @@ def markdown(doc: dict, learned_name: str = LEARNED) -> str:
             f"| {r['scenario']} | {best['policy']} | {_ms(best)} | {_ms(learned)} | "
             f"{'**' if ratio <= 1.0 else ''}{ratio:.2f}{'**' if ratio <= 1.0 else ''} | {late_cells[0]} | "
             f"{late_cells[1]} | {learned['goodput']:.3f} / {r['best_goodput']:.3f}{late_goodput} | {learned['fallback_share']:.1%} |"
+            + (_late_cells(r) if with_late else "")
         )
     return "\n".join(lines)
 

@@ -70,6 +70,26 @@ def test_router_gets_ab_flags_only_when_it_lists_them():
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--replica"] == urls
     argv, ab = router_argv("py", 9, urls, "least-outstanding", "learned", 0.5, {"--policy", "--replica"})
     assert not ab and "--ab-treatment" not in argv and argv[argv.index("--policy") + 1] == "learned"
+    assert "--late-binding" not in argv  # off unless asked for
+    argv, _ = router_argv("py", 9, urls, "least-outstanding", "learned", 0.5, {"--policy"}, late_max_num_seqs=8)
+    assert "--late-binding" in argv and argv[argv.index("--late-binding-max-num-seqs") + 1] == "8"
+
+
+def test_late_binding_counts_come_from_the_routers_own_metrics():
+    from prometheus_client import generate_latest
+
+    from fleet.demo import held_requests, late_dispatches
+    from router.telemetry import RouterMetrics
+
+    metrics = RouterMetrics()
+    text = generate_latest(metrics.registry).decode()
+    assert late_dispatches(text) == {} and held_requests(text) == 0  # exported at 0: nothing let go yet
+    metrics.late_dispatches.labels("room").inc(5)
+    metrics.late_dispatches.labels("timeout").inc()
+    for held_s in (0.1, 0.2, 2.0):
+        metrics.hold_duration.observe(held_s)
+    text = generate_latest(metrics.registry).decode()
+    assert late_dispatches(text) == {"room": 5, "timeout": 1} and held_requests(text) == 3
 
 
 @end_to_end
@@ -144,6 +164,9 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
     learned = doc["decisions"]["treatment"]
     assert learned["decisions"] > 2 * BUDGET_MIN_SAMPLES, learned  # enough for the budget rule to have judged it
     assert learned["fallback_share"] < (0.05 if fastnet.available() else 0.7), learned  # before issue 13: 100 %
+    # the emulated fleet's 8 batch slots turn the router's late binding on; every request went through its queue rule
+    assert doc["late_binding_max_num_seqs"] == 8 and "late binding (at 8 in flight per replica)" in out, out[-2000:]
+    assert sum(doc["late_dispatches"].values()) == sum(arm["requests"] for arm in doc["summary"].values()), doc
 
 
 def test_decision_summary_reads_fallback_share_and_latency_per_arm():

@@ -294,10 +294,12 @@ async def test_turned_on_by_flag_or_environment_and_bad_values_named(monkeypatch
 
     assert build_settings(replicas=["http://a:1"]).late_binding is False
     args = vars(_parser().parse_args(["serve", "--replica", "http://a:1", "--late-binding",
-                                      "--late-binding-timeout", "0.5"]))
+                                      "--late-binding-timeout", "0.5", "--late-binding-max-num-seqs", "8"]))
     s = build_settings(None, **{k: v for k, v in args.items() if k not in ("command", "config")})
-    assert (s.late_binding, s.late_binding_timeout_s) == (True, 0.5)
+    assert (s.late_binding, s.late_binding_timeout_s, s.late_binding_max_num_seqs) == (True, 0.5, 8)
     monkeypatch.setenv("ROUTEWISE_LATE_BINDING", "1")
     assert build_settings(replicas=["http://a:1"]).late_binding is True
     assert main(["serve", "--replica", "http://a:1", "--late-binding-timeout", "-1"]) == 2
     assert "late_binding_timeout_s" in capsys.readouterr().err
+    assert main(["serve", "--replica", "http://a:1", "--late-binding-max-num-seqs", "0"]) == 2
+    assert "late_binding_max_num_seqs" in capsys.readouterr().err

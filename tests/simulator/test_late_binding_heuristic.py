@@ -90,9 +90,13 @@ def test_with_room_everywhere_late_binding_routes_like_the_policy_alone():
 def test_compare_adds_late_rows_against_the_best_per_request_heuristic():
     from simulator.experiments import compare
 
-    doc = compare(["bursty-code"], ["least-outstanding", "expected-wait"], [0], progress=False, late_binding=True)
+    doc = compare(["bursty-code"], ["least-outstanding", "expected-wait", "learned"], [0], progress=False, late_binding=True)
     rows = {r["policy"]: r for r in doc["results"]}
-    assert set(rows) == {"least-outstanding", "expected-wait", "least-outstanding+late", "expected-wait+late"}
+    assert set(rows) == {"least-outstanding", "expected-wait", "learned",
+                         "least-outstanding+late", "expected-wait+late", "learned+late"}  # the learned policy too
+    assert rows["learned+late"]["metrics"]["held_share"] > 0
+    assert rows["learned"]["ttft_p99_vs_best_heuristic"] == rows["learned"]["ttft_p99_s"] / min(
+        rows["least-outstanding"]["ttft_p99_s"], rows["expected-wait"]["ttft_p99_s"])  # best of the per-request heuristics only
     best = min(rows["least-outstanding"]["ttft_p99_s"], rows["expected-wait"]["ttft_p99_s"])
     late = rows["expected-wait+late"]
     assert late["ttft_p99_vs_best_heuristic"] == late["ttft_p99_s"] / best

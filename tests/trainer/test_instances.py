@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from simulator.config import ClusterConfig, FaultConfig, ReplicaGroup
@@ -110,3 +112,45 @@ def test_fleet_prob_zero_draws_nothing_new():
     b = perturb(cluster, reqs, EnvConfig(scenarios=["x"], randomisation={"fleet_prob": 0.0}), np.random.default_rng(1),
                 load=1.0, randomise=True)
     assert a == b
+
+
+def test_few_batch_slots_bound_max_num_seqs_and_keep_the_load():
+    """batch_slots_prob 1: every instance's replicas share one max_num_seqs within batch_slots, never above the
+    scenario's own, and arrivals are stretched by exactly the measured capacity ratio (fewer slots, less traffic)."""
+    from trainer.instances import few_batch_slots
+
+    cfg = EnvConfig(scenarios=["x"], randomisation={"batch_slots_prob": 1.0, "batch_slots": (2, 16), "speed_factor": (1.0, 1.0),
+                                                    "replica_count_scale": (1.0, 1.0), "prompt_scale": (1.0, 1.0)})
+    cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-h100", count=2),
+                                      ReplicaGroup(profile="llama3-8b-a100", count=2, max_num_seqs=12)])
+    reqs = [SimRequest(i, i * 0.01, 500, 200) for i in range(60)]
+    seen = set()
+    for seed in range(12):
+        c, out = perturb(cluster, reqs, cfg, np.random.default_rng(seed), load=1.0, randomise=True)
+        h100, a100 = c.replicas
+        assert 2 <= h100.max_num_seqs <= 16 and a100.max_num_seqs == min(12, h100.max_num_seqs)
+        seen.add(h100.max_num_seqs)
+        replay = np.random.default_rng(seed)
+        scrape_settings = perturb(cluster, reqs, cfg.model_copy(update={"randomisation": cfg.randomisation.model_copy(
+            update={"batch_slots_prob": 0.0})}), replay, load=1.0, randomise=True)[0]
+        assert scrape_settings.scrape == c.scrape  # everything before the slots draw is unchanged
+        replay.random()  # perturb's batch_slots_prob draw
+        again, ratio = few_batch_slots(scrape_settings, reqs, 2, 16, replay)
+        assert again == c and 0 < ratio <= 1.0
+        assert np.isclose(out[-1].arrival_s, reqs[-1].arrival_s / ratio)
+    assert len(seen) >= 5
+    # two slots on 200-token outputs serve far fewer requests per second than 256
+    _, ratio = few_batch_slots(ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-h100", count=1)]), reqs, 2, 2,
+                               np.random.default_rng(0))
+    assert ratio < 0.2
+
+
+def test_bad_batch_slots_name_the_field_and_value():
+    import pytest
+    from pydantic import ValidationError
+
+    for bad, words in (((8, 4), "batch_slots: need 0 <= lo <= hi, got (8, 4)"), ((0, 4), "batch_slots: need at least 1 slot, got (0, 4)")):
+        with pytest.raises(ValidationError, match=re.escape(words)):
+            EnvConfig(scenarios=["x"], randomisation={"batch_slots": bad})
+    with pytest.raises(ValidationError, match="batch_slots_prob"):
+        EnvConfig(scenarios=["x"], randomisation={"batch_slots_prob": 1.5})
