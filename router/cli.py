@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="hold requests in a router-side queue while every replica is at its limit and dispatch each "
                    "to the first replica with room (router/hold_queue.py; default off)")
     s.add_argument("--late-binding-timeout", type=float, dest="late_binding_timeout_s", metavar="S",
-                   help="longest a request is held before it goes to the least-loaded replica (default 2)")
+                   help="longest a request is held before the policy sends it to any healthy replica, room or not (default 2)")
     s.add_argument("--late-binding-max-num-seqs", type=int, dest="late_binding_max_num_seqs", metavar="N",
                    help="a replica has room below N requests in flight: pass your vLLM servers' --max-num-seqs, which "
                    "vLLM does not export (default 256, lowered per replica to what its KV cache holds)")

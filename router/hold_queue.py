@@ -4,7 +4,7 @@ The rule is router.policy.late_binding's `decide`, the one the simulator runs: a
 healthy replica is below its concurrency limit waits here, and the head is offered again whenever an event
 can have freed room: a first token or a release (completion, failure, cancel) in this worker, a health probe
 or drain/restore, membership changes, a scrape, and a timer at the head's queue timeout. Nothing polls.
-The policy then picks among the replicas with room (a timeout goes to the least-loaded healthy replica, a
+The policy then picks among the replicas with room (a timeout goes to its pick over every healthy replica, a
 full queue or an idle fleet to the policy's pick over every healthy one).
 
 Nothing is dropped or left hanging: a client that disconnects while held leaves the queue (its future is
@@ -144,7 +144,7 @@ class HoldQueue(Generic[R]):
 
     @staticmethod
     def _only(reason: str, candidates: Sequence[int]) -> tuple[int, ...] | None:
-        return None if reason in ("idle", "full") else tuple(candidates)
+        return None if reason in ("idle", "full", "timeout") else tuple(candidates)
 
     def _go(self, info: RequestInfo, reason: str, only: tuple[int, ...] | None, held_s: float | None,
             view: ClusterView | None) -> R:

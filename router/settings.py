@@ -135,7 +135,7 @@ class RouterSettings(BaseSettings):
     )
     late_binding_timeout_s: float = Field(
         LateBindingConfig.timeout_s, ge=0, description="a held request waits at most this long, then goes to the "
-        "least-loaded healthy replica (counted as reason=timeout)",
+        "policy's pick over every healthy replica, room or not (counted as reason=timeout)",
     )
     late_binding_queue_per_replica: int = Field(
         LateBindingConfig.queue_per_replica, ge=0, description="queue capacity = this x replicas; an arrival at a "

@@ -153,7 +153,7 @@ def build() -> dict:
     panels.append(panel(layout, "Late-binding dispatches by reason", [
         (f"sum by (reason) (rate(llm_router_late_dispatches_total[{RATE}]))", "{{reason}}")], "reqps",
         description="Why the queue let requests go: room (a replica had room), idle, full (queue full), timeout "
-                    "(held late_binding_timeout_s, sent to the least-loaded replica), no_healthy, shutdown, error."))
+                    "(held late_binding_timeout_s, sent to the policy's pick of any healthy replica), no_healthy, shutdown, error."))
 
     panels.append(layout.row("A/B rollout"))
     panels.append(panel(layout, "Treatment / control p99 ratio", [

@@ -5,8 +5,10 @@ driver (simulator/late_binding.py, over `ClusterSim.hold()`) call the same `deci
 per-request policy: the policy still picks the replica, but only among those the rule allows.
 
 Rule, in order: with nothing in flight anywhere (no completion could release the queue) it dispatches at
-once; a queue timeout (the head waited `timeout_s`) dispatches to the least-loaded healthy replica; a full
-queue dispatches the request at once (policy's pick over every healthy replica); FIFO: a new arrival queues
+once; a queue timeout (the head waited `timeout_s`) and a full queue dispatch the request at once, to the
+policy's pick over every healthy replica (until session 11 a timeout went to the least-loaded replica by
+outstanding count: on a fleet of mixed speeds that is the slowest one, and the policy's pick lowered p99 TTFT
+behind late binding by 0.1-0.3x of the best heuristic's on the code mixes, README); FIFO: a new arrival queues
 behind held requests; a replica has room while its outstanding count is below its concurrency limit (the
 policy picks among those); otherwise hold. Nothing is ever dropped. The timeout is checked when the head is
 offered (at first tokens and completions, live also on a timer), so a held request can overrun it by up to
@@ -74,8 +76,7 @@ def decide(
     if not any(r.outstanding for r in view.replicas):
         return Decision("idle", healthy)
     if is_head and waited_s >= config.timeout_s:
-        least = min(healthy, key=lambda i: (view.replicas[i].outstanding, i))
-        return Decision("timeout", (least,))
+        return Decision("timeout", healthy)
     if not is_head and queued >= config.queue_per_replica * len(view.replicas):
         return Decision("full", healthy)
     if queued and not is_head:

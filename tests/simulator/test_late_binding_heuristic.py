@@ -31,14 +31,14 @@ def test_rule_holds_when_no_replica_has_room_and_dispatches_to_those_with_room()
     assert decide(view(1, 0), [LIMIT] * 2, 1, False, 0.0, cfg).reason == "hold"
 
 
-def test_a_full_queue_dispatches_immediately_and_a_timeout_goes_to_the_least_loaded():
+def test_a_full_queue_dispatches_immediately_and_a_timeout_lets_the_policy_pick_any_healthy_replica():
     cfg = LateBindingConfig(timeout_s=5.0, queue_per_replica=2)
     full = decide(view(1, 1), [LIMIT] * 2, 4, False, 0.0, cfg)
     assert full.reason == "full" and full.candidates == (0, 1)
     timed_out = decide(view(3, 1, 2), [LIMIT] * 3, 0, True, 5.0, cfg)
-    assert timed_out.reason == "timeout" and timed_out.candidates == (1,)
+    assert timed_out.reason == "timeout" and timed_out.candidates == (0, 1, 2)  # every one is at its limit
     unhealthy = decide(view(3, 1, 2, healthy=(True, False, True)), [LIMIT] * 3, 0, True, 6.0, cfg)
-    assert unhealthy.candidates == (2,)
+    assert unhealthy.reason == "timeout" and unhealthy.candidates == (0, 2)
 
 
 def test_nothing_in_flight_never_holds():
