@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--late-binding-max-num-seqs", type=int, dest="late_binding_max_num_seqs", metavar="N",
                    help="a replica has room below N requests in flight: pass your vLLM servers' --max-num-seqs, which "
                    "vLLM does not export (default 256, lowered per replica to what its KV cache holds)")
+    s.add_argument("--replica-max-num-seqs", action="append", dest="late_binding_replica_max_num_seqs",
+                   metavar="HOST:PORT=N", help="late binding's limit for one replica whose --max-num-seqs differs from "
+                   "--late-binding-max-num-seqs (repeatable)")
     s.add_argument("--workers", type=int, help="worker processes sharing the port and one view of the in-flight "
                    "load (default 1; on a dedicated host, its core count)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])

@@ -13,7 +13,8 @@ shutdown every held request is dispatched (`shutdown`); if the rule itself fails
 request go rather than hold it (`error`, logged).
 
 Limits per replica: `replica_limit(late_binding_max_num_seqs, scraped KV capacity, late_binding_max_batched_tokens,
-late_binding_tokens_per_request)`; vLLM does not export max_num_seqs, so it is a setting, lowered per replica to
+late_binding_tokens_per_request)`; vLLM does not export max_num_seqs, so it is a setting (one for every replica, or
+per replica: late_binding_replica_max_num_seqs, keyed by host:port), lowered per replica to
 what its scraped KV cache (vllm:cache_config_info) holds. With `--workers N` each worker holds its own queue;
 the outstanding counts it compares with the limits are the host's (router.shared), and another worker's
 completions reach it through the worker-sync tick (0.1 s) or the next scrape.
@@ -76,6 +77,7 @@ class HoldQueue(Generic[R]):
     ) -> None:
         self.config = late_binding_config(settings)
         self._max_seqs = settings.late_binding_max_num_seqs
+        self._max_seqs_of = settings.late_binding_replica_max_num_seqs  # by replica id (host:port)
         self._max_batched = settings.late_binding_max_batched_tokens
         self.replicas = replicas
         self._dispatch = dispatch
@@ -86,7 +88,7 @@ class HoldQueue(Generic[R]):
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled = False
         self.closed = False
-        self._limits: dict[int | None, ReplicaLimit] = {}  # by scraped KV capacity: the only per-replica input
+        self._limits: dict[tuple[int, int | None], ReplicaLimit] = {}  # by (batch cap, scraped KV capacity)
         self._dispatches = {r: metrics.late_dispatches.labels(r) for r in LATE_REASONS}  # exported at 0
         metrics.held_requests.set(0)
 
@@ -96,11 +98,12 @@ class HoldQueue(Generic[R]):
     def limits(self, view: ClusterView) -> list[ReplicaLimit]:
         cache = self._limits
         out = []
+        caps = self._max_seqs_of
         for r in view.replicas:
-            kv = r.kv_capacity_tokens
-            lim = cache.get(kv)
+            key = (caps.get(r.replica_id, self._max_seqs) if caps else self._max_seqs, r.kv_capacity_tokens)
+            lim = cache.get(key)
             if lim is None:
-                lim = cache[kv] = replica_limit(self._max_seqs, kv, self._max_batched, self.config.tokens_per_request)
+                lim = cache[key] = replica_limit(key[0], key[1], self._max_batched, self.config.tokens_per_request)
             out.append(lim)
         return out
 

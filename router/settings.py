@@ -145,6 +145,10 @@ class RouterSettings(BaseSettings):
         256, ge=1, description="a replica has room below this many requests in flight (vLLM's max_num_seqs, which "
         "vLLM does not export), lowered per replica to what its scraped KV cache holds",
     )
+    late_binding_replica_max_num_seqs: dict[str, int] = Field(
+        default_factory=dict, description="per replica (host:port or base URL) overrides of late_binding_max_num_seqs, "
+        "for fleets whose servers run different --max-num-seqs; e.g. {\"10.0.0.5:8000\": 8}",
+    )
     late_binding_max_batched_tokens: int = Field(
         8192, ge=1, description="... and while the prompt tokens awaiting their first token there are below this "
         "(vLLM's max_num_batched_tokens)",
@@ -230,6 +234,36 @@ class RouterSettings(BaseSettings):
             out.append(str(u.origin()))
         if len({replica_id(x) for x in out}) != len(out):
             raise ValueError(f"replicas: duplicate host:port in {v!r}")
+        return out
+
+    @field_validator("late_binding_replica_max_num_seqs", mode="before")
+    @classmethod
+    def _pairs(cls, v: Any) -> Any:
+        if isinstance(v, str):  # ROUTEWISE_LATE_BINDING_REPLICA_MAX_NUM_SEQS: JSON object or HOST:PORT=N,...
+            if v.lstrip().startswith("{"):
+                return json.loads(v)
+            v = [p for p in v.split(",") if p.strip()]
+        if isinstance(v, (list, tuple)):  # --replica-max-num-seqs HOST:PORT=N (repeatable)
+            out = {}
+            for item in v:
+                key, sep, n = str(item).strip().rpartition("=")
+                if not sep or not key:
+                    raise ValueError(f"late_binding_replica_max_num_seqs: {item!r} is not HOST:PORT=N")
+                out[key] = n
+            return out
+        return v
+
+    @field_validator("late_binding_replica_max_num_seqs")
+    @classmethod
+    def _check_replica_caps(cls, v: dict[str, int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, n in v.items():
+            u = URL(key if "://" in key else f"http://{key}")
+            if not u.host or u.explicit_port is None and "://" not in key:
+                raise ValueError(f"late_binding_replica_max_num_seqs: {key!r} is not a replica's host:port or base URL")
+            if n < 1:
+                raise ValueError(f"late_binding_replica_max_num_seqs: {key!r}={n}: need at least 1")
+            out[replica_id(u)] = n
         return out
 
     @field_validator("discover")

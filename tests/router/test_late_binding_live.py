@@ -303,3 +303,36 @@ async def test_turned_on_by_flag_or_environment_and_bad_values_named(monkeypatch
     assert "late_binding_timeout_s" in capsys.readouterr().err
     assert main(["serve", "--replica", "http://a:1", "--late-binding-max-num-seqs", "0"]) == 2
     assert "late_binding_max_num_seqs" in capsys.readouterr().err
+
+
+async def test_a_replica_with_its_own_batch_cap_takes_that_many(fakes, router_client):
+    """late_binding_replica_max_num_seqs: one server runs --max-num-seqs 3 where the rest run 1; the router fills
+    each to its own cap and holds what is left."""
+    a, b = await fakes(2, token_delay_s=0.05)
+    b_id = b.url.split("://", 1)[1]
+    client = await router_client([a.url, b.url], **{**LATE, **QUIET, "late_binding_replica_max_num_seqs": {b_id: 3}})
+    tasks = []
+    for i in range(5):  # one at a time, each ~2 s long: nothing completes meanwhile
+        tasks.append(asyncio.create_task(post(client, f"P{i}", max_tokens=40)))
+        await wait_for(lambda n=i + 1: a.requests + b.requests + held(client) == n)
+    assert (a.requests, b.requests, held(client)) == (1, 3, 1)
+    assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 5  # the held one left when a slot freed
+    assert a.requests + b.requests == 5 and held(client) == 0
+
+
+async def test_per_replica_caps_from_flags_or_environment_and_bad_ones_named(monkeypatch, capsys):
+    from router.cli import _parser, main
+    from router.settings import build_settings
+
+    args = vars(_parser().parse_args(["serve", "--replica", "http://a:1", "--replica-max-num-seqs", "a:1=4",
+                                      "--replica-max-num-seqs", "http://b:2=16"]))
+    s = build_settings(None, **{k: v for k, v in args.items() if k not in ("command", "config")})
+    assert s.late_binding_replica_max_num_seqs == {"a:1": 4, "b:2": 16}
+    monkeypatch.setenv("ROUTEWISE_LATE_BINDING_REPLICA_MAX_NUM_SEQS", '{"http://c:3": 8}')
+    assert build_settings(replicas=["http://a:1"]).late_binding_replica_max_num_seqs == {"c:3": 8}
+    monkeypatch.delenv("ROUTEWISE_LATE_BINDING_REPLICA_MAX_NUM_SEQS")
+    for bad, words in ((["a:1=0"], "'a:1'=0: need at least 1"), (["a:1"], "'a:1' is not HOST:PORT=N"),
+                       (["nohost=4"], "'nohost' is not a replica's host:port"), (["a:1=x"], "a:1")):
+        flags = [f for item in bad for f in ("--replica-max-num-seqs", item)]
+        assert main(["serve", "--replica", "http://a:1", *flags]) == 2
+        assert words in capsys.readouterr().err, bad
