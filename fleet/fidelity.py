@@ -30,6 +30,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -44,8 +45,29 @@ MIN_BIN = 5  # requests an in-flight count needs to count in the TTFT-vs-load li
 ROUTER_ESTIMATE_CHARS_PER_TOKEN = 4.0  # router.policy.estimate.DEFAULT_CHARS_PER_TOKEN
 
 
+LATE_SUFFIX = "+late"  # simulator.experiments.LATE_SUFFIX: the policy behind the router's late binding
+
+
 class FidelityError(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class LateBinding:
+    """How a `<policy>+late` run holds requests, live and simulated alike: each server's batch cap (its calibrated
+    max_num_seqs, by host:port) and the KV tokens one request is assumed to hold (the plan's mean prompt + output)."""
+
+    caps: dict[str, int]
+    tokens_per_request: int
+
+    def router_env(self) -> dict[str, str]:
+        return {"ROUTEWISE_LATE_BINDING": "1", "ROUTEWISE_LATE_BINDING_REPLICA_MAX_NUM_SEQS": json.dumps(self.caps),
+                "ROUTEWISE_LATE_BINDING_TOKENS_PER_REQUEST": str(self.tokens_per_request)}
+
+
+def split_late(policy: str) -> tuple[str, bool]:
+    """("expected-wait", True) for "expected-wait+late"."""
+    return (policy[: -len(LATE_SUFFIX)], True) if policy.endswith(LATE_SUFFIX) else (policy, False)
 
 
 @dataclass
@@ -122,20 +144,23 @@ def _engine_itl(urls: list[str]) -> list[tuple[float, float]]:
 
 
 def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scrape_interval_s: float,
-                progress: bool) -> tuple[list[Served], list[tuple[float, float]], float, dict[str, int]]:
+                progress: bool, late: LateBinding | None = None) -> tuple[list[Served], list[tuple[float, float]], float, dict[str, int]]:
     """The plan through a fresh router with `policy`: what each request saw, in plan order, the engines' own
     mean inter-token latency over the replay (server-side, to tell engine speed from HTTP and queueing), and the
     share of the router's decisions its fallback made (a learned policy over its time budget decides as
-    least-outstanding: the simulator must know how often that happened live) with the count per reason."""
+    least-outstanding: the simulator must know how often that happened live) with the count per reason.
+    `<policy>+late` runs the router with late binding as `late` says."""
     from fleet.router_process import start_router
     from fleet.loadgen import ClientSpec, run_load
-    from urllib.parse import urlsplit
 
     _wait_idle(urls)
     itl0 = _engine_itl(urls)
     # the router names the serving replica in a response header: which server each request saw
-    router = start_router(urls, policy, work / "router", scrape_interval_s=scrape_interval_s,
-                          env={"ROUTEWISE_REPLICA_HEADER": "true"})
+    base, held = split_late(policy)
+    if held and late is None:
+        raise FidelityError(f"policy {policy}: late binding needs the servers' batch caps")
+    router = start_router(urls, base, work / "router", scrape_interval_s=scrape_interval_s,
+                          env={"ROUTEWISE_REPLICA_HEADER": "true", **(late.router_env() if held else {})})
     try:
         results, _ = asyncio.run(run_load(plan, ClientSpec(url=router.base_url, model=model, timeout_s=120.0), progress))
         page = router.metrics()
@@ -187,17 +212,27 @@ def cluster_from_profiles(profile_paths: list[Path], scrape_interval_s: float, m
 
 
 def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: float,
-                  seed: int = 0) -> tuple[list[Served], float]:
-    """The same arrivals and lengths on the simulated fleet: what each request saw, and the fallback share."""
+                  seed: int = 0, late: LateBinding | None = None) -> tuple[list[Served], float]:
+    """The same arrivals and lengths on the simulated fleet: what each request saw, and the fallback share.
+    `<policy>+late` runs behind the simulator's late binding (the live rule) with `late`'s tokens per request; the
+    simulated replicas' own max_num_seqs are the caps."""
+    from router.policy.late_binding import LateBindingConfig
     from router.policy.served import served_policy
     from simulator.cluster import simulate
+    from simulator.late_binding import simulate_late
     from simulator.types import SimRequest
 
     reqs = [SimRequest(i, s.arrival_s, s.prompt_tokens, s.output_tokens, max_tokens=s.output_tokens)
             for i, s in enumerate(served)]
     cfg = cluster.model_copy(update={"estimator_scale": estimate_scale})
-    served_as = served_policy(policy, seed=seed)
-    records = simulate(cfg, reqs, served_as, seed=seed)
+    base, held = split_late(policy)
+    served_as = served_policy(base, seed=seed)
+    if held:
+        if late is None:
+            raise FidelityError(f"policy {policy}: late binding needs the tokens per request")
+        records, _ = simulate_late(cfg, reqs, served_as, seed=seed, late=LateBindingConfig(tokens_per_request=late.tokens_per_request))
+    else:
+        records = simulate(cfg, reqs, served_as, seed=seed)
     return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
                    int(r.replica_id[1:].split("-", 1)[0])) for r in records], served_as.fallback_share
 
@@ -471,7 +506,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", action="append", default=[], help="base URL of a running vLLM server (repeat); "
                    "none: launch the heterogeneous CPU fleet of fleet/vllm.py (needs .venv-vllm)")
     p.add_argument("--servers", type=int, default=2, choices=(1, 2), help="servers to launch without --server (default 2)")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma list (default: %(default)s)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma list (default: %(default)s); "
+                   "NAME+late runs NAME behind the router's late binding at each server's calibrated max_num_seqs, "
+                   "live and simulated")
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--window", default="eval", help="trace window (default eval: held out from training)")
     p.add_argument("--start", type=float, default=0.0, help="offset into the window, trace seconds")
@@ -518,7 +555,7 @@ def _main(args: argparse.Namespace) -> int:
         raise FidelityError(f"--calibrations {args.calibrations}: must be 0 or more")
     if args.repeats < 1:
         raise FidelityError(f"--repeats {args.repeats}: must be 1 or more")
-    if LEARNED in policies and not DEFAULT_MODEL_PATH.is_file():
+    if LEARNED in {split_late(p)[0] for p in policies} and not DEFAULT_MODEL_PATH.is_file():
         raise FidelityError(f"policy 'learned': no model at {DEFAULT_MODEL_PATH}")
     if args.plot:  # before minutes of measurement, not after
         import importlib.util
@@ -606,6 +643,8 @@ def _main(args: argparse.Namespace) -> int:
         factors, extra = [1.0] * len(urls), 0.0
         if args.warmup > 0:
             cluster, factors, extra = fit_in_fleet(args, base, rate, estimate_scale, urls, model, work, cluster, log)
+        late = LateBinding({urlsplit(u).netloc: g.max_num_seqs for u, g in zip(urls, cluster.replicas)},
+                           max(1, int(mean_p + mean_o)))
         runs_real: list[dict[str, list[Served]]] = []
         runs_sim: list[dict[str, list[Served]]] = []
         itls: dict[str, list[tuple[float, float]]] = {p: [] for p in policies}
@@ -626,9 +665,9 @@ def _main(args: argparse.Namespace) -> int:
                 log(f"fidelity: {policy}: {len(plan)} requests through the router"
                     + (f" (repeat {rep + 1} of {args.repeats})" if args.repeats > 1 else ""))
                 served, itl, fallback_real, reasons = replay_real(urls, policy, plan, model, work,
-                                                                  args.scrape_interval, not args.quiet)
+                                                                  args.scrape_interval, not args.quiet, late)
                 runs_real[rep][policy] = served
-                runs_sim[rep][policy], fallback_sim = simulate_same(served, cluster, policy, estimate_scale)
+                runs_sim[rep][policy], fallback_sim = simulate_same(served, cluster, policy, estimate_scale, late=late)
                 itls[policy] += itl
                 shares[policy]["real"].append(fallback_real)
                 shares[policy]["sim"].append(fallback_sim)

@@ -220,3 +220,35 @@ def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
     assert [r["order"] for r in reps] == [pols, pols[::-1]]
     assert reps[0]["ranking_by_ttft_p99"]["same"] and not reps[1]["ranking_by_ttft_p99"]["same"]
     assert reps[0]["learned_gain_ttft_p99"]["real"] > 0 > reps[1]["learned_gain_ttft_p99"]["real"]
+
+
+def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
+    """`NAME+late`: the simulation runs the live rule (simulate_late) with the run's tokens per request, and the
+    router gets the same setting and each server's batch cap through its environment."""
+    from fleet.fidelity import FidelityError, LateBinding, Served, simulate_same, split_late
+    from router.policy.late_binding import LateBindingConfig
+    from router.policy.served import served_policy
+    from router.settings import build_settings
+    from simulator.config import ClusterConfig, ReplicaGroup
+    from simulator.late_binding import simulate_late
+    from simulator.types import SimRequest
+
+    assert split_late("learned+late") == ("learned", True) and split_late("learned") == ("learned", False)
+    cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1, max_num_seqs=2),
+                                      ReplicaGroup(profile="llama3-8b-h100", count=1, max_num_seqs=2)])
+    served = [Served(0.005 * i, 300, 40, 0.0, 0.0, 0.0) for i in range(30)]  # a burst: more than the 4 slots
+    late = LateBinding({"10.0.0.1:8000": 2, "10.0.0.2:8000": 2}, 340)
+    held, _ = simulate_same(served, cluster, "least-outstanding+late", 1.0, late=late)
+    plain, _ = simulate_same(served, cluster, "least-outstanding", 1.0)
+    reqs = [SimRequest(i, s.arrival_s, s.prompt_tokens, s.output_tokens, max_tokens=s.output_tokens) for i, s in enumerate(served)]
+    direct, reasons = simulate_late(cluster.model_copy(update={"estimator_scale": 1.0}), reqs, served_policy("least-outstanding", seed=0),
+                                    seed=0, late=LateBindingConfig(tokens_per_request=340))
+    assert [s.ttft_s for s in held] == [r.ttft_s for r in direct] and reasons["held_requests"] > 0
+    assert [s.ttft_s for s in held] != [s.ttft_s for s in plain]
+    with pytest.raises(FidelityError, match="least-outstanding\\+late"):
+        simulate_same(served, cluster, "least-outstanding+late", 1.0)
+    for k, v in late.router_env().items():
+        monkeypatch.setenv(k, v)
+    s = build_settings(replicas=["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+    assert s.late_binding and s.late_binding_tokens_per_request == 340
+    assert s.late_binding_replica_max_num_seqs == {"10.0.0.1:8000": 2, "10.0.0.2:8000": 2}
