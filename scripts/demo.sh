@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # routewise CPU demo (no GPU, no torch): emulated heterogeneous vLLM fleet + router (A/B: least-outstanding
-# vs learned) + a real trace replayed through it; ends with TTFT/E2E percentiles per arm. About 2 minutes.
+# vs learned, late binding at the emulated replicas' 8 batch slots) + a real trace replayed through it; ends with
+# TTFT/E2E percentiles per arm and what the router held. About 2 minutes.
 #   ./scripts/demo.sh                               # defaults (see `--help`)
 #   ./scripts/demo.sh --duration 30                 # shorter
-#   ./scripts/demo.sh --replica http://h1:8000 --replica http://h2:8000   # real vLLM servers instead
+#   ./scripts/demo.sh --late-binding-max-num-seqs 0 # without late binding
+#   ./scripts/demo.sh --replica http://h1:8000 --replica http://h2:8000 --late-binding-max-num-seqs 256   # real vLLM servers
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
