@@ -198,9 +198,14 @@ def _progress(iterable, bar, step: int):
 
 
 def format_table(doc: dict) -> str:
+    """One row per (scenario, policy); with late-binding rows, a `held` column: the share of requests the router
+    held, and of those that left at the queue timeout (`-` for per-request rows)."""
+    late = any("held_share" in r["metrics"] for r in doc["results"])
     head = ("scenario", "policy", "TTFT p50", "TTFT p99", "TPOT p99", "E2E p99", "goodput", "req/s", "p99/best", "fallback")
-    rows = [head]
+    rows = [head + (("held / timed out",) if late else ())]
     for r in doc["results"]:
+        m = r["metrics"]
+        held = (f"{m['held_share']:.0%} / {m['timeout_share']:.0%}" if "held_share" in m else "-",) if late else ()
         rows.append(
             (
                 r["scenario"],
@@ -214,6 +219,7 @@ def format_table(doc: dict) -> str:
                 f"{r['ttft_p99_vs_best_heuristic']:.2f}",
                 f"{r['fallback_share']:.1%}",
             )
+            + held
         )
     return render_table(rows)
 

@@ -95,6 +95,11 @@ def test_compare_adds_late_rows_against_the_best_per_request_heuristic():
     assert set(rows) == {"least-outstanding", "expected-wait", "learned",
                          "least-outstanding+late", "expected-wait+late", "learned+late"}  # the learned policy too
     assert rows["learned+late"]["metrics"]["held_share"] > 0
+    from simulator.experiments import format_table
+
+    lines = {line.split()[1]: line for line in format_table(doc).splitlines()[2:]}
+    assert "held / timed out" in format_table(doc).splitlines()[0]
+    assert lines["learned"].rstrip().endswith("-") and lines["learned+late"].rstrip().endswith("%")
     assert rows["learned"]["ttft_p99_vs_best_heuristic"] == rows["learned"]["ttft_p99_s"] / min(
         rows["least-outstanding"]["ttft_p99_s"], rows["expected-wait"]["ttft_p99_s"])  # best of the per-request heuristics only
     best = min(rows["least-outstanding"]["ttft_p99_s"], rows["expected-wait"]["ttft_p99_s"])
