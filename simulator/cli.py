@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from router.policy.late_binding import LateBindingConfig
 from simulator import commands, costmodel
 from simulator.bench import run_bench
 from simulator.commands import Command
@@ -88,6 +89,9 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the comparison document as JSON instead of a table")
     p.add_argument("--late-binding", action="store_true",
                    help="also run every policy, heuristic or learned, behind heuristic late binding (rows `<name>+late`, simulator.late_binding)")
+    p.add_argument("--late-timeout", type=float, metavar="S",
+                   help="with --late-binding: a held request waits at most S seconds (the router's "
+                   "--late-binding-timeout; default 2)")
     p.add_argument("--swap-profile", action="append", default=[], metavar="OLD=NEW",
                    help="run the replicas of profile OLD on profile NEW (a name or a YAML path, e.g. one measured on your "
                         "GPU): the same arrivals on other hardware; repeatable")
@@ -121,8 +125,15 @@ def _compare(args: argparse.Namespace) -> int:
         if old not in used:
             raise UsageError(f"--swap-profile {old}=...: no chosen scenario has replicas on profile {old!r} "
                              f"(they use: {', '.join(sorted(used))})")
+    late: bool | LateBindingConfig = args.late_binding
+    if args.late_timeout is not None:
+        if not args.late_binding:
+            raise UsageError("--late-timeout applies to --late-binding runs: add --late-binding")
+        if not args.late_timeout >= 0:
+            raise UsageError(f"--late-timeout must be >= 0 seconds, got {args.late_timeout}")
+        late = LateBindingConfig(timeout_s=args.late_timeout)
     start = time.perf_counter()
-    doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers, late_binding=args.late_binding,
+    doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers, late_binding=late,
                   profile_swap=swap)
     wall = time.perf_counter() - start
     if args.json:

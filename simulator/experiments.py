@@ -19,6 +19,7 @@ from tqdm import tqdm
 from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED, policy_names
 from router.policy.served import served_policy
 from simulator.cluster import ClusterSim, simulate
+from router.policy.late_binding import LateBindingConfig
 from simulator.late_binding import simulate_late
 from simulator.metrics import aggregate, render_table, summarize
 from simulator.scenario import SCENARIO_GROUPS, ScenarioError, load_scenario, scenario_names
@@ -86,11 +87,12 @@ def run_policies(
     seed: int,
     split: str,
     library=None,
-    late_binding: bool = False,
+    late_binding: bool | LateBindingConfig = False,
     profile_swap: Mapping[str, str] | None = None,
 ) -> dict[str, dict]:
     """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy.
-    With `late_binding`, every policy (heuristic or learned) also runs behind late binding, as `<name>+late`; with `profile_swap`
+    With `late_binding` (True: the router's defaults, or a LateBindingConfig), every policy (heuristic or learned)
+    also runs behind late binding, as `<name>+late`; with `profile_swap`
     ({OLD: NEW}) the scenario's replicas on profile OLD run on NEW (`Scenario.with_profiles`)."""
     sc = load_scenario(scenario, split=split, library=library)
     if profile_swap:
@@ -103,7 +105,8 @@ def run_policies(
         out[name] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster)) | {"fallback_share": policy.fallback_share}
         if late_binding:
             policy = served_policy(name, seed=seed)
-            records, reasons = simulate_late(cluster, requests, policy, seed=seed)
+            config = late_binding if isinstance(late_binding, LateBindingConfig) else None
+            records, reasons = simulate_late(cluster, requests, policy, seed=seed, late=config)
             n = max(1, len(requests))
             out[name + LATE_SUFFIX] = summarize(records, sc.slo, replica_ids=_replica_ids(cluster)) | {
                 "fallback_share": policy.fallback_share,
@@ -136,7 +139,7 @@ def compare(
     split: str = "eval",
     workers: int = 1,
     progress: bool = True,
-    late_binding: bool = False,
+    late_binding: bool | LateBindingConfig = False,
     executor: Executor | None = None,
     profile_swap: Mapping[str, str] | None = None,
 ) -> dict:

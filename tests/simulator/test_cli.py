@@ -146,3 +146,19 @@ def test_compare_swap_profile_names_what_is_wrong(capsys, swap, message):
     args = ["compare", "--scenario", str(DATA / "scenario_good.yaml"), "--seeds", "1", "--swap-profile", swap]
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_compare_late_timeout_sets_the_held_requests_wait_and_is_checked(capsys):
+    """--late-timeout S: bursty-code's held requests leave after S seconds (more of them time out at 0.5 s than at
+    the router's default 2 s); without --late-binding, or negative, it is a usage error naming the flag."""
+    shares = {}
+    for flags in ([], ["--late-timeout", "0.5"]):
+        assert main(["compare", "--scenario", "bursty-code", "--policies", "least-outstanding", "--seeds", "1",
+                     "--late-binding", "--json", *flags]) == 0
+        rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+        shares[tuple(flags)] = rows["least-outstanding+late"]["metrics"]["timeout_share"]
+    assert shares[("--late-timeout", "0.5")] > shares[()] > 0
+    for flags, words in ((["--late-timeout", "1"], "add --late-binding"),
+                         (["--late-binding", "--late-timeout", "-1"], "--late-timeout must be >= 0")):
+        assert main(["compare", "--scenario", "bursty-code", "--policies", "least-outstanding", "--seeds", "1", *flags]) == 2
+        assert words in capsys.readouterr().err
