@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,12 +68,12 @@ def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
 
 class HoldQueue(Generic[R]):
     """`route(info)` routes now or holds; `wake()` offers the head again; `close()` lets everything go.
-    `dispatch(info, only, view)` routes for real (Router.route on `view`, restricted to `only`, None = every
-    healthy replica); `release(route)` undoes one whose client left in the instant it was routed."""
+    `dispatch(info, only, view, started)` routes for real (Router.route on `view`, restricted to `only`, None = every
+    healthy replica; `started`: when the view was built, for the decision latency metric); `release(route)` undoes one whose client left in the instant it was routed."""
 
     def __init__(
         self, settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics, clock: Callable[[], float],
-        dispatch: Callable[[RequestInfo, tuple[int, ...] | None, ClusterView | None], R],
+        dispatch: Callable[[RequestInfo, tuple[int, ...] | None, ClusterView | None, float | None], R],
         release: Callable[[R], None],
     ) -> None:
         self.config = late_binding_config(settings)
@@ -109,15 +110,16 @@ class HoldQueue(Generic[R]):
 
     async def route(self, info: RequestInfo) -> R:
         """The request's Route (router.routing), now or once the rule lets it go. Raises NoHealthyReplica."""
+        started = time.perf_counter()  # the decision latency metric counts the view built here
         view = self.replicas.cluster.view(self.clock(), info)
         if not any(r.healthy for r in view.replicas):
             self._dispatches["no_healthy"].inc()
             raise NoHealthyReplica("no healthy replica")
         if self.closed:
-            return self._go(info, "shutdown", None, None, view)
+            return self._go(info, "shutdown", None, None, view, started)
         d = decide(view, self.limits(view), len(self._held), False, 0.0, self.config)
         if d.reason != "hold":
-            return self._go(info, d.reason, self._only(d.reason, d.candidates), None, view)
+            return self._go(info, d.reason, self._only(d.reason, d.candidates), None, view, started)
         held = _Held(info, self.clock(), asyncio.get_running_loop().create_future())
         self._held.append(held)
         self.metrics.held_requests.set(len(self._held))
@@ -150,23 +152,24 @@ class HoldQueue(Generic[R]):
         return None if reason in ("idle", "full", "timeout") else tuple(candidates)
 
     def _go(self, info: RequestInfo, reason: str, only: tuple[int, ...] | None, held_s: float | None,
-            view: ClusterView | None) -> R:
+            view: ClusterView | None, started: float | None = None) -> R:
         self._dispatches[reason].inc()
         if held_s is not None:
             self.metrics.hold_duration.observe(held_s)
-        route = self._dispatch(info, only, view)
+        route = self._dispatch(info, only, view, started)
         route.late, route.held_s = reason, held_s or 0.0
         route.wall_s -= route.held_s  # the decision log's `t` stays the arrival (replays read it as such)
         return route
 
-    def _release_head(self, head: _Held, reason: str, only: tuple[int, ...] | None, view: ClusterView | None) -> None:
+    def _release_head(self, head: _Held, reason: str, only: tuple[int, ...] | None, view: ClusterView | None,
+                      started: float | None = None) -> None:
         self._held.popleft()
         if reason == "no_healthy":
             self._dispatches[reason].inc()
             head.future.set_exception(NoHealthyReplica("no healthy replica"))
             return
         try:
-            head.future.set_result(self._go(head.info, reason, only, self.clock() - head.arrived_s, view))
+            head.future.set_result(self._go(head.info, reason, only, self.clock() - head.arrived_s, view, started))
         except Exception as exc:  # noqa: BLE001 - NoHealthyReplica, or any failure: the handler answers it
             head.future.set_exception(exc)
 
@@ -179,17 +182,18 @@ class HoldQueue(Generic[R]):
                     self._held.popleft()
                     continue
                 now = self.clock()
+                started = time.perf_counter()
                 view = self.replicas.cluster.view(now, head.info)
                 if not any(r.healthy for r in view.replicas):
                     self._release_head(head, "no_healthy", None, view)
                     continue
                 if self.closed:
-                    self._release_head(head, "shutdown", None, view)
+                    self._release_head(head, "shutdown", None, view, started)
                     continue
                 d = decide(view, self.limits(view), len(self._held) - 1, True, now - head.arrived_s, self.config)
                 if d.reason == "hold":
                     break
-                self._release_head(head, d.reason, self._only(d.reason, d.candidates), view)
+                self._release_head(head, d.reason, self._only(d.reason, d.candidates), view, started)
         except Exception:  # noqa: BLE001 - never hold a request because the rule failed
             log.exception("late binding failed; dispatching every held request")
             while self._held:

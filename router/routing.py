@@ -207,7 +207,8 @@ class Router:
         self.holds: HoldQueue[Route] | None = None  # late binding: the first attempt of a request goes through it
         if settings.late_binding:
             self.holds = HoldQueue(settings, replicas, metrics, clock,
-                                   lambda info, only, view: self.route(info, only=only, view=view), self.release)
+                                   lambda info, only, view, started: self.route(info, only=only, view=view, started=started),
+                                   self.release)
             replicas.listeners.append(self.holds.wake)
 
     def request_info(self, body: dict[str, Any], chat: bool, headers: Any = None) -> RequestInfo:
@@ -234,11 +235,12 @@ class Router:
         return self.main if arm is None else self.arms[arm]
 
     def route(self, request: RequestInfo, exclude: set[str] | None = None, only: tuple[int, ...] | None = None,
-              view: ClusterView | None = None) -> Route:
+              view: ClusterView | None = None, started: float | None = None) -> Route:
         """Pick a replica and dispatch the request to it in the tracker. Raises NoHealthyReplica.
-        Late binding passes `only`, the view indices the policy may pick from (None = any healthy replica), and
-        `view`, the one it judged, built in the same instant (None = build it)."""
-        t0 = time.perf_counter()
+        Late binding passes `only`, the view indices the policy may pick from (None = any healthy replica),
+        `view`, the one it judged, built in the same instant (None = build it), and `started`, the perf_counter
+        reading before it built that view (the decision latency metric counts view + rule + policy)."""
+        t0 = time.perf_counter() if started is None else started
         runner = self.select_runner(request)
         if view is None:
             view = self.replicas.cluster.view(self.clock(), request)

@@ -49,7 +49,7 @@ def bench(n: int, iters: int) -> tuple[list[float], list[float]]:
     replicas.cluster = ct
     pol = FallbackPolicy(LeastOutstanding(seed=0), LeastOutstanding(seed=1), budget_s=None, clock=time.perf_counter)
 
-    def route(info, only=None, view=None):  # Router.route's view + decision
+    def route(info, only=None, view=None, started=None):  # Router.route's view + decision
         pol.decide(ct.view(1.0, info) if view is None else view, info)
         return _Route()
 

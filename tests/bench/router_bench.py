@@ -40,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 BODY = {"model": "tiny", "prompt": "Hello, how are you today? " * 4, "max_tokens": 16}
 STREAM_EVENTS = 16
+LATE = "+late"  # a policy behind the router's late binding (simulator.experiments.LATE_SUFFIX)
 
 # ----------------------------------------------------------------------------- the backend
 
@@ -264,7 +265,8 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=32, help="wrk connections")
     ap.add_argument("--workers", default="1", help="comma-separated router worker counts, one target each (e.g. 1,2)")
     ap.add_argument("--policy", default="least-outstanding",
-                    help="routewise policy, or several comma-separated (one router each, same run)")
+                    help="routewise policy, or several comma-separated (one router each, same run); NAME+late runs "
+                    "NAME behind the router's late binding (what holding costs a request that is never held)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="replicas the routers see (the one backend on 127.0.0.1..N; at most 250)")
     ap.add_argument("--no-wrk", action="store_true", help="skip (b), the wrk throughput runs")
@@ -327,9 +329,10 @@ def main() -> int:
             for policy in policies:
                 name = f"routewise-w{n}" + (f"-{policy}" if len(policies) > 1 else "")
                 rport = targets[name] = free_port()
+                base, late = (policy[: -len(LATE)], ["--late-binding"]) if policy.endswith(LATE) else (policy, [])
                 procs.append(subprocess.Popen(
                     [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
-                     "--port", str(rport), *replicas, "--policy", policy, "--log-level", "warning"],
+                     "--port", str(rport), *replicas, "--policy", base, *late, "--log-level", "warning"],
                     cwd=REPO, start_new_session=True))
                 wait_port(rport, "/ready")
         results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}

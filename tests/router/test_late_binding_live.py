@@ -234,7 +234,7 @@ async def test_a_request_routed_as_its_client_leaves_is_released():
         late = held_s = None
         wall_s = 0.0
 
-    def dispatch(info, only, view):
+    def dispatch(info, only, view, started):
         replicas.cluster.dispatch(0, info)
         routed.append(info.request_id)
         return FakeRoute()
@@ -336,3 +336,21 @@ async def test_per_replica_caps_from_flags_or_environment_and_bad_ones_named(mon
         flags = [f for item in bad for f in ("--replica-max-num-seqs", item)]
         assert main(["serve", "--replica", "http://a:1", *flags]) == 2
         assert words in capsys.readouterr().err, bad
+
+
+async def test_decision_latency_counts_the_view_the_hold_queue_built(fakes, router_client):
+    """With late binding the hold queue builds the view the policy decides on; the decision latency metric
+    (view + rule + policy) starts when that view was built (Router.route's `started`), not after it."""
+    (a,) = await fakes(1)
+    client = await router_client([a.url], **{**LATE, **QUIET})
+
+    def total() -> float:
+        return sum(s.value for fam in client.app[METRICS].registry.collect() for s in fam.samples
+                   if s.name == "llm_router_decision_latency_seconds_sum")
+
+    before = total()
+    route = client.app[ROUTER].route(RequestInfo("x", 10), started=time.perf_counter() - 0.5)
+    assert total() - before >= 0.5
+    client.app[ROUTER].release(route)
+    status, _ = await post(client, "A")  # through the hold queue: counted once, and a view's worth of time
+    assert status == 200 and 0 < total() - before - 0.5 < 0.5
