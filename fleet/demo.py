@@ -337,6 +337,10 @@ def _stop_on_ctrl_c_and_sigterm() -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.late_binding_max_num_seqs is not None and args.late_binding_max_num_seqs < 0:
+        print(f"fleet demo: error: --late-binding-max-num-seqs {args.late_binding_max_num_seqs}: must be 0 (off) or "
+              "more", file=sys.stderr)
+        return 2
     started = time.monotonic()
     python = sys.executable
     _stop_on_ctrl_c_and_sigterm()
@@ -388,7 +392,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"  replica  {names[url]:<32} {url}", file=sys.stderr)
         arms = f"control={args.control} / treatment={treatment} ({args.ab_share:.0%})" if ab else f"policy={treatment}"
         print(f"  router   {arms:<32} {router}", file=sys.stderr)
-        print(f"  late     " + (f"held in the router while every replica has {late} requests in flight" if late else "off"),
+        print("  late     " + (f"held in the router while every replica has {late} requests in flight" if late else "off"),
               file=sys.stderr)
         if note:
             print(f"  note     {note}", file=sys.stderr)

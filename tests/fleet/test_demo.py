@@ -201,3 +201,13 @@ def test_p99_verdict_ranks_the_arms_only_outside_the_noise():
     same = p99_intervals(arm("control", 0.1) + arm("treatment", 0.1), ["control", "treatment"])
     assert "they overlap" in p99_verdict(same)
     assert p99_verdict(p99_intervals(arm("all", 0.1), ["all"])) is None  # no A/B, nothing to rank
+
+
+def test_a_negative_late_binding_cap_is_refused_before_anything_starts():
+    proc = _demo("--late-binding-max-num-seqs", "-1")
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _kill(proc)
+    assert proc.returncode == 2 and "--late-binding-max-num-seqs -1: must be 0 (off) or more" in err, err[-2000:]
+    assert "replica" not in err  # no fleet was started
