@@ -145,7 +145,7 @@ class RouterSettings(BaseSettings):
         256, ge=1, description="a replica has room below this many requests in flight (vLLM's max_num_seqs, which "
         "vLLM does not export), lowered per replica to what its scraped KV cache holds",
     )
-    late_binding_replica_max_num_seqs: dict[str, int] = Field(
+    late_binding_replica_max_num_seqs: Annotated[dict[str, int], NoDecode] = Field(
         default_factory=dict, description="per replica (host:port or base URL) overrides of late_binding_max_num_seqs, "
         "for fleets whose servers run different --max-num-seqs; e.g. {\"10.0.0.5:8000\": 8}",
     )

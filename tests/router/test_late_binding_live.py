@@ -330,6 +330,8 @@ async def test_per_replica_caps_from_flags_or_environment_and_bad_ones_named(mon
     assert s.late_binding_replica_max_num_seqs == {"a:1": 4, "b:2": 16}
     monkeypatch.setenv("ROUTEWISE_LATE_BINDING_REPLICA_MAX_NUM_SEQS", '{"http://c:3": 8}')
     assert build_settings(replicas=["http://a:1"]).late_binding_replica_max_num_seqs == {"c:3": 8}
+    monkeypatch.setenv("ROUTEWISE_LATE_BINDING_REPLICA_MAX_NUM_SEQS", "a:1=4,b:2=8")  # or HOST:PORT=N, comma-separated
+    assert build_settings(replicas=["http://a:1"]).late_binding_replica_max_num_seqs == {"a:1": 4, "b:2": 8}
     monkeypatch.delenv("ROUTEWISE_LATE_BINDING_REPLICA_MAX_NUM_SEQS")
     for bad, words in ((["a:1=0"], "'a:1'=0: need at least 1"), (["a:1"], "'a:1' is not HOST:PORT=N"),
                        (["nohost=4"], "'nohost' is not a replica's host:port"), (["a:1=x"], "a:1")):
