@@ -63,6 +63,11 @@ def test_shapes_cover_the_replica_counts_and_speed_mixes_issue_16_asks_for():
     assert all(6 < r < 10 for r in ratios["shape-code-mix8x"])
     assert specs["shape-code-mix8x"].workload.trace == "azure-code"
     assert [g.count for g in specs["shape-code-mix8x"].cluster.replicas] == [2, 6]
+    # few batch slots (the CPU demo's 8): heterogeneous's fleet and trace, every replica queueing its ninth request
+    slots8 = specs["shape-conv-slots8"]
+    assert [(g.profile, g.count, g.max_num_seqs) for g in slots8.cluster.replicas] == [
+        ("llama3-8b-h100", 2, 8), ("llama3-8b-a100", 3, 8)]
+    assert slots8.workload.trace == "azure-conv"
 
 
 def test_every_shape_builds_on_the_eval_split():
