@@ -257,25 +257,21 @@ def decision_summary(metrics_text: str) -> dict[str, dict]:
     return out
 
 
-def late_dispatches(metrics_text: str) -> dict[str, int]:
-    """Requests the router's late binding let go, by reason (llm_router_late_dispatches_total; "room" after a hold
-    or at once, "idle", "full", "timeout", ...), from its /metrics text; {} when late binding is off."""
+def late_binding_summary(metrics_text: str) -> tuple[dict[str, int], int]:
+    """From the router's /metrics text: the requests late binding let go, by reason (llm_router_late_dispatches_total;
+    "room" after a hold or at once, "idle", "full", "timeout", ...), and how many it held in its queue
+    (llm_router_hold_duration_seconds_count); ({}, 0) when late binding is off."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    held = 0.0
     for fam in text_string_to_metric_families(metrics_text):
         for s in fam.samples:
             if s.name == "llm_router_late_dispatches_total" and s.value:
-                out[s.labels["reason"]] = out.get(s.labels["reason"], 0) + int(s.value)
-    return out
-
-
-def held_requests(metrics_text: str) -> int:
-    """How many requests late binding held in the router's queue (llm_router_hold_duration_seconds_count)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return int(sum(s.value for fam in text_string_to_metric_families(metrics_text) for s in fam.samples
-                   if s.name == "llm_router_hold_duration_seconds_count"))
+                reasons[s.labels["reason"]] = reasons.get(s.labels["reason"], 0) + int(s.value)
+            elif s.name == "llm_router_hold_duration_seconds_count":
+                held += s.value
+    return reasons, int(held)
 
 
 def router_stats(router: str) -> tuple[dict[str, dict], dict[str, int], int]:
@@ -288,7 +284,7 @@ def router_stats(router: str) -> tuple[dict[str, dict], dict[str, int], int]:
             text = resp.read().decode()
     except OSError:
         return {}, {}, 0
-    return decision_summary(text), late_dispatches(text), held_requests(text)
+    return decision_summary(text), *late_binding_summary(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -34,6 +34,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from simulator.late_binding import split_late
+
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 LEARNED, BASELINE = "learned", "least-outstanding"
@@ -43,9 +45,6 @@ EXTRA_OVERHEAD_QUANTILE = 10  # percentile of TTFT at which the warm-up's real a
 BOOTSTRAP_RESAMPLES = 1000  # resamplings behind the p99 intervals of the report
 MIN_BIN = 5  # requests an in-flight count needs to count in the TTFT-vs-load line (ttft_line)
 ROUTER_ESTIMATE_CHARS_PER_TOKEN = 4.0  # router.policy.estimate.DEFAULT_CHARS_PER_TOKEN
-
-
-LATE_SUFFIX = "+late"  # simulator.experiments.LATE_SUFFIX: the policy behind the router's late binding
 
 
 class FidelityError(Exception):
@@ -63,11 +62,6 @@ class LateBinding:
     def router_env(self) -> dict[str, str]:
         return {"ROUTEWISE_LATE_BINDING": "1", "ROUTEWISE_LATE_BINDING_REPLICA_MAX_NUM_SEQS": json.dumps(self.caps),
                 "ROUTEWISE_LATE_BINDING_TOKENS_PER_REQUEST": str(self.tokens_per_request)}
-
-
-def split_late(policy: str) -> tuple[str, bool]:
-    """("expected-wait", True) for "expected-wait+late"."""
-    return (policy[: -len(LATE_SUFFIX)], True) if policy.endswith(LATE_SUFFIX) else (policy, False)
 
 
 @dataclass

@@ -69,7 +69,8 @@ def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
 class HoldQueue(Generic[R]):
     """`route(info)` routes now or holds; `wake()` offers the head again; `close()` lets everything go.
     `dispatch(info, only, view, started)` routes for real (Router.route on `view`, restricted to `only`, None = every
-    healthy replica; `started`: when the view was built, for the decision latency metric); `release(route)` undoes one whose client left in the instant it was routed."""
+    healthy replica; `started`: when the view was built, for the decision latency metric); `release(route)` undoes
+    one whose client left in the instant it was routed."""
 
     def __init__(
         self, settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics, clock: Callable[[], float],

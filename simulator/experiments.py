@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED, policy_names
 from router.policy.served import served_policy
-from simulator.cluster import ClusterSim, simulate
 from router.policy.late_binding import LateBindingConfig
-from simulator.late_binding import simulate_late
+from simulator.cluster import ClusterSim, simulate
+from simulator.late_binding import LATE_SUFFIX, simulate_late
 from simulator.metrics import aggregate, render_table, summarize
 from simulator.scenario import SCENARIO_GROUPS, ScenarioError, load_scenario, scenario_names
 
@@ -76,9 +76,6 @@ def resolve_policies(text: str) -> list[str]:
 def run_once(scenario: str, policy: str, seed: int, split: str = "eval", library=None) -> dict[str, float]:
     """Simulate one (scenario, policy, seed) and summarise it (see simulator.metrics.summarize)."""
     return run_policies(scenario, [policy], seed, split, library)[policy]
-
-
-LATE_SUFFIX = "+late"  # a policy run behind heuristic late binding (simulator.late_binding)
 
 
 def run_policies(

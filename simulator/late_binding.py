@@ -10,6 +10,15 @@ from collections import Counter
 from router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
 
 
+#: `<policy>+late`: the policy behind late binding (simulator compare rows, fleet fidelity and router_bench targets)
+LATE_SUFFIX = "+late"
+
+
+def split_late(policy: str) -> tuple[str, bool]:
+    """("expected-wait", True) for "expected-wait+late"; (name, False) for a name without the suffix."""
+    return (policy[: -len(LATE_SUFFIX)], True) if policy.endswith(LATE_SUFFIX) else (policy, False)
+
+
 def sim_limits(sim, config: LateBindingConfig) -> list[ReplicaLimit]:
     """Each simulated replica's limits, from its profile's max_num_seqs, KV capacity and token budget."""
     return [

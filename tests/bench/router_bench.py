@@ -37,10 +37,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from simulator.late_binding import split_late
+
 REPO = Path(__file__).resolve().parents[2]
 BODY = {"model": "tiny", "prompt": "Hello, how are you today? " * 4, "max_tokens": 16}
 STREAM_EVENTS = 16
-LATE = "+late"  # a policy behind the router's late binding (simulator.experiments.LATE_SUFFIX)
 
 # ----------------------------------------------------------------------------- the backend
 
@@ -329,10 +330,11 @@ def main() -> int:
             for policy in policies:
                 name = f"routewise-w{n}" + (f"-{policy}" if len(policies) > 1 else "")
                 rport = targets[name] = free_port()
-                base, late = (policy[: -len(LATE)], ["--late-binding"]) if policy.endswith(LATE) else (policy, [])
+                base, late = split_late(policy)
                 procs.append(subprocess.Popen(
                     [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
-                     "--port", str(rport), *replicas, "--policy", base, *late, "--log-level", "warning"],
+                     "--port", str(rport), *replicas, "--policy", base, *(["--late-binding"] if late else []),
+                     "--log-level", "warning"],
                     cwd=REPO, start_new_session=True))
                 wait_port(rport, "/ready")
         results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}

@@ -18,8 +18,9 @@ import json
 import math
 
 from router.policy.registry import BASELINES, LEARNED
+from simulator.late_binding import LATE_SUFFIX
 
-LATE = "+late"
+LATE_HEURISTICS = {name + LATE_SUFFIX for name in BASELINES}  # the `<heuristic>+late` rows
 
 
 def _ms(row: dict) -> str:
@@ -35,13 +36,13 @@ def rows(doc: dict, learned_name: str = LEARNED) -> list[dict]:
     for sc, pol in by_sc.items():
         learned = pol.get(learned_name)
         heur = [r for p, r in pol.items() if p in BASELINES and r["ttft_p99_s"] is not None]
-        late = [r for p, r in pol.items() if p.endswith(LATE) and p[: -len(LATE)] in BASELINES and r["ttft_p99_s"] is not None]
+        late = [r for p, r in pol.items() if p in LATE_HEURISTICS and r["ttft_p99_s"] is not None]
         if learned is None or not heur:
             continue
         best = min(heur, key=lambda r: r["ttft_p99_s"])
         best_late = min(late, key=lambda r: r["ttft_p99_s"]) if late else None
         out.append({
-            "scenario": sc, "learned": learned, "best": best, "best_late": best_late, "learned_late": pol.get(learned_name + LATE),
+            "scenario": sc, "learned": learned, "best": best, "best_late": best_late, "learned_late": pol.get(learned_name + LATE_SUFFIX),
             "best_goodput": max(r["goodput"] for r in heur),
             "best_late_goodput": max(r["goodput"] for r in late) if late else None,
         })  # fmt: skip

@@ -43,6 +43,16 @@ def _demo(*args: str, sigint_ignored: bool = False) -> subprocess.Popen:
     )  # fmt: skip
 
 
+def _run_demo(*args: str, timeout_s: float = 100) -> tuple[int, str, str]:
+    """The demo run to its end: (exit code, stdout, stderr); its process group is killed whatever happens."""
+    proc = _demo(*args)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        _kill(proc)
+    return proc.returncode, out, err
+
+
 def _closed(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -78,28 +88,24 @@ def test_router_gets_ab_flags_only_when_it_lists_them():
 def test_late_binding_counts_come_from_the_routers_own_metrics():
     from prometheus_client import generate_latest
 
-    from fleet.demo import held_requests, late_dispatches
+    from fleet.demo import late_binding_summary
     from router.telemetry import RouterMetrics
 
     metrics = RouterMetrics()
     text = generate_latest(metrics.registry).decode()
-    assert late_dispatches(text) == {} and held_requests(text) == 0  # exported at 0: nothing let go yet
+    assert late_binding_summary(text) == ({}, 0)  # exported at 0: nothing let go yet
     metrics.late_dispatches.labels("room").inc(5)
     metrics.late_dispatches.labels("timeout").inc()
     for held_s in (0.1, 0.2, 2.0):
         metrics.hold_duration.observe(held_s)
     text = generate_latest(metrics.registry).decode()
-    assert late_dispatches(text) == {"room": 5, "timeout": 1} and held_requests(text) == 3
+    assert late_binding_summary(text) == ({"room": 5, "timeout": 1}, 3)
 
 
 @end_to_end
 def test_short_demo_prints_percentiles_per_arm_and_stops_everything():
-    proc = _demo("--duration", "10")
-    try:
-        out, err = proc.communicate(timeout=100)
-    finally:
-        _kill(proc)
-    assert proc.returncode == 0, err[-3000:]
+    code, out, err = _run_demo("--duration", "10")
+    assert code == 0, err[-3000:]
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("metric"))
     arms = lines[head].split()[1:]
@@ -152,12 +158,8 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
 
     if not DEFAULT_MODEL_PATH.is_file():
         pytest.skip("no shipped learned model")
-    proc = _demo("--duration", "30", "--json", str(tmp_path / "demo.json"))
-    try:
-        out, err = proc.communicate(timeout=100)
-    finally:
-        _kill(proc)
-    assert proc.returncode == 0, err[-3000:]
+    code, out, err = _run_demo("--duration", "30", "--json", str(tmp_path / "demo.json"))
+    assert code == 0, err[-3000:]
     assert "routing decisions per arm" in out, out[-2000:]
     doc = json.loads((tmp_path / "demo.json").read_text())
     assert doc["treatment"] == "learned" and doc["ab"], doc.get("treatment")
@@ -204,10 +206,6 @@ def test_p99_verdict_ranks_the_arms_only_outside_the_noise():
 
 
 def test_a_negative_late_binding_cap_is_refused_before_anything_starts():
-    proc = _demo("--late-binding-max-num-seqs", "-1")
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        _kill(proc)
-    assert proc.returncode == 2 and "--late-binding-max-num-seqs -1: must be 0 (off) or more" in err, err[-2000:]
+    code, _, err = _run_demo("--late-binding-max-num-seqs", "-1", timeout_s=60)
+    assert code == 2 and "--late-binding-max-num-seqs -1: must be 0 (off) or more" in err, err[-2000:]
     assert "replica" not in err  # no fleet was started

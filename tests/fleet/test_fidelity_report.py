@@ -225,12 +225,12 @@ def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
 def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
     """`NAME+late`: the simulation runs the live rule (simulate_late) with the run's tokens per request, and the
     router gets the same setting and each server's batch cap through its environment."""
-    from fleet.fidelity import FidelityError, LateBinding, Served, simulate_same, split_late
+    from fleet.fidelity import FidelityError, LateBinding, Served, simulate_same
     from router.policy.late_binding import LateBindingConfig
     from router.policy.served import served_policy
     from router.settings import build_settings
     from simulator.config import ClusterConfig, ReplicaGroup
-    from simulator.late_binding import simulate_late
+    from simulator.late_binding import simulate_late, split_late
     from simulator.types import SimRequest
 
     assert split_late("learned+late") == ("learned", True) and split_late("learned") == ("learned", False)
