@@ -288,11 +288,12 @@ async def _probe(client: Client, info: ServerInfo, text: _Text, kind: str, promp
     before = await client.metrics(name)
     prompts = [text.prompt(prompt_tokens) for _ in range(conc)]
     stop = asyncio.Event()
+    seen_here: list[tuple[float, float]] = []
 
     async def watch() -> None:  # how many run while others wait: the server's max_num_seqs
         while not stop.is_set():
             s = await client.metrics(name)
-            running_seen.append((_total(s, "vllm:num_requests_running"), _total(s, "vllm:num_requests_waiting")))
+            seen_here.append((_total(s, "vllm:num_requests_running"), _total(s, "vllm:num_requests_waiting")))
             try:
                 await asyncio.wait_for(stop.wait(), 0.05)
             except asyncio.TimeoutError:
@@ -305,6 +306,7 @@ async def _probe(client: Client, info: ServerInfo, text: _Text, kind: str, promp
         stop.set()
         if watcher is not None:
             await watcher
+        running_seen.extend(seen_here)
     after = await client.metrics(name)
     real_prompt = statistics.mean(r[2] for r in results)
     if kind == "prefill":
@@ -327,8 +329,11 @@ async def _probe(client: Client, info: ServerInfo, text: _Text, kind: str, promp
     else:
         seconds = statistics.mean((r[1] - r[0]) / max(1, out_tokens - 1) for r in results)
         source = "client TPOT"
-    context = conc * (real_prompt + out_tokens / 2)
-    return Probe(name, 0, conc, round(context), seconds, source, client_ttft, server_ttft)
+    # The batch the engine ran: a server capped below `conc` (max_num_seqs) runs the probe in waves of its cap, and
+    # fitting the time per token at `conc` would price each sequence at a fraction of its cost.
+    batch = min(conc, max((int(r) for r, _ in seen_here), default=conc) or conc)
+    context = batch * (real_prompt + out_tokens / 2)
+    return Probe(name, 0, batch, round(context), seconds, source, client_ttft, server_ttft)
 
 
 # ---------------------------------------------------------------- fitting

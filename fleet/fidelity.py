@@ -10,7 +10,9 @@ simulation gets the true prompt lengths; simulate exactly those arrivals and len
 cluster built from the calibrated profiles (their KV sizes, block size, max_num_seqs, request overhead; the router's
 chars/4 estimate as a bias against the measured chars per token). Report real vs simulated p50/p90/p99 with relative
 errors, the ranking by p99 TTFT, and the learned policy's gain over least-outstanding real vs predicted, the p99s
-and the gain with 95 % bootstrap intervals (`--plot FILE.png` draws them: fleet/fidelity_plot.py).
+and the gain with 95 % bootstrap intervals (`--plot FILE.png` draws them: fleet/fidelity_plot.py). The same requests
+are also simulated on the servers the real router chose ("real routing"): the error of the server model alone, so
+that a policy's error splits into the servers' and what the simulated router's different choices add.
 
 Over 400 lines on purpose: one run (fleet, calibration, live replay, simulation, report) whose steps pass the
 same plan and results along; the report arithmetic is separately tested (tests/fleet/test_fidelity_report.py).
@@ -34,12 +36,14 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from router.policy.base import Policy
 from simulator.late_binding import split_late
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 LEARNED, BASELINE = "learned", "least-outstanding"
 DEFAULT_POLICIES = ("least-outstanding", "expected-wait", "learned")
+LOAD_MATCH_ROUNDS = 4  # rescalings of the warm-up's rate toward the evaluated segment's offered load
 SPEED_FIT_ROUNDS = 3  # simulate-and-correct rounds of the in-fleet engine speed factors (fit_in_fleet)
 EXTRA_OVERHEAD_QUANTILE = 10  # percentile of TTFT at which the warm-up's real and simulated runs are matched
 BOOTSTRAP_RESAMPLES = 1000  # resamplings behind the p99 intervals of the report
@@ -231,6 +235,48 @@ def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: fl
                    int(r.replica_id[1:].split("-", 1)[0])) for r in records], served_as.fallback_share
 
 
+class RealChoices(Policy):
+    """Sends each simulated request (ids 0..n-1) to the server that served it live."""
+
+    name = "real-routing"
+
+    def __init__(self, replicas: list[int]) -> None:
+        super().__init__()
+        self.replicas = replicas
+
+    def choose(self, view, request) -> int:
+        return self.replicas[int(request.request_id)]
+
+
+def simulate_routed(served: list[Served], cluster, estimate_scale: float) -> list[Served]:
+    """The same requests on the simulated fleet, each sent where the real router sent it, on arrival: the error of
+    the server model alone. Against `simulate_same` (the simulated router decides), it splits a policy's error into
+    what the simulated servers get wrong and what the simulated router's different choices add. Not for late
+    binding (live holding times are not recorded)."""
+    from simulator.cluster import simulate
+    from simulator.types import SimRequest
+
+    if any(s.replica < 0 for s in served):
+        raise FidelityError("simulate_routed: a request without the server that served it")
+    policy = RealChoices([s.replica for s in served])
+    reqs = [SimRequest(i, s.arrival_s, s.prompt_tokens, s.output_tokens, max_tokens=s.output_tokens)
+            for i, s in enumerate(served)]
+    records = simulate(cluster.model_copy(update={"estimator_scale": estimate_scale}), reqs, policy, seed=0)
+    return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
+                   int(r.replica_id[1:].split("-", 1)[0])) for r in records]
+
+
+def routed_errors(real: dict[str, list[Served]], routed: dict[str, list[Served]]) -> dict:
+    """Per policy and metric, the p50 / p99 relative errors of `simulate_routed`."""
+    out = {}
+    for p, sim in routed.items():
+        out[p] = {}
+        for m in METRICS:
+            r, s = pcts([getattr(x, m) for x in real[p]]), pcts([getattr(x, m) for x in sim])
+            out[p][m] = {k: rel_err(s[k], r[k]) for k in ("p50", "p99")}
+    return out
+
+
 # ---------------------------------------------------------------- the report
 
 
@@ -377,6 +423,33 @@ def capacity_rps(profile_paths: list[Path], mean_prompt: float, mean_output: flo
     return total
 
 
+def offered_load(plan, duration_s: float, profile_paths: list[Path]) -> float:
+    """A plan's requests per second over what the fleet sustains at the plan's own mean lengths."""
+    if not plan:
+        return 0.0
+    cap = capacity_rps(profile_paths, float(np.mean([r.prompt_tokens for r in plan])),
+                       float(np.mean([r.max_tokens for r in plan])))
+    return len(plan) / duration_s / cap
+
+
+def plan_at_load(spec, load: float, profile_paths: list[Path]):
+    """The plan of `spec`, time-scaled so that its offered load is `load`: a rate picks the time scale from a window's
+    first requests, so another window at the same rate can offer far more work (the warm-up's train segment at the
+    evaluated rate ran at 40.5 req/s with 64 output tokens, the evaluated one at 32.1 with 48: the engines were
+    saturated while the speed factors were measured, and the factors overshot at the evaluated load)."""
+    from fleet.loadplan import PlanSpec, build_plan
+
+    rate = spec.rate
+    for _ in range(LOAD_MATCH_ROUNDS):
+        plan, _ = build_plan(spec)
+        now = offered_load(plan, spec.duration_s, profile_paths)
+        if not now or abs(now / load - 1) < 0.02:
+            break
+        rate *= load / now
+        spec = PlanSpec(**{**spec.__dict__, "rate": rate})
+    return plan
+
+
 def _mean(deltas: list[tuple[float, float]]) -> float:
     total, count = sum(d[0] for d in deltas), sum(d[1] for d in deltas)
     return total / count if count else math.nan
@@ -439,11 +512,17 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     request overhead."""
     from fleet.loadplan import PlanSpec, PromptSynth, build_plan
 
-    plan, _ = build_plan(PlanSpec(**{**base.__dict__, "window": "train", "duration_s": args.warmup, "rate": rate}))
+    profiles = [Path(g.profile) for g in cluster.replicas]
+    evaluated, _ = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
+    load = offered_load(evaluated, base.duration_s, profiles)
+    plan = plan_at_load(PlanSpec(**{**base.__dict__, "window": "train", "duration_s": args.warmup, "rate": rate}),
+                                   load, profiles)
     synth = PromptSynth(seed=999)
     plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
                     r.max_tokens) for r in plan]
-    log(f"fidelity: warm-up: {len(plan)} requests of the train window to measure each engine's speed under load")
+    log(f"fidelity: warm-up: {len(plan)} requests of the train window ({len(plan) / args.warmup:.1f} req/s: "
+        f"{offered_load(plan, args.warmup, profiles):.2f} of capacity, as the evaluated segment's {load:.2f}) to "
+        "measure each engine's speed under load")
     served, itl, *_ = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
     # A slower replica gets fewer requests in the simulation, so smaller batches and a shorter inter-token latency:
     # one ratio of real to simulated latency overshoots (by 10-30 % on the CPU fleet). Re-simulating with the
@@ -641,12 +720,14 @@ def _main(args: argparse.Namespace) -> int:
                            max(1, int(mean_p + mean_o)))
         runs_real: list[dict[str, list[Served]]] = []
         runs_sim: list[dict[str, list[Served]]] = []
+        runs_routed: list[dict[str, list[Served]]] = []
         itls: dict[str, list[tuple[float, float]]] = {p: [] for p in policies}
         shares: dict[str, dict[str, list[float]]] = {p: {"real": [], "sim": []} for p in policies}
         reasons_all: dict[str, dict[str, int]] = {p: {} for p in policies}
         for rep in range(args.repeats):
             runs_real.append({})
             runs_sim.append({})
+            runs_routed.append({})
             for policy in rotated(policies, rep):
                 k = policies.index(policy)
                 plan, info = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
@@ -662,6 +743,8 @@ def _main(args: argparse.Namespace) -> int:
                                                                   args.scrape_interval, not args.quiet, late)
                 runs_real[rep][policy] = served
                 runs_sim[rep][policy], fallback_sim = simulate_same(served, cluster, policy, estimate_scale, late=late)
+                if not split_late(policy)[1]:
+                    runs_routed[rep][policy] = simulate_routed(served, cluster, estimate_scale)
                 itls[policy] += itl
                 shares[policy]["real"].append(fallback_real)
                 shares[policy]["sim"].append(fallback_sim)
@@ -683,6 +766,7 @@ def _main(args: argparse.Namespace) -> int:
                                            for i in range(len(slots))] for p in real}
         report["mean_inter_token_latency"] = engine
         report["fallback_share"] = fallbacks
+        report["real_routing"] = routed_errors(real, pool_repeats(runs_routed))
         report.update(
             speed_factors=factors, extra_request_overhead_s=extra, mean_tokens={"prompt": mean_p, "output": mean_o}, warmup_s=args.warmup, repeats=args.repeats, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
             servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
@@ -715,6 +799,10 @@ def _main(args: argparse.Namespace) -> int:
                       "slot: " + "; ".join(f"server {i} real {ln['real'][0] * 1e3:.1f} + {ln['real'][1] * 1e3:.2f}/req, "
                                             f"sim {ln['sim'][0] * 1e3:.1f} + {ln['sim'][1] * 1e3:.2f}/req"
                                             for i, ln in enumerate(lines)))
+            for p, errs in report["real_routing"].items():
+                print(f"{p}: with the real routing (each request simulated on the server that served it: the server "
+                      "model alone), p50 / p99 error: " + ", ".join(
+                          f"{m[:-2].upper()} {_pct(e['p50'])} / {_pct(e['p99'])}" for m, e in errs.items()))
             la = report["load_average"]
             print(f"offered {rate:.2f} req/s ({rate / cap:.2f} of calibrated capacity {cap:.2f}); load average "
                   f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {report['wall_s']:.0f} s")

@@ -14,6 +14,7 @@ import yaml
 
 from fleet.fidelity import METRICS, PERCENTILES, capacity_rps
 from fleet.cli import main
+from fleet.vllm import SMALL
 from simulator.costmodel import load_profile
 
 POLICIES = ("least-outstanding", "expected-wait")
@@ -47,6 +48,10 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
         assert doc["fit"]["chosen"] == "linear" and doc["fit"]["rms_relative_residual"]["linear"] >= 0
         assert doc["calibration"]["measurements"] and doc["server"]["kv_cache_tokens"] > 0
         assert load_profile(path).linear is not None
+        # the small server runs 4 sequences at most: its decode rows record the batch it ran, not the probe's
+        # concurrency (up to 16), or the fit prices a sequence of a batch at a fraction of its cost
+        batches = [m["decode_seqs"] for m in doc["calibration"]["measurements"] if m["decode_seqs"] > 0]
+        assert max(batches) == 4 if i == SMALL else max(batches) > 4
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert set(report["policies"]) == set(POLICIES) == set(raw)
     for policy, row in report["policies"].items():
@@ -67,6 +72,9 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
         assert sorted(order) == sorted(POLICIES)
         p99 = [report["policies"][p]["ttft_s"]["p99"][src] for p in order]
         assert p99 == sorted(p99)
+    # the server model alone: each policy's requests re-simulated on the servers that served them
+    assert set(report["real_routing"]) == set(POLICIES)
+    assert all(set(errs) == {"ttft_s", "tpot_s", "e2e_s"} for errs in report["real_routing"].values())
     # heuristics never fall back, live or simulated (a learned arm's share is reported, not asserted)
     assert report["fallback_share"] == {p: {"real": 0.0, "sim": 0.0, "real_reasons": {}} for p in POLICIES}
     assert report["ranking_by_ttft_p99"]["same"] == (

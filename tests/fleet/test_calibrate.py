@@ -186,3 +186,30 @@ def test_estimator_scale_biases_what_the_policy_sees(tmp_path):
         sim = ClusterSim(_cluster(path, estimator_scale=scale), [SimRequest(0, 0.0, 400, 5)], seed=0)
         _, info = sim.next_decision()
         assert info.prompt_tokens_est == want
+
+
+# ---------------------------------------------------------------- a sweep against the emulator
+
+
+def test_decode_rows_count_the_batch_a_capped_server_ran():
+    """A server capped at 4 sequences runs a 16-request decode probe in waves of 4: the row says 4, or the fit would
+    price each sequence of a batch at a quarter of its cost (the real 4-slot CPU server fitted 28 us per sequence
+    against its 16-slot twin's 148)."""
+    from aiohttp.test_utils import TestServer
+
+    from fleet.emulator import EmulatorSettings, make_app
+
+    spec = calibrate.SweepSpec(prefill_tokens=(16, 256), repeats=1, concurrencies=(1, 2, 16), decode_tokens=24)
+
+    async def run() -> calibrate.Result:
+        server = TestServer(make_app(EmulatorSettings(max_num_seqs=4, block_size=32)), host="127.0.0.1")
+        await server.start_server()
+        try:
+            return await calibrate._calibrate(str(server.make_url("")).rstrip("/"), None, spec, None,
+                                              announce=lambda m: None, progress=False)
+        finally:
+            await server.close()
+
+    res = asyncio.run(run())
+    assert [p.decode_seqs for p in res.probes if p.name.startswith("decode")] == [1, 2, 4]
+    assert res.max_num_seqs == 4

@@ -252,3 +252,48 @@ def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
     s = build_settings(replicas=["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
     assert s.late_binding and s.late_binding_tokens_per_request == 340
     assert s.late_binding_replica_max_num_seqs == {"10.0.0.1:8000": 2, "10.0.0.2:8000": 2}
+
+
+def test_real_routing_sends_each_request_where_the_real_router_did():
+    """simulate_routed: the server model alone. Every request lands on the server recorded for it (here all on the
+    slower one, where least-outstanding would alternate), and the errors against the real runs are per policy."""
+    from fleet.fidelity import FidelityError, routed_errors, simulate_routed, simulate_same
+    from simulator.config import ClusterConfig, ReplicaGroup
+
+    cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1, max_num_seqs=2),
+                                      ReplicaGroup(profile="llama3-8b-h100", count=1, max_num_seqs=2)])
+    served = [Served(0.01 * i, 300, 40, 0.05, 0.01, 0.5, replica=0) for i in range(20)]
+    routed = simulate_routed(served, cluster, 1.0)
+    assert [s.replica for s in routed] == [0] * 20
+    assert {s.replica for s in simulate_same(served, cluster, "least-outstanding", 1.0)[0]} == {0, 1}
+    # one server for a burst of 20 with 2 slots: requests queue for a slot, so TTFT grows along the burst
+    assert routed[-1].ttft_s > 3 * routed[0].ttft_s
+    errs = routed_errors({"p": served}, {"p": routed})
+    assert errs["p"]["ttft_s"]["p50"] == pytest.approx(float(np.median([s.ttft_s for s in routed])) / 0.05 - 1)
+    with pytest.raises(FidelityError, match="without the server"):
+        simulate_routed([Served(0.0, 300, 40, 0.05, 0.01, 0.5)], cluster, 1.0)
+
+
+def test_warm_up_plan_offers_the_evaluated_segments_load(tmp_path):
+    """The same rate offers more work on the train window's first seconds than on the evaluated segment (a rate sets
+    the time scale from a window's first requests): plan_at_load rescales it to the evaluated segment's load."""
+    import yaml
+
+    from fleet.fidelity import offered_load, plan_at_load
+    from fleet.loadplan import PlanSpec, build_plan
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "m", "model": {"name": "tiny", "max_model_len": 1024},
+        "server": {"block_size": 32, "kv_cache_tokens": 16384, "enable_prefix_caching": True, "max_num_seqs": 16},
+        "cost_model": {"form": "linear", "a_s": 0.0024, "b_s_per_prefill_token": 9.6e-6, "c_s_per_decode_seq": 1.4e-4,
+                       "d_s_per_context_token": 0.0, "e_s_per_prefill_seq": 9.6e-4},
+    }))
+    spec = PlanSpec(trace="azure-conv", window="eval", duration_s=30, rate=30.0, token_scale=0.25, max_tokens_cap=128,
+                    max_prompt_tokens=600)
+    evaluated, _ = build_plan(spec)
+    target = offered_load(evaluated, 30, [path])
+    warm = PlanSpec(**{**spec.__dict__, "window": "train", "duration_s": 20})
+    same_rate, _ = build_plan(warm)
+    assert offered_load(same_rate, 20, [path]) > 1.3 * target  # what the warm-up offered before
+    assert offered_load(plan_at_load(warm, target, [path]), 20, [path]) == pytest.approx(target, rel=0.05)
