@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import secrets
 import statistics
 import tempfile
 import time
@@ -64,6 +65,7 @@ class Probe:
     source: str  # which measurement gave `seconds`
     client_ttft_s: float = math.nan
     server_ttft_s: float = math.nan
+    prefix_hit_tokens: int = 0  # prompt tokens the server's prefix cache served (not computed: not in prefill_tokens)
 
 
 @dataclass
@@ -217,10 +219,15 @@ def _int_label(url: str, labels: dict[str, str], name: str) -> int:
 
 
 class _Text:
-    """Unique prompts (no prefix-cache hits between probes) of about n tokens, with a measured chars/token."""
+    """Unique prompts (no prefix-cache hits between probes, nor with an earlier sweep of the same server) of about n
+    tokens, with a measured chars/token."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, nonce: str | None = None) -> None:
         self.rng = random.Random(seed)
+        # A seeded sweep repeats its prompts exactly; a server with room kept a previous sweep's in its prefix cache
+        # and prefilled them in ~no time (the 16-slot CPU server fitted 0-1 us per prefill token after its first
+        # sweep, 13-27 us in it, while its 2 MiB twin kept 9.6 us). The nonce makes every sweep's prompts its own.
+        self.nonce = nonce if nonce is not None else secrets.token_hex(4)
         # A token covers at least one character of this ASCII text, so until the first probe measures the real
         # ratio, n characters never make more than n tokens: the load stays within what was announced.
         self.chars_per_token = 1.0
@@ -230,7 +237,7 @@ class _Text:
     def prompt(self, tokens: int) -> str:
         self.n += 1
         n_chars = max(8, int(tokens * self.chars_per_token))
-        words = [f"probe{self.n}x{self.rng.randrange(10**6)}"]
+        words = [f"probe{self.nonce}n{self.n}x{self.rng.randrange(10**6)}"]
         while sum(len(w) + 1 for w in words) < n_chars:
             words.append(self.rng.choice(_WORDS))
         return " ".join(words)[:n_chars]
@@ -323,7 +330,9 @@ async def _probe(client: Client, info: ServerInfo, text: _Text, kind: str, promp
     server_ttft = st_sum / st_n if st_n else math.nan
     if kind == "prefill":
         seconds, source = (pre_sum / pre_n, "vllm:request_prefill_time_seconds") if pre_n else (client_ttft, "client TTFT")
-        return Probe(name, round(real_prompt), 0, round(real_prompt), seconds, source, client_ttft, server_ttft)
+        hits = round((_total(after, "vllm:prefix_cache_hits_total") - _total(before, "vllm:prefix_cache_hits_total")) / conc)
+        hits = min(max(0, hits), round(real_prompt) - 1)
+        return Probe(name, round(real_prompt) - hits, 0, round(real_prompt), seconds, source, client_ttft, server_ttft, hits)
     if itl_n:
         seconds, source = itl_sum / itl_n, "vllm:inter_token_latency_seconds"
     else:

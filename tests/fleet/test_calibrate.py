@@ -213,3 +213,30 @@ def test_decode_rows_count_the_batch_a_capped_server_ran():
     res = asyncio.run(run())
     assert [p.decode_seqs for p in res.probes if p.name.startswith("decode")] == [1, 2, 4]
     assert res.max_num_seqs == 4
+
+
+def test_a_repeated_sweep_does_not_prefill_from_the_previous_sweeps_cache():
+    """Each sweep's prompts are its own (a per-sweep nonce): a seeded sweep repeated on a server with room in its
+    prefix cache prefilled its prompts from the cache (the roomy CPU server fitted ~0 us per prefill token after its
+    first sweep). Where the server still reports prefix-cache hits, the row counts only the tokens it computed."""
+    from aiohttp.test_utils import TestServer
+
+    from fleet.emulator import EmulatorSettings, make_app
+
+    async def run() -> list[calibrate.Probe]:
+        server = TestServer(make_app(EmulatorSettings(block_size=16)), host="127.0.0.1")
+        await server.start_server()
+        client = calibrate.Client(str(server.make_url("")).rstrip("/"), 30.0)
+        try:
+            info = await calibrate.discover(client, None)
+            texts = [calibrate._Text(nonce="same"), calibrate._Text(nonce="same"), calibrate._Text(), calibrate._Text()]
+            return [await calibrate._probe(client, info, t, "prefill", 256, 1, 1, []) for t in texts]
+        finally:
+            await client.close()
+            await server.close()
+
+    first, same_again, fresh, fresh_again = asyncio.run(run())
+    assert first.prefix_hit_tokens == 0 and fresh.prefix_hit_tokens == 0 and fresh_again.prefix_hit_tokens == 0
+    assert same_again.prefix_hit_tokens > 0
+    assert same_again.prefill_tokens == same_again.context_tokens - same_again.prefix_hit_tokens < first.prefill_tokens
+    assert first.prefill_tokens == first.context_tokens
