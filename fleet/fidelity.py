@@ -12,7 +12,9 @@ chars/4 estimate as a bias against the measured chars per token). Report real vs
 errors, the ranking by p99 TTFT, and the learned policy's gain over least-outstanding real vs predicted, the p99s
 and the gain with 95 % bootstrap intervals (`--plot FILE.png` draws them: fleet/fidelity_plot.py). The same requests
 are also simulated on the servers the real router chose ("real routing"): the error of the server model alone, so
-that a policy's error splits into the servers' and what the simulated router's different choices add.
+that a policy's error splits into the servers' and what the simulated router's different choices add; and with
+each engine's speed fitted to the replay's own inter-token latency ("tracked speed"): what is left once the drift
+of engine speed between the warm-up and the replay is taken out (diagnostics, not predictions).
 
 Over 400 lines on purpose: one run (fleet, calibration, live replay, simulation, report) whose steps pass the
 same plan and results along; the report arithmetic is separately tested (tests/fleet/test_fidelity_report.py).
@@ -266,10 +268,10 @@ def simulate_routed(served: list[Served], cluster, estimate_scale: float) -> lis
                    int(r.replica_id[1:].split("-", 1)[0])) for r in records]
 
 
-def routed_errors(real: dict[str, list[Served]], routed: dict[str, list[Served]]) -> dict:
-    """Per policy and metric, the p50 / p99 relative errors of `simulate_routed`."""
+def pct_errors(real: dict[str, list[Served]], sims: dict[str, list[Served]]) -> dict:
+    """Per policy (of `sims`) and metric, the p50 / p99 relative errors of a simulation against the real runs."""
     out = {}
-    for p, sim in routed.items():
+    for p, sim in sims.items():
         out[p] = {}
         for m in METRICS:
             r, s = pcts([getattr(x, m) for x in real[p]]), pcts([getattr(x, m) for x in sim])
@@ -503,6 +505,24 @@ def extra_overhead(real_ttft_s: list[float], sim_ttft_s: list[float]) -> float:
     return max(0.0, float(np.percentile(real_ttft_s, q) - np.percentile(sim_ttft_s, q)))
 
 
+def fit_speed(cluster, itl: list[tuple[float, float]], simulate_fn) -> tuple[object, list[float]]:
+    """Each replica's speed_factor at which the simulated engine runs as fast as the real one did (`itl`: each
+    server's engine inter-token latency (sum, count) over the replay; `simulate_fn(cluster)` simulates the replay's
+    requests). A slower replica gets fewer requests in a simulation that routes, so smaller batches and a shorter
+    inter-token latency: one ratio of real to simulated latency overshoots (by 10-30 % on the CPU fleet);
+    simulating, correcting and simulating again converges."""
+    factors = [1.0] * len(cluster.replicas)
+    for _ in range(SPEED_FIT_ROUNDS):
+        sim = simulate_fn(cluster)
+        for i, delta in enumerate(itl):
+            real_itl, sim_itl = _mean([delta]), mean_itl(sim, i)
+            if real_itl > 0 and sim_itl > 0:
+                factors[i] = float(min(10.0, max(0.5, factors[i] * real_itl / sim_itl)))
+        groups = [g.model_copy(update={"speed_factor": f}) for g, f in zip(cluster.replicas, factors)]
+        cluster = cluster.model_copy(update={"replicas": groups})
+    return cluster, factors
+
+
 def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str], model: str, work: Path,
                  cluster, log):
     """How much slower each engine runs inside the loaded fleet than alone during calibration (CPU contention with
@@ -516,7 +536,7 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     evaluated, _ = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
     load = offered_load(evaluated, base.duration_s, profiles)
     plan = plan_at_load(PlanSpec(**{**base.__dict__, "window": "train", "duration_s": args.warmup, "rate": rate}),
-                                   load, profiles)
+                        load, profiles)
     synth = PromptSynth(seed=999)
     plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
                     r.max_tokens) for r in plan]
@@ -524,19 +544,7 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
         f"{offered_load(plan, args.warmup, profiles):.2f} of capacity, as the evaluated segment's {load:.2f}) to "
         "measure each engine's speed under load")
     served, itl, *_ = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
-    # A slower replica gets fewer requests in the simulation, so smaller batches and a shorter inter-token latency:
-    # one ratio of real to simulated latency overshoots (by 10-30 % on the CPU fleet). Re-simulating with the
-    # factors found and correcting them again converges on the factors at which the simulated engines run as fast
-    # as the real ones did over the same requests.
-    factors = [1.0] * len(cluster.replicas)
-    for _ in range(SPEED_FIT_ROUNDS):
-        sim, _ = simulate_same(served, cluster, BASELINE, estimate_scale)
-        for i, delta in enumerate(itl):
-            real_itl, sim_itl = _mean([delta]), mean_itl(sim, i)
-            if real_itl > 0 and sim_itl > 0:
-                factors[i] = float(min(10.0, max(0.5, factors[i] * real_itl / sim_itl)))
-        groups = [g.model_copy(update={"speed_factor": f}) for g, f in zip(cluster.replicas, factors)]
-        cluster = cluster.model_copy(update={"replicas": groups})
+    cluster, factors = fit_speed(cluster, itl, lambda c: simulate_same(served, c, BASELINE, estimate_scale)[0])
     # What the loaded path adds before a first token beyond the calibrated request overhead (the router's hop, the
     # client and the servers' API processes sharing the cores), added to each profile's request_overhead_s (in-fleet
     # copies of the profiles).
@@ -721,6 +729,8 @@ def _main(args: argparse.Namespace) -> int:
         runs_real: list[dict[str, list[Served]]] = []
         runs_sim: list[dict[str, list[Served]]] = []
         runs_routed: list[dict[str, list[Served]]] = []
+        runs_tracked: list[dict[str, list[Served]]] = []
+        tracked_factors: dict[str, list[list[float]]] = {p: [] for p in policies}
         itls: dict[str, list[tuple[float, float]]] = {p: [] for p in policies}
         shares: dict[str, dict[str, list[float]]] = {p: {"real": [], "sim": []} for p in policies}
         reasons_all: dict[str, dict[str, int]] = {p: {} for p in policies}
@@ -728,6 +738,7 @@ def _main(args: argparse.Namespace) -> int:
             runs_real.append({})
             runs_sim.append({})
             runs_routed.append({})
+            runs_tracked.append({})
             for policy in rotated(policies, rep):
                 k = policies.index(policy)
                 plan, info = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
@@ -745,6 +756,11 @@ def _main(args: argparse.Namespace) -> int:
                 runs_sim[rep][policy], fallback_sim = simulate_same(served, cluster, policy, estimate_scale, late=late)
                 if not split_late(policy)[1]:
                     runs_routed[rep][policy] = simulate_routed(served, cluster, estimate_scale)
+                # a diagnostic, not a prediction: the engines at the speed they ran in this very replay
+                same = lambda c: simulate_same(served, c, policy, estimate_scale, late=late)[0]  # noqa: E731
+                tracked, f = fit_speed(cluster, itl, same)
+                runs_tracked[rep][policy] = same(tracked)
+                tracked_factors[policy].append(f)
                 itls[policy] += itl
                 shares[policy]["real"].append(fallback_real)
                 shares[policy]["sim"].append(fallback_sim)
@@ -766,7 +782,9 @@ def _main(args: argparse.Namespace) -> int:
                                            for i in range(len(slots))] for p in real}
         report["mean_inter_token_latency"] = engine
         report["fallback_share"] = fallbacks
-        report["real_routing"] = routed_errors(real, pool_repeats(runs_routed))
+        report["real_routing"] = pct_errors(real, pool_repeats(runs_routed))
+        report["tracked_speed"] = {p: {"speed_factors": tracked_factors[p], "errors": e}
+                                   for p, e in pct_errors(real, pool_repeats(runs_tracked)).items()}
         report.update(
             speed_factors=factors, extra_request_overhead_s=extra, mean_tokens={"prompt": mean_p, "output": mean_o}, warmup_s=args.warmup, repeats=args.repeats, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
             servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
@@ -803,6 +821,12 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"{p}: with the real routing (each request simulated on the server that served it: the server "
                       "model alone), p50 / p99 error: " + ", ".join(
                           f"{m[:-2].upper()} {_pct(e['p50'])} / {_pct(e['p99'])}" for m, e in errs.items()))
+            for p, tr in report["tracked_speed"].items():
+                print(f"{p}: with each engine's speed fitted to this replay's own inter-token latency (factors "
+                      f"{'; '.join(', '.join(f'{x:.2f}' for x in f) for f in tr['speed_factors'])}: the speed drift "
+                      "between warm-up and replay taken out; a diagnostic, fitted on the run it checks), p50 / p99 "
+                      "error: " + ", ".join(f"{m[:-2].upper()} {_pct(e['p50'])} / {_pct(e['p99'])}"
+                                             for m, e in tr["errors"].items()))
             la = report["load_average"]
             print(f"offered {rate:.2f} req/s ({rate / cap:.2f} of calibrated capacity {cap:.2f}); load average "
                   f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {report['wall_s']:.0f} s")

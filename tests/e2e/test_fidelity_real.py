@@ -75,6 +75,8 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
     # the server model alone: each policy's requests re-simulated on the servers that served them
     assert set(report["real_routing"]) == set(POLICIES)
     assert all(set(errs) == {"ttft_s", "tpot_s", "e2e_s"} for errs in report["real_routing"].values())
+    assert set(report["tracked_speed"]) == set(POLICIES)
+    assert all(len(t["speed_factors"]) == 1 and all(f > 0 for f in t["speed_factors"][0]) for t in report["tracked_speed"].values())
     # heuristics never fall back, live or simulated (a learned arm's share is reported, not asserted)
     assert report["fallback_share"] == {p: {"real": 0.0, "sim": 0.0, "real_reasons": {}} for p in POLICIES}
     assert report["ranking_by_ttft_p99"]["same"] == (

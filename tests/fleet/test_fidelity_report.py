@@ -257,7 +257,7 @@ def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
 def test_real_routing_sends_each_request_where_the_real_router_did():
     """simulate_routed: the server model alone. Every request lands on the server recorded for it (here all on the
     slower one, where least-outstanding would alternate), and the errors against the real runs are per policy."""
-    from fleet.fidelity import FidelityError, routed_errors, simulate_routed, simulate_same
+    from fleet.fidelity import FidelityError, pct_errors, simulate_routed, simulate_same
     from simulator.config import ClusterConfig, ReplicaGroup
 
     cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1, max_num_seqs=2),
@@ -268,7 +268,7 @@ def test_real_routing_sends_each_request_where_the_real_router_did():
     assert {s.replica for s in simulate_same(served, cluster, "least-outstanding", 1.0)[0]} == {0, 1}
     # one server for a burst of 20 with 2 slots: requests queue for a slot, so TTFT grows along the burst
     assert routed[-1].ttft_s > 3 * routed[0].ttft_s
-    errs = routed_errors({"p": served}, {"p": routed})
+    errs = pct_errors({"p": served}, {"p": routed})
     assert errs["p"]["ttft_s"]["p50"] == pytest.approx(float(np.median([s.ttft_s for s in routed])) / 0.05 - 1)
     with pytest.raises(FidelityError, match="without the server"):
         simulate_routed([Served(0.0, 300, 40, 0.05, 0.01, 0.5)], cluster, 1.0)
@@ -297,3 +297,19 @@ def test_warm_up_plan_offers_the_evaluated_segments_load(tmp_path):
     same_rate, _ = build_plan(warm)
     assert offered_load(same_rate, 20, [path]) > 1.3 * target  # what the warm-up offered before
     assert offered_load(plan_at_load(warm, target, [path]), 20, [path]) == pytest.approx(target, rel=0.05)
+
+
+def test_fit_speed_finds_the_factors_at_which_the_engines_run_as_fast_as_the_real_ones():
+    from fleet.fidelity import fit_speed, mean_itl, simulate_same
+    from simulator.config import ClusterConfig, ReplicaGroup
+
+    cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1, max_num_seqs=8),
+                                      ReplicaGroup(profile="llama3-8b-h100", count=1, max_num_seqs=8)])
+    served = [Served(0.02 * i, 300, 60, 0.0, 0.0, 0.0) for i in range(200)]
+    same = lambda c: simulate_same(served, c, "least-outstanding", 1.0)[0]  # noqa: E731
+    before = same(cluster)
+    target = [1.5 * mean_itl(before, 0), 2.0 * mean_itl(before, 1)]
+    fitted, factors = fit_speed(cluster, [(t * 1000, 1000) for t in target], same)
+    assert [g.speed_factor for g in fitted.replicas] == factors and factors[0] > 1.2 and factors[1] > factors[0]
+    after = same(fitted)
+    assert [mean_itl(after, i) for i in (0, 1)] == pytest.approx(target, rel=0.05)
