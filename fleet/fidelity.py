@@ -131,30 +131,46 @@ def _wait_idle(urls: list[str], timeout_s: float = 60.0) -> None:
     raise FidelityError(f"fleet {urls} still busy {timeout_s:g} s after the replay")
 
 
-def _engine_itl(urls: list[str]) -> list[tuple[float, float]]:
-    """Per server, (sum, count) of vllm:inter_token_latency_seconds."""
+ENGINE_HISTOGRAMS = ("vllm:inter_token_latency_seconds", "vllm:time_to_first_token_seconds")
+
+
+def _engine_sums(urls: list[str]) -> list[list[tuple[float, float]]]:
+    """Per server, (sum, count) of each of ENGINE_HISTOGRAMS."""
     from fleet.calibrate import _total, parse_metrics
 
     out = []
     for u in urls:
         with urllib.request.urlopen(u.rstrip("/") + "/metrics", timeout=5) as resp:
             s = parse_metrics(resp.read().decode())
-        out.append((_total(s, "vllm:inter_token_latency_seconds_sum"), _total(s, "vllm:inter_token_latency_seconds_count")))
+        out.append([(_total(s, f"{h}_sum"), _total(s, f"{h}_count")) for h in ENGINE_HISTOGRAMS])
     return out
 
 
+@dataclass
+class Replay:
+    """One replay through the live router (replay_real)."""
+
+    served: list[Served]  # in plan order
+    engine_itl: list[tuple[float, float]]  # per server, (sum, count) of its engine's inter-token latency
+    engine_ttft: list[tuple[float, float]]  # per server, (sum, count) of its own TTFT (from its HTTP arrival)
+    router_ttft: tuple[float, float]  # (sum, count) of the router's TTFT (from the request's arrival there)
+    fallback_share: float
+    fallback_reasons: dict[str, int]
+
+
 def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scrape_interval_s: float,
-                progress: bool, late: LateBinding | None = None) -> tuple[list[Served], list[tuple[float, float]], float, dict[str, int]]:
+                progress: bool, late: LateBinding | None = None) -> Replay:
     """The plan through a fresh router with `policy`: what each request saw, in plan order, the engines' own
-    mean inter-token latency over the replay (server-side, to tell engine speed from HTTP and queueing), and the
-    share of the router's decisions its fallback made (a learned policy over its time budget decides as
-    least-outstanding: the simulator must know how often that happened live) with the count per reason.
-    `<policy>+late` runs the router with late binding as `late` says."""
+    inter-token latency and TTFT over the replay and the router's TTFT (server- and router-side, to tell engine
+    speed from HTTP and queueing, and where a first token's time goes), and the share of the router's decisions
+    its fallback made (a learned policy over its time budget decides as least-outstanding: the simulator must know
+    how often that happened live) with the count per reason. `<policy>+late` runs the router with late binding as
+    `late` says."""
     from fleet.router_process import start_router
     from fleet.loadgen import ClientSpec, run_load
 
     _wait_idle(urls)
-    itl0 = _engine_itl(urls)
+    before = _engine_sums(urls)
     # the router names the serving replica in a response header: which server each request saw
     base, held = split_late(policy)
     if held and late is None:
@@ -166,8 +182,9 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
         page = router.metrics()
     finally:
         router.stop()
-    itl1 = _engine_itl(urls)
-    engine_itl = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(itl0, itl1)]  # per server (sum, count) over the replay
+    after = _engine_sums(urls)
+    # per server and histogram, (sum, count) over the replay
+    itl, ttft = ([(b[k][0] - a[k][0], b[k][1] - a[k][1]) for a, b in zip(before, after)] for k in (0, 1))
     tokens = _tokenize(urls[0], model, [r.prompt for r in plan])
     index = {urlsplit(u).netloc: i for i, u in enumerate(urls)}  # the header names a replica by host:port
     served = []
@@ -178,7 +195,8 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
                              index.get(res.replica, -1)))
     decisions = len(plan) + page.retries
     share = sum(page.fallbacks.values()) / decisions if decisions else 0.0
-    return served, engine_itl, share, {k: int(v) for k, v in page.fallbacks.items() if v}
+    return Replay(served, itl, ttft, (sum(page.ttft_sums.values()), sum(page.ttft_counts.values())), share,
+                  {k: int(v) for k, v in page.fallbacks.items() if v})
 
 
 def mean_itl(served: list[Served], replica: int | None = None) -> float:
@@ -452,6 +470,20 @@ def plan_at_load(spec, load: float, profile_paths: list[Path]):
     return plan
 
 
+def ttft_by_hop(replays: list[Replay], sim: list[Served]) -> dict[str, float]:
+    """Mean TTFT where each hop measures it, over a policy's replays: client, router, servers; and simulated. The
+    differences say where a first token's time goes that the simulator does not see (the client's and the
+    router's own delays on the cores they share with the servers, HTTP between them)."""
+    client = [s.ttft_s for r in replays for s in r.served]
+    hops = {
+        "client_s": float(np.mean(client)) if client else math.nan,
+        "router_s": _mean([r.router_ttft for r in replays]),
+        "servers_s": _mean([d for r in replays for d in r.engine_ttft]),
+        "sim_s": float(np.mean([s.ttft_s for s in sim])) if sim else math.nan,
+    }
+    return {k: (None if math.isnan(v) else v) for k, v in hops.items()}
+
+
 def _mean(deltas: list[tuple[float, float]]) -> float:
     total, count = sum(d[0] for d in deltas), sum(d[1] for d in deltas)
     return total / count if count else math.nan
@@ -543,8 +575,9 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     log(f"fidelity: warm-up: {len(plan)} requests of the train window ({len(plan) / args.warmup:.1f} req/s: "
         f"{offered_load(plan, args.warmup, profiles):.2f} of capacity, as the evaluated segment's {load:.2f}) to "
         "measure each engine's speed under load")
-    served, itl, *_ = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
-    cluster, factors = fit_speed(cluster, itl, lambda c: simulate_same(served, c, BASELINE, estimate_scale)[0])
+    replay = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
+    served = replay.served
+    cluster, factors = fit_speed(cluster, replay.engine_itl, lambda c: simulate_same(served, c, BASELINE, estimate_scale)[0])
     # What the loaded path adds before a first token beyond the calibrated request overhead (the router's hop, the
     # client and the servers' API processes sharing the cores), added to each profile's request_overhead_s (in-fleet
     # copies of the profiles).
@@ -731,6 +764,7 @@ def _main(args: argparse.Namespace) -> int:
         runs_routed: list[dict[str, list[Served]]] = []
         runs_tracked: list[dict[str, list[Served]]] = []
         tracked_factors: dict[str, list[list[float]]] = {p: [] for p in policies}
+        hops: dict[str, list[Replay]] = {p: [] for p in policies}
         itls: dict[str, list[tuple[float, float]]] = {p: [] for p in policies}
         shares: dict[str, dict[str, list[float]]] = {p: {"real": [], "sim": []} for p in policies}
         reasons_all: dict[str, dict[str, int]] = {p: {} for p in policies}
@@ -750,8 +784,10 @@ def _main(args: argparse.Namespace) -> int:
                                 r.max_tokens) for r in plan]
                 log(f"fidelity: {policy}: {len(plan)} requests through the router"
                     + (f" (repeat {rep + 1} of {args.repeats})" if args.repeats > 1 else ""))
-                served, itl, fallback_real, reasons = replay_real(urls, policy, plan, model, work,
-                                                                  args.scrape_interval, not args.quiet, late)
+                replay = replay_real(urls, policy, plan, model, work, args.scrape_interval, not args.quiet, late)
+                served, itl, fallback_real, reasons = replay.served, replay.engine_itl, replay.fallback_share, \
+                    replay.fallback_reasons
+                hops[policy].append(replay)
                 runs_real[rep][policy] = served
                 runs_sim[rep][policy], fallback_sim = simulate_same(served, cluster, policy, estimate_scale, late=late)
                 if not split_late(policy)[1]:
@@ -783,6 +819,7 @@ def _main(args: argparse.Namespace) -> int:
         report["mean_inter_token_latency"] = engine
         report["fallback_share"] = fallbacks
         report["real_routing"] = pct_errors(real, pool_repeats(runs_routed))
+        report["mean_ttft_by_hop"] = {p: ttft_by_hop(hops[p], sim[p]) for p in policies}
         report["tracked_speed"] = {p: {"speed_factors": tracked_factors[p], "errors": e}
                                    for p, e in pct_errors(real, pool_repeats(runs_tracked)).items()}
         report.update(
@@ -821,6 +858,10 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"{p}: with the real routing (each request simulated on the server that served it: the server "
                       "model alone), p50 / p99 error: " + ", ".join(
                           f"{m[:-2].upper()} {_pct(e['p50'])} / {_pct(e['p99'])}" for m, e in errs.items()))
+            for p, hop in report["mean_ttft_by_hop"].items():
+                print(f"{p}: mean TTFT (ms) as the client saw it {_ms(hop['client_s'])}, the router (from arrival "
+                      f"there) {_ms(hop['router_s'])}, the servers (from arrival at their HTTP front) "
+                      f"{_ms(hop['servers_s'])}; simulated {_ms(hop['sim_s'])}")
             for p, tr in report["tracked_speed"].items():
                 print(f"{p}: with each engine's speed fitted to this replay's own inter-token latency (factors "
                       f"{'; '.join(', '.join(f'{x:.2f}' for x in f) for f in tr['speed_factors'])}: the speed drift "

@@ -146,6 +146,7 @@ class RouterMetricsPage:
     fallbacks: dict[str, float]  # reason -> count (all policies)
     policy_info: list[dict[str, str]]
     ttft_counts: dict[str, float] = field(default_factory=dict)  # replica -> first tokens relayed (all arms)
+    ttft_sums: dict[str, float] = field(default_factory=dict)  # replica -> seconds to those first tokens
 
     @classmethod
     def parse(cls, text: str) -> "RouterMetricsPage":
@@ -157,6 +158,7 @@ class RouterMetricsPage:
         retries = 0.0
         info: list[dict[str, str]] = []
         ttft_counts: dict[str, float] = defaultdict(float)
+        ttft_sums: dict[str, float] = defaultdict(float)
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == "llm_router_requests_total":
@@ -171,12 +173,14 @@ class RouterMetricsPage:
                     fallbacks[s.labels["reason"]] += s.value
                 elif s.name == "llm_router_ttft_seconds_count":
                     ttft_counts[s.labels["replica"]] += s.value
+                elif s.name == "llm_router_ttft_seconds_sum":
+                    ttft_sums[s.labels["replica"]] += s.value
                 elif s.name == "llm_router_policy_info":
                     info.append(dict(s.labels))
                 elif family.type == "gauge" and "replica" in s.labels:
                     gauges[s.name][s.labels["replica"]] = s.value
         return cls(dict(gauges), {k: dict(v) for k, v in requests.items()}, dict(upstream), dict(scrape_errors), retries,
-                   dict(fallbacks), info, dict(ttft_counts))
+                   dict(fallbacks), info, dict(ttft_counts), dict(ttft_sums))
 
     def gauge(self, name: str, replica: str) -> float | None:
         return self.gauges.get(name, {}).get(replica)

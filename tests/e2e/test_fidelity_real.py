@@ -75,6 +75,9 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
     # the server model alone: each policy's requests re-simulated on the servers that served them
     assert set(report["real_routing"]) == set(POLICIES)
     assert all(set(errs) == {"ttft_s", "tpot_s", "e2e_s"} for errs in report["real_routing"].values())
+    # each request's client TTFT spans its router TTFT, which spans its server's: so do the means
+    for hop in report["mean_ttft_by_hop"].values():
+        assert hop["client_s"] >= hop["router_s"] >= hop["servers_s"] > 0 and hop["sim_s"] > 0
     assert set(report["tracked_speed"]) == set(POLICIES)
     assert all(len(t["speed_factors"]) == 1 and all(f > 0 for f in t["speed_factors"][0]) for t in report["tracked_speed"].values())
     # heuristics never fall back, live or simulated (a learned arm's share is reported, not asserted)

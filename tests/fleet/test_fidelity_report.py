@@ -313,3 +313,13 @@ def test_fit_speed_finds_the_factors_at_which_the_engines_run_as_fast_as_the_rea
     assert [g.speed_factor for g in fitted.replicas] == factors and factors[0] > 1.2 and factors[1] > factors[0]
     after = same(fitted)
     assert [mean_itl(after, i) for i in (0, 1)] == pytest.approx(target, rel=0.05)
+
+
+def test_ttft_by_hop_weighs_each_hop_by_its_own_counts():
+    from fleet.fidelity import Replay, ttft_by_hop
+
+    a = Replay(_served([0.03, 0.05]), [], [(0.02, 1), (0.06, 2)], (0.07, 2), 0.0, {})
+    b = Replay(_served([0.04]), [], [(0.0, 0), (0.03, 1)], (0.02, 1), 0.0, {})
+    hop = ttft_by_hop([a, b], _served([0.01, 0.02]))
+    assert hop == pytest.approx({"client_s": 0.04, "router_s": 0.03, "servers_s": 0.11 / 4, "sim_s": 0.015})
+    assert ttft_by_hop([Replay([], [], [], (0.0, 0), 0.0, {})], []) == {k: None for k in hop}
