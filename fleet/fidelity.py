@@ -463,7 +463,7 @@ def plan_at_load(spec, load: float, profile_paths: list[Path]):
     for _ in range(LOAD_MATCH_ROUNDS):
         plan, _ = build_plan(spec)
         now = offered_load(plan, spec.duration_s, profile_paths)
-        if not now or abs(now / load - 1) < 0.02:
+        if not now or load <= 0 or abs(now / load - 1) < 0.02:
             break
         rate *= load / now
         spec = PlanSpec(**{**spec.__dict__, "rate": rate})
