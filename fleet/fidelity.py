@@ -46,6 +46,7 @@ METRICS = ("ttft_s", "tpot_s", "e2e_s")
 LEARNED, BASELINE = "learned", "least-outstanding"
 DEFAULT_POLICIES = ("least-outstanding", "expected-wait", "learned")
 LOAD_MATCH_ROUNDS = 4  # rescalings of the warm-up's rate toward the evaluated segment's offered load
+SPEED_DRIFT_WARNING = 0.2  # the report says so when a replay's engines ran this much off the warm-up's speed
 SPEED_FIT_ROUNDS = 3  # simulate-and-correct rounds of the in-fleet engine speed factors (fit_in_fleet)
 EXTRA_OVERHEAD_QUANTILE = 10  # percentile of TTFT at which the warm-up's real and simulated runs are matched
 BOOTSTRAP_RESAMPLES = 1000  # resamplings behind the p99 intervals of the report
@@ -560,8 +561,8 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     """How much slower each engine runs inside the loaded fleet than alone during calibration (CPU contention with
     the other server, the router and the load generator, other tenants of the machine): replay a segment of the
     trace's TRAIN window (never the evaluated one) through the router, and set each replica's `speed_factor` to its
-    engine's real mean inter-token latency over the simulated one. Returns the cluster, the factors and the extra
-    request overhead."""
+    engine's real mean inter-token latency over the simulated one. Returns the cluster, the factors, the extra
+    request overhead and the warm-up engines' mean inter-token latency."""
     from fleet.loadplan import PlanSpec, PromptSynth, build_plan
 
     profiles = [Path(g.profile) for g in cluster.replicas]
@@ -598,7 +599,7 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
         groups.append(g.model_copy(update={"profile": str(path)}))
     log(f"fidelity: engine speed factors under load: {', '.join(f'{f:.2f}' for f in factors)}; "
         f"extra request overhead {extra * 1e3:.1f} ms")
-    return cluster.model_copy(update={"replicas": groups}), factors, extra
+    return cluster.model_copy(update={"replicas": groups}), factors, extra, _mean(replay.engine_itl)
 
 
 def check_fits(plan, profile_paths: list[Path], urls: list[str]) -> None:
@@ -754,9 +755,10 @@ def _main(args: argparse.Namespace) -> int:
             f"replaying {args.trace} at {rate:.2f} req/s for {args.duration:g} s per policy")
         check_fits(probe_plan, profiles, urls)
         cluster = cluster_from_profiles(profiles, args.scrape_interval, args.max_num_batched_tokens)
-        factors, extra = [1.0] * len(urls), 0.0
+        factors, extra, warmup_itl = [1.0] * len(urls), 0.0, None
         if args.warmup > 0:
-            cluster, factors, extra = fit_in_fleet(args, base, rate, estimate_scale, urls, model, work, cluster, log)
+            cluster, factors, extra, warmup_itl = fit_in_fleet(args, base, rate, estimate_scale, urls, model, work,
+                                                               cluster, log)
         late = LateBinding({urlsplit(u).netloc: g.max_num_seqs for u, g in zip(urls, cluster.replicas)},
                            max(1, int(mean_p + mean_o)))
         runs_real: list[dict[str, list[Served]]] = []
@@ -823,7 +825,7 @@ def _main(args: argparse.Namespace) -> int:
         report["tracked_speed"] = {p: {"speed_factors": tracked_factors[p], "errors": e}
                                    for p, e in pct_errors(real, pool_repeats(runs_tracked)).items()}
         report.update(
-            speed_factors=factors, extra_request_overhead_s=extra, mean_tokens={"prompt": mean_p, "output": mean_o}, warmup_s=args.warmup, repeats=args.repeats, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
+            speed_factors=factors, extra_request_overhead_s=extra, warmup_engine_itl_s=warmup_itl, mean_tokens={"prompt": mean_p, "output": mean_o}, warmup_s=args.warmup, repeats=args.repeats, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
             servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
             wall_s=time.monotonic() - t_start,
         )
@@ -858,6 +860,14 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"{p}: with the real routing (each request simulated on the server that served it: the server "
                       "model alone), p50 / p99 error: " + ", ".join(
                           f"{m[:-2].upper()} {_pct(e['p50'])} / {_pct(e['p99'])}" for m, e in errs.items()))
+            if warmup_itl is not None:
+                replays = [r for e in engine.values() if (r := e["real_server_side_s"]) == r]  # NaN: no tokens
+                drift = max(abs(r / warmup_itl - 1) for r in replays)
+                print(f"engine speed: {warmup_itl * 1e3:.1f} ms per token in the warm-up, "
+                      f"{min(replays) * 1e3:.1f}-{max(replays) * 1e3:.1f} in the replays"
+                      + (f" (up to {drift:.0%} apart: the speed factors were fitted at another operating point or "
+                         "the machine drifted; the tracked-speed lines below take that out)"
+                         if drift > SPEED_DRIFT_WARNING else ""))
             for p, hop in report["mean_ttft_by_hop"].items():
                 print(f"{p}: mean TTFT (ms) as the client saw it {_ms(hop['client_s'])}, the router (from arrival "
                       f"there) {_ms(hop['router_s'])}, the servers (from arrival at their HTTP front) "

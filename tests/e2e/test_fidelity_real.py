@@ -32,7 +32,7 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
 
     assert report["servers"] == vllm_servers
     assert len(report["speed_factors"]) == len(vllm_servers) and all(f > 0 for f in report["speed_factors"])
-    assert report["extra_request_overhead_s"] >= 0
+    assert report["extra_request_overhead_s"] >= 0 and report["warmup_engine_itl_s"] > 0
     # per policy and server, the line of median TTFT against its load, real and simulated
     assert set(report["ttft_vs_in_flight"]) == set(POLICIES)
     assert all(len(lines) == len(vllm_servers) for lines in report["ttft_vs_in_flight"].values())
