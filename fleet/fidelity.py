@@ -599,7 +599,8 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
         groups.append(g.model_copy(update={"profile": str(path)}))
     log(f"fidelity: engine speed factors under load: {', '.join(f'{f:.2f}' for f in factors)}; "
         f"extra request overhead {extra * 1e3:.1f} ms")
-    return cluster.model_copy(update={"replicas": groups}), factors, extra, _mean(replay.engine_itl)
+    warmup_itl = _mean(replay.engine_itl)
+    return cluster.model_copy(update={"replicas": groups}), factors, extra, None if math.isnan(warmup_itl) else warmup_itl
 
 
 def check_fits(plan, profile_paths: list[Path], urls: list[str]) -> None:
@@ -860,8 +861,8 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"{p}: with the real routing (each request simulated on the server that served it: the server "
                       "model alone), p50 / p99 error: " + ", ".join(
                           f"{m[:-2].upper()} {_pct(e['p50'])} / {_pct(e['p99'])}" for m, e in errs.items()))
-            if warmup_itl is not None:
-                replays = [r for e in engine.values() if (r := e["real_server_side_s"]) == r]  # NaN: no tokens
+            replays = [r for e in engine.values() if (r := e["real_server_side_s"]) == r]  # NaN: no tokens
+            if warmup_itl and replays:
                 drift = max(abs(r / warmup_itl - 1) for r in replays)
                 print(f"engine speed: {warmup_itl * 1e3:.1f} ms per token in the warm-up, "
                       f"{min(replays) * 1e3:.1f}-{max(replays) * 1e3:.1f} in the replays"
