@@ -4,8 +4,9 @@ DIR`'s raw.json, every policy pooled).
 
     python tests/bench/fidelity_burst.py DIR/raw.json [--window 0.1]
 
-A median excess that grows with recent arrivals is the signature of a serial per-request cost at the server (HTTP,
-tokenisation on the engine's core) that the simulator's constant `request_overhead_s` does not queue.
+A median excess that grows with recent arrivals looks like a serial per-request cost at the server (HTTP,
+tokenisation on the engine's core) that the simulator's constant `request_overhead_s` does not queue; modelled as
+such a queue it did not close the gap (README, "How far the simulator is from real vLLM").
 """
 
 from __future__ import annotations
