@@ -252,8 +252,13 @@ def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: fl
         records, _ = simulate_late(cfg, reqs, served_as, seed=seed, late=LateBindingConfig(tokens_per_request=late.tokens_per_request))
     else:
         records = simulate(cfg, reqs, served_as, seed=seed)
+    return served_from(records), served_as.fallback_share
+
+
+def served_from(records) -> list[Served]:
+    """Simulated request records as Served, each with the index of its replica (ids `r<i>-<profile>`)."""
     return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
-                   int(r.replica_id[1:].split("-", 1)[0])) for r in records], served_as.fallback_share
+                   int(r.replica_id[1:].split("-", 1)[0])) for r in records]
 
 
 class RealChoices(Policy):
@@ -282,20 +287,19 @@ def simulate_routed(served: list[Served], cluster, estimate_scale: float) -> lis
     policy = RealChoices([s.replica for s in served])
     reqs = [SimRequest(i, s.arrival_s, s.prompt_tokens, s.output_tokens, max_tokens=s.output_tokens)
             for i, s in enumerate(served)]
-    records = simulate(cluster.model_copy(update={"estimator_scale": estimate_scale}), reqs, policy, seed=0)
-    return [Served(r.arrival_s, r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s,
-                   int(r.replica_id[1:].split("-", 1)[0])) for r in records]
+    return served_from(simulate(cluster.model_copy(update={"estimator_scale": estimate_scale}), reqs, policy, seed=0))
+
+
+def metric_cells(real: list[Served], sim: list[Served], metric: str) -> dict[str, dict]:
+    """Per percentile of `metric`: real, simulated and the relative error."""
+    r, s = pcts([getattr(x, metric) for x in real]), pcts([getattr(x, metric) for x in sim])
+    return {k: {"real": r[k], "sim": s[k], "rel_err": rel_err(s[k], r[k])} for k in r}
 
 
 def pct_errors(real: dict[str, list[Served]], sims: dict[str, list[Served]]) -> dict:
     """Per policy (of `sims`) and metric, the p50 / p99 relative errors of a simulation against the real runs."""
-    out = {}
-    for p, sim in sims.items():
-        out[p] = {}
-        for m in METRICS:
-            r, s = pcts([getattr(x, m) for x in real[p]]), pcts([getattr(x, m) for x in sim])
-            out[p][m] = {k: rel_err(s[k], r[k]) for k in ("p50", "p99")}
-    return out
+    return {p: {m: {k: c["rel_err"] for k, c in metric_cells(real[p], sim, m).items() if k in ("p50", "p99")}
+                for m in METRICS} for p, sim in sims.items()}
 
 
 # ---------------------------------------------------------------- the report
@@ -355,8 +359,7 @@ def compare(real: dict[str, list[Served]], sim: dict[str, list[Served]]) -> dict
     for p in policies:
         row = {}
         for m in METRICS:
-            r, s = pcts([getattr(x, m) for x in real[p]]), pcts([getattr(x, m) for x in sim[p]])
-            row[m] = {k: {"real": r[k], "sim": s[k], "rel_err": rel_err(s[k], r[k])} for k in r}
+            row[m] = metric_cells(real[p], sim[p], m)
         row["requests"] = len(real[p])
         rows[p] = row
     rank = {src: sorted(policies, key=lambda p: rows[p]["ttft_s"]["p99"][src]) for src in ("real", "sim")}
