@@ -80,7 +80,7 @@ async def serve(settings: RouterSettings, socks: list[socket.socket] | None = No
 
     app = create_app(settings, shared=shared)
     access_log = logging.getLogger("router.access") if settings.access_log else None
-    runner = RouterRunner(app, settings=settings, handle_signals=False, access_log=access_log,
+    runner = RouterRunner(app, settings=settings, proxy=app[PROXY], handle_signals=False, access_log=access_log,
                           handler_cancellation=True, shutdown_timeout=settings.drain_timeout_s)
     await runner.setup()
     if socks is None:

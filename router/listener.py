@@ -4,6 +4,9 @@
   request line and headers must arrive within header_timeout_s (slow-loris), at most
   max_client_connections are open at once (more get a 503 and are closed), and malformed HTTP gets a
   400 in the OpenAI error shape with one log line (aiohttp logs a traceback and answers in plain text).
+- With a Proxy given and settings.lean_listener on, every connection starts on the lean listener
+  (router.lean: the generation endpoints without aiohttp's server side) and is handed to a GuardedHandler
+  at its first request that is not a plain generation request.
 - `openai_errors` (a middleware) turns aiohttp's own HTTP errors (404, 405, 413, ...) into the same shape.
 """
 
@@ -11,14 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from router.errors import error_body, error_response
+from router.lean import LeanConnection
 from router.settings import RouterSettings
+
+if TYPE_CHECKING:
+    from router.proxy import Proxy
 
 log = logging.getLogger("router.listener")
 
@@ -107,25 +114,37 @@ class GuardedHandler(RequestHandler):
 
 
 class GuardedServer(web.Server):
-    def __init__(self, *args: Any, limits: tuple[float, int], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: tuple[float, int], lean: tuple[Proxy, RouterSettings] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._limits = limits
+        self._lean = lean
 
-    def __call__(self) -> RequestHandler:
+    def guarded(self) -> RequestHandler:
         return GuardedHandler(self, loop=self._loop, limits=self._limits, **self._kwargs)
+
+    def __call__(self) -> asyncio.Protocol:
+        if self._lean is None:
+            return self.guarded()
+        proxy, s = self._lean
+        return LeanConnection(self, proxy, (s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s,
+                                            s.max_client_connections), self.guarded, s.max_body_bytes)
 
 
 class RouterRunner(web.AppRunner):
     """An AppRunner whose connections are GuardedHandlers, limited by the settings' header_timeout_s and
-    max_client_connections."""
+    max_client_connections; with `proxy` (and settings.lean_listener on, settings.access_log off: the lean
+    listener writes no access log) they start on the lean listener."""
 
-    def __init__(self, app: web.Application, *, settings: RouterSettings, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, *, settings: RouterSettings, proxy: Proxy | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self._limits = (settings.header_timeout_s, settings.max_client_connections)
+        self._lean = (proxy, settings) if proxy is not None and settings.lean_listener and not settings.access_log else None
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         guarded = GuardedServer(server.request_handler, request_factory=server.request_factory,
                                 handler_cancellation=server.handler_cancellation, loop=server._loop,
-                                limits=self._limits, **server._kwargs)
+                                limits=self._limits, lean=self._lean, **server._kwargs)
         return guarded

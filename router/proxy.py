@@ -24,6 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from router.h1client import H1Client, H1Response
+from router.lean import LeanRequest
 from router.errors import BadRequest, error_response, sse_error_event
 from router.outlier import Inflight
 from router.paths import GENERATION_PATHS, PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
@@ -53,11 +54,11 @@ class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
-def _refuse(exc: BadRequest, request: web.Request) -> web.Response:
+def _refuse(exc: BadRequest, request: web.Request | LeanRequest) -> web.Response:
     """The 4xx of a refused request; the connection is closed if its body was not read to the end (a slow,
-    broken or oversized body is not worth draining)."""
+    broken or oversized body is not worth draining; a lean request's body is always whole)."""
     resp = exc.response()
-    if request.body_exists and not request.content.is_eof():
+    if isinstance(request, web.BaseRequest) and request.body_exists and not request.content.is_eof():
         resp.force_close()
     return resp
 
@@ -155,18 +156,20 @@ class Proxy:
     # --- OpenAI generation endpoints ---------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self.generate(request, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self.generate(request, chat=True)
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def generate(self, request: web.Request | LeanRequest, chat: bool) -> web.StreamResponse:
+        """A completion or chat completion, from aiohttp's request or the lean listener's (router.lean): the
+        response to send, or for a stream the one already sent."""
         t0 = time.perf_counter()
         if self.draining:
             return error_response(503, "router is shutting down", "server_error", code="draining",
                                   headers={"Connection": "close"})
         try:
-            raw = await self._read_body(request)
+            raw = request.body if isinstance(request, LeanRequest) else await self._read_body(request)
             try:
                 body = json.loads(raw)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -211,7 +214,7 @@ class Proxy:
             raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")
         return raw
 
-    async def _forward(self, request: web.Request, raw: bytes, info, stream: bool, t0: float,
+    async def _forward(self, request: web.Request | LeanRequest, raw: bytes, info, stream: bool, t0: float,
                        path: str) -> web.StreamResponse:
         headers = request_headers(request.headers, request.remote)
         tried: set[str] = set()
@@ -264,7 +267,7 @@ class Proxy:
                 self.metrics.client_caused_failures.labels(kind).inc()
 
     async def _attempt(
-        self, request: web.Request, route: Route, raw: bytes, headers, stream: bool, t0: float, can_retry: bool,
+        self, request: web.Request | LeanRequest, route: Route, raw: bytes, headers, stream: bool, t0: float, can_retry: bool,
         path: str,
     ) -> web.StreamResponse:
         """One upstream attempt. Raises UpstreamError only while nothing has reached the client."""
@@ -340,11 +343,11 @@ class Proxy:
             self.router.release(route, route.outcome, route.tpot_s)
 
     async def _stream(
-        self, request: web.Request, route: Route, resp: aiohttp.ClientResponse | H1Response, first: bytes, t0: float,
+        self, request: web.Request | LeanRequest, route: Route, resp: aiohttp.ClientResponse | H1Response, first: bytes, t0: float,
         ch: _Children, inflight: Inflight,
     ) -> web.StreamResponse:
         rep = route.replica
-        out = web.StreamResponse(status=resp.status, headers=route_headers(route, resp.headers, self._replica_header))
+        headers = route_headers(route, resp.headers, self._replica_header)
         outlier = rep.outlier
         ttft: float | None = None
         events = 0
@@ -352,7 +355,11 @@ class Proxy:
         last_t = 0.0
         chunk = first
         try:
-            await out.prepare(request)
+            if isinstance(request, LeanRequest):
+                out = request.stream(resp.status, headers)
+            else:
+                out = web.StreamResponse(status=resp.status, headers=headers)
+                await out.prepare(request)
         except ConnectionError as exc:
             raise _ClientGone() from exc
         content = resp.content

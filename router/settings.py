@@ -103,6 +103,9 @@ class RouterSettings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0, description="a request's body must arrive within this")
     keepalive_timeout_s: float = Field(75.0, gt=0, description="idle keep-alive connections are closed after this")
     max_client_connections: int = Field(4096, ge=1, description="client connections open at once; more are refused")
+    lean_listener: bool = Field(True, description="serve plain POST /v1/completions and /v1/chat/completions on "
+                                "the lean HTTP/1.1 listener (router/lean.py) instead of aiohttp's server side; "
+                                "anything else on a connection hands it to aiohttp. Off with access_log")
     replica_header: bool = Field(False, description="add x-routewise-replica (the serving replica's host:port) to "
                                  "responses; off by default: it reveals the fleet's addresses")
     ops_host: str | None = Field(None, description="listen address of the ops listener (default: host)")

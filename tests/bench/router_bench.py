@@ -4,6 +4,8 @@
         [--vllm-router .venv-vr/bin/vllm-router] [--policy least-outstanding] [--json]
     # the learned policy's added latency next to least-outstanding's, in one run (issue 13):
     .venv/bin/python tests/bench/router_bench.py --policy least-outstanding,learned --replicas 16 --no-wrk
+    # what the lean listener (router/lean.py) saves: each router beside itself with it off
+    .venv/bin/python tests/bench/router_bench.py --policy learned --workers 1,2 --aiohttp-listener
 
 Starts a trivial fast backend (raw asyncio HTTP server answering OpenAI-shaped completions,
 streamed or not, plus /health, /metrics, /v1/models), the router in a subprocess per --workers
@@ -270,6 +272,9 @@ def main() -> int:
                     "NAME behind the router's late binding (what holding costs a request that is never held)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="replicas the routers see (the one backend on 127.0.0.1..N; at most 250)")
+    ap.add_argument("--aiohttp-listener", action="store_true",
+                    help="also run each router with the lean listener off (ROUTEWISE_LEAN_LISTENER=0: every request "
+                    "through aiohttp's server side), named <router>-aiohttp, side by side")
     ap.add_argument("--no-wrk", action="store_true", help="skip (b), the wrk throughput runs")
     ap.add_argument("--vllm-router", default=str(REPO / ".venv-vr/bin/vllm-router"),
                     help="vllm-router executable (skipped when absent)")
@@ -326,17 +331,19 @@ def main() -> int:
                 start_new_session=True, stdout=subprocess.DEVNULL))
             wait_port(vport, "/health", timeout=60)
         replicas = [a for i in range(1, args.replicas + 1) for a in ("--replica", f"http://127.0.0.{i}:{bport}")]
+        listeners = {"": {}, "-aiohttp": {"ROUTEWISE_LEAN_LISTENER": "0"}} if args.aiohttp_listener else {"": {}}
         for n in (int(w) for w in args.workers.split(",")):
             for policy in policies:
-                name = f"routewise-w{n}" + (f"-{policy}" if len(policies) > 1 else "")
-                rport = targets[name] = free_port()
-                base, late = split_late(policy)
-                procs.append(subprocess.Popen(
-                    [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
-                     "--port", str(rport), *replicas, "--policy", base, *(["--late-binding"] if late else []),
-                     "--log-level", "warning"],
-                    cwd=REPO, start_new_session=True))
-                wait_port(rport, "/ready")
+                for suffix, env in listeners.items():
+                    name = f"routewise-w{n}" + (f"-{policy}" if len(policies) > 1 else "") + suffix
+                    rport = targets[name] = free_port()
+                    base, late = split_late(policy)
+                    procs.append(subprocess.Popen(
+                        [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
+                         "--port", str(rport), *replicas, "--policy", base, *(["--late-binding"] if late else []),
+                         "--log-level", "warning"],
+                        cwd=REPO, start_new_session=True, env={**os.environ, **env}))
+                    wait_port(rport, "/ready")
         results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}
         # the targets take turns in `rounds` slices, so a drift of the machine over the run (or being measured
         # first) does not land on one target

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from router.app import create_app
+from router.app import PROXY, create_app
 from router.listener import RouterRunner
 from router.settings import RouterSettings
 from tests.fakes.fake_vllm import FakeVllm
@@ -42,7 +42,7 @@ class RouterTestServer(TestServer):
         self.settings = settings
 
     async def _make_runner(self, **kwargs: Any) -> RouterRunner:
-        return RouterRunner(self.app, settings=self.settings, **kwargs)
+        return RouterRunner(self.app, settings=self.settings, proxy=self.app.get(PROXY), **kwargs)
 
 
 @asynccontextmanager

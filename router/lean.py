@@ -1,0 +1,379 @@
+"""The generation endpoints' server side without aiohttp: a plain asyncio protocol per client connection.
+
+aiohttp's server side (its request parser, Request and StreamResponse objects, payload writer) cost about as
+much CPU per proxied request as the router's own work (issue 17). A connection starts here. Each request whose
+head is plain, `POST /v1/completions` or `POST /v1/chat/completions` over HTTP/1.1 with a Content-Length body
+within max_body_bytes, goes straight to the Proxy. The first request that is anything else (another path or
+method, HTTP/1.0, a chunked, compressed or oversized body, Expect, Upgrade, a head this parser does not take for
+plain) hands the connection, with every byte not yet consumed, to aiohttp's GuardedHandler for good, so every
+unusual request keeps aiohttp's handling and error shapes. Limits are the router's: header_timeout_s,
+body_timeout_s (a 408), keepalive_timeout_s, max_client_connections; a client that disconnects cancels its
+request (as aiohttp's handler_cancellation); the drain waits for a request in progress like aiohttp's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+import time
+from http import HTTPStatus
+from email.utils import formatdate
+from typing import TYPE_CHECKING, Any, Callable
+
+from aiohttp import web
+from aiohttp.tcp_helpers import tcp_nodelay
+from multidict import CIMultiDict
+
+from router.errors import BadRequest, error_response
+
+if TYPE_CHECKING:
+    from router.proxy import Proxy
+
+log = logging.getLogger("router.lean")
+
+_PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_HAND_OVER = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
+MAX_HEAD_BYTES = 65536  # aiohttp's max_field_size in the router (router.app.handler_args)
+MAX_HEADERS = 100
+# Response headers the lean writer sets itself.
+_OWN = frozenset({"content-length", "transfer-encoding", "connection", "date", "server", "keep-alive"})
+
+
+class LeanHead:
+    """A parsed plain request head."""
+
+    __slots__ = ("chat", "headers", "content_length", "close")
+
+    def __init__(self, chat: bool, headers: CIMultiDict[str], content_length: int, close: bool) -> None:
+        self.chat = chat
+        self.headers = headers
+        self.content_length = content_length
+        self.close = close
+
+
+def parse_head(head: bytes) -> LeanHead | None:
+    """The head (request line and header lines, without the blank line) of a plain generation request, or None
+    for anything this parser leaves to aiohttp."""
+    lines = head.split(b"\r\n")
+    if len(lines) > MAX_HEADERS + 1:
+        return None
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
+        return None
+    chat = _PATHS.get(parts[1])
+    if chat is None:
+        return None
+    headers: CIMultiDict[str] = CIMultiDict()
+    length: int | None = None
+    close = False
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or _TOKEN.fullmatch(name) is None:
+            return None
+        value = value.strip(b" \t")
+        if not value.isascii() or _CTL.search(value) is not None:
+            return None
+        lname = name.lower()
+        if lname in _HAND_OVER:
+            return None
+        if lname == b"content-length":
+            if length is not None or not value.isdigit() or len(value) > 15:
+                return None
+            length = int(value)
+        elif lname == b"connection":
+            tokens = {t.strip() for t in value.lower().split(b",")}
+            if b"upgrade" in tokens:
+                return None
+            close = close or b"close" in tokens
+        headers.add(name.decode("ascii"), value.decode("ascii"))
+    if length is None:
+        return None
+    return LeanHead(chat, headers, length, close)
+
+
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def _date_of(second: int) -> bytes:
+    return formatdate(second, usegmt=True).encode()
+
+
+def http_date() -> bytes:
+    """The Date header's value, formatted once per second."""
+    return _date_of(int(time.time()))
+
+
+def _header_bytes(headers: Any, skip: frozenset[str] = _OWN) -> list[bytes]:
+    return [b"%s: %s\r\n" % (k.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape"))
+            for k, v in headers.items() if k.lower() not in skip]
+
+
+class LeanRequest:
+    """What the Proxy reads of a request served here: its headers, the client's address and the whole body."""
+
+    __slots__ = ("headers", "remote", "body", "_conn")
+
+    def __init__(self, headers: CIMultiDict[str], remote: str | None, body: bytes, conn: LeanConnection) -> None:
+        self.headers = headers
+        self.remote = remote
+        self.body = body
+        self._conn = conn
+
+    def stream(self, status: int, headers: Any) -> LeanStream:
+        """Sends the head of a chunked response; the body follows through the returned stream."""
+        conn = self._conn
+        conn.write(b"".join([b"HTTP/1.1 %d %s\r\n" % (status, _reason(status)), *_header_bytes(headers),
+                             b"Transfer-Encoding: chunked\r\nDate: ", http_date(),
+                             b"\r\nConnection: close\r\n\r\n" if conn.close_after else b"\r\n\r\n"]))
+        return LeanStream(conn)
+
+
+class LeanStream:
+    """The body of a chunked response: `write` each chunk, then `write_eof`. Writes to a client that is gone raise
+    ConnectionResetError (as aiohttp's StreamResponse does); a client that reads slowly is waited for."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: LeanConnection) -> None:
+        self._conn = conn
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self._conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await self._conn.drain()
+
+    async def write_eof(self) -> None:
+        self._conn.write(b"0\r\n\r\n")
+        await self._conn.drain()
+
+
+class LeanConnection(asyncio.Protocol):
+    """One client connection: plain generation requests served here, one at a time in order; the rest of the
+    connection handed to aiohttp (`hand_over`) at the first request that is not plain."""
+
+    def __init__(self, server: Any, proxy: Proxy, limits: tuple[float, float, float, int],
+                 aiohttp_handler: Callable[[], asyncio.Protocol], max_body: int) -> None:
+        self._server = server  # aiohttp's web.Server: connections are registered there (count, drain)
+        self._proxy = proxy
+        self._header_timeout, self._body_timeout, self._keepalive_timeout, self._max_connections = limits
+        self._aiohttp_handler = aiohttp_handler
+        self._max_body = max_body
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self._remote: str | None = None
+        self._buf = bytearray()
+        self._head: LeanHead | None = None
+        self._need = 0  # bytes of buffer the current request occupies, head and body, once its head is parsed
+        self._body_at = 0
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""
+        self._writable: asyncio.Future | None = None
+        self._paused = False
+        self._closing = False  # no further request is read (drain, Connection: close, error)
+        self.close_after = False  # the request in progress asked for Connection: close
+        self._task_handler = None  # what aiohttp's Server.connection_lost looks for
+
+    # --- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        if len(self._server.connections) >= self._max_connections:
+            self.hand_over()  # aiohttp's GuardedHandler refuses it with the router's 503
+            return
+        tcp_nodelay(transport, True)  # streamed events go out as written (as aiohttp's handler sets it)
+        peer = transport.get_extra_info("peername")
+        self._remote = peer[0] if isinstance(peer, (tuple, list)) and peer else None
+        self._server.connection_made(self, transport)
+        self._arm("head", self._header_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        if self._task is None:
+            self._advance()
+        elif not self._paused and len(self._buf) > MAX_HEAD_BYTES + self._max_body:  # pipelined beyond reason
+            self._paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def eof_received(self) -> bool:
+        return False  # close: a half-closed client gets no answer (as aiohttp)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        self._closing = True
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)  # a writer waiting for room finds the transport gone
+        if self._task is not None:
+            self._task.cancel()  # the proxy releases what the request held
+        else:
+            self._server.connection_lost(self, exc)
+
+    def pause_writing(self) -> None:
+        if self._writable is None or self._writable.done():
+            self._writable = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    # --- what aiohttp's Server calls on a drain -------------------------------------------------
+
+    def close(self) -> None:
+        """No further request on this connection; an idle one closes now."""
+        self._closing = True
+        if self._task is None and self.transport is not None:
+            self.transport.close()
+
+    async def shutdown(self, timeout: float | None) -> None:
+        """Waits up to `timeout` for the request in progress, then cancels it and closes."""
+        self._closing = True
+        task = self._task
+        if task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+            except (TimeoutError, asyncio.CancelledError, Exception):
+                task.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            raise ConnectionResetError("client disconnected")
+        t.write(data)
+
+    async def drain(self) -> None:
+        w = self._writable
+        if w is not None and not w.done():
+            await w
+            t = self.transport
+            if t is None or t.is_closing():
+                raise ConnectionResetError("client disconnected")
+
+    def _respond(self, resp: web.Response) -> None:
+        body = resp.body if isinstance(resp.body, (bytes, bytearray)) else b""
+        close = self.close_after or self._closing or "close" in resp.headers.get("Connection", "").lower()
+        parts = [b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason.encode("latin-1")), *_header_bytes(resp.headers)]
+        if "Content-Type" not in resp.headers:
+            parts.append(b"Content-Type: application/octet-stream\r\n")
+        parts += (b"Content-Length: %d\r\nDate: " % len(body), http_date(),
+                  b"\r\nConnection: close\r\n\r\n" if close else b"\r\n\r\n", body)
+        self.write(b"".join(parts))
+        self.close_after = close
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Starts the next request whose head and body have arrived; arms the timer for what is awaited."""
+        if self._closing or self.transport is None:
+            return
+        if self._head is None:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > MAX_HEAD_BYTES:
+                    self.hand_over()
+                elif self._buf and self._timer_kind != "head":
+                    self._arm("head", self._header_timeout)
+                return
+            head = parse_head(bytes(self._buf[:end]))
+            if head is None or head.content_length > self._max_body:
+                self.hand_over()
+                return
+            self._head, self._body_at = head, end + 4
+            self._need = self._body_at + head.content_length
+        if len(self._buf) < self._need:
+            if self._timer_kind != "body":
+                self._arm("body", self._body_timeout)
+            return
+        self._disarm()
+        head, self._head = self._head, None
+        body = bytes(self._buf[self._body_at:self._need])
+        del self._buf[:self._need]
+        self.close_after = head.close
+        request = LeanRequest(head.headers, self._remote, body, self)
+        self._task = self._loop.create_task(self._serve(request, head.chat))
+        self._task.add_done_callback(self._served)
+
+    async def _serve(self, request: LeanRequest, chat: bool) -> None:
+        try:
+            resp = await self._proxy.generate(request, chat)
+        except Exception as exc:  # a router bug: the client still gets an answer, as under aiohttp
+            log.error("error handling POST %s: %r", "/v1/chat/completions" if chat else "/v1/completions", exc,
+                      exc_info=exc)
+            resp = error_response(500, "internal router error", "server_error")
+            self.close_after = True
+        if isinstance(resp, web.Response) and resp.status != 499:
+            self._respond(resp)
+
+    def _served(self, task: asyncio.Task) -> None:
+        self._task = None
+        if not task.cancelled() and task.exception() is not None:  # the answer could not be written
+            self.close_after = True
+        t = self.transport
+        if t is None or t.is_closing():
+            self._server.connection_lost(self, None)
+            return
+        if self.close_after or self._closing:
+            t.close()
+            return
+        if self._paused:
+            self._paused = False
+            t.resume_reading()
+        if self._buf:
+            self._advance()
+        else:
+            self._arm("keepalive", self._keepalive_timeout)
+
+    # --- timers and the hand-over ---------------------------------------------------------------------
+
+    def _arm(self, kind: str, delay: float) -> None:
+        self._disarm()
+        self._timer_kind = kind
+        self._timer = self._loop.call_later(delay, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_kind = ""
+
+    def _expired(self) -> None:
+        kind, self._timer, self._timer_kind = self._timer_kind, None, ""
+        if self._task is not None or self.transport is None or self.transport.is_closing():
+            return
+        if kind == "body":
+            exc = BadRequest(f"request body not received within {self._body_timeout:g} s", status=408,
+                             code="request_timeout")
+            self._closing = True
+            self._respond(exc.response())
+        elif kind == "head":
+            log.info("closing a connection that sent no complete request head in %g s", self._header_timeout)
+        self.transport.close()
+
+    def hand_over(self) -> None:
+        """The rest of this connection goes to aiohttp, starting with the bytes not yet consumed."""
+        self._disarm()
+        transport, self.transport = self.transport, None
+        self._closing = True
+        if transport is None:
+            return
+        self._server.connection_lost(self, None)  # the handler registers itself (a no-op if never registered)
+        handler = self._aiohttp_handler()
+        transport.set_protocol(handler)  # type: ignore[attr-defined]
+        handler.connection_made(transport)
+        if self._buf and not transport.is_closing():
+            data, self._buf = bytes(self._buf), bytearray()
+            handler.data_received(data)

@@ -1,0 +1,218 @@
+"""The lean listener (router/lean.py): plain generation requests served without aiohttp's server side, the rest of a
+connection handed to aiohttp; raw sockets, so every byte on the wire is the router's.
+
+A response written by aiohttp carries its `Server: Python/... aiohttp/...` header; the lean writer sends none, which
+is how these tests tell which side answered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from router.app import REPLICAS
+from router.lean import parse_head
+from tests.router.conftest import wait_for
+
+BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4}).encode()
+
+
+def post(body: bytes = BODY, path: str = "/v1/completions", extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    lines = head.decode().split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 5))[:-2], 16)
+            chunk = await asyncio.wait_for(reader.readexactly(size + 2), 5)
+            if size == 0:
+                return status, headers, body
+            body += chunk[:-2]
+    return status, headers, await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 5)
+
+
+async def connect(client) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", client.server.port)
+
+
+@pytest.mark.parametrize("head, plain", [
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5", True),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-A:  b \r\nContent-Length: 0", True),
+    (b"GET /v1/completions HTTP/1.1\r\nContent-Length: 5", False),
+    (b"POST /v1/completions HTTP/1.0\r\nContent-Length: 5", False),
+    (b"POST /v1/completions?x=1 HTTP/1.1\r\nContent-Length: 5", False),
+    (b"POST /v1/models HTTP/1.1\r\nContent-Length: 5", False),
+    (b"POST /v1/completions HTTP/1.1", False),  # no Content-Length
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: -5", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Encoding: gzip", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nConnection: Upgrade", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nBad Name: x", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\n folded", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nX: a\x00b", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nX: a\nY: b", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nX: \xc3\xa9", False),
+])
+def test_parse_head_takes_only_plain_generation_requests(head: bytes, plain: bool) -> None:
+    parsed = parse_head(head)
+    assert (parsed is not None) is plain
+    if parsed is not None:
+        assert parsed.chat is head.startswith(b"POST /v1/chat")
+        assert parsed.content_length == int(parsed.headers["Content-Length"])
+
+
+def test_parse_head_reads_connection_close_and_keeps_header_values() -> None:
+    h = parse_head(b"POST /v1/completions HTTP/1.1\r\nConnection: keep-alive, Close\r\nX-User:  a b \r\nContent-Length: 2")
+    assert h is not None and h.close and h.headers["x-user"] == "a b"
+
+
+async def test_keepalive_requests_then_a_handover_on_the_same_connection(fakes, router_client) -> None:
+    (f,) = await fakes(1)
+    client = await router_client([f.url])
+    reader, writer = await connect(client)
+    for _ in range(2):
+        writer.write(post())
+        status, headers, body = await read_response(reader)
+        assert status == 200 and "server" not in headers and headers["x-routewise-arm"] == "main"
+        assert json.loads(body)["choices"]
+    writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")  # not a generation request: aiohttp answers
+    status, headers, body = await read_response(reader)
+    assert status == 200 and "aiohttp" in headers["server"] and json.loads(body) == {"status": "ok"}
+    writer.write(post())  # the connection stays with aiohttp, which still routes it
+    status, headers, _ = await read_response(reader)
+    assert status == 200 and "aiohttp" in headers["server"]
+    writer.close()
+    assert f.requests == 3
+
+
+async def test_pipelined_and_split_requests_are_answered_in_order(fakes, router_client) -> None:
+    (f,) = await fakes(1)
+    client = await router_client([f.url])
+    reader, writer = await connect(client)
+    chat = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    writer.write(post() + post(chat, "/v1/chat/completions"))
+    first, second = await read_response(reader), await read_response(reader)
+    assert first[0] == second[0] == 200
+    assert json.loads(first[2])["object"] == "text_completion"
+    assert json.loads(second[2])["object"] == "chat.completion"
+    raw = post()
+    for part in (raw[:10], raw[10:-5], raw[-5:]):  # head and body in pieces
+        writer.write(part)
+        await writer.drain()
+        await asyncio.sleep(0.02)
+    status, headers, _ = await read_response(reader)
+    assert status == 200 and "server" not in headers
+    writer.close()
+
+
+async def test_stream_is_chunked_and_complete(fakes, router_client) -> None:
+    (f,) = await fakes(1, tokens=5)
+    client = await router_client([f.url])
+    reader, writer = await connect(client)
+    writer.write(post(json.dumps({"model": "tiny", "prompt": "hi", "stream": True}).encode()))
+    status, headers, body = await read_response(reader)
+    assert status == 200 and headers["transfer-encoding"] == "chunked" and "server" not in headers
+    events = [e for e in body.split(b"\n\n") if e.startswith(b"data:")]
+    assert len(events) == 6 and events[-1] == b"data: [DONE]"
+    writer.close()
+
+
+async def test_refusals_keep_the_router_error_shape(fakes, router_client) -> None:
+    (f,) = await fakes(1)
+    client = await router_client([f.url], max_body_bytes=4096)
+    reader, writer = await connect(client)
+    writer.write(post(b"{not json"))
+    status, headers, body = await read_response(reader)
+    assert status == 400 and "server" not in headers  # the lean side refused it
+    assert "not valid JSON" in json.loads(body)["error"]["message"]
+    writer.write(post(b"x" * 5000))  # over max_body_bytes: aiohttp refuses it, as before
+    status, headers, body = await read_response(reader)
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    writer.close()
+    assert f.requests == 0
+
+
+async def test_connection_close_is_honoured(fakes, router_client) -> None:
+    (f,) = await fakes(1)
+    client = await router_client([f.url])
+    reader, writer = await connect(client)
+    writer.write(post(extra="Connection: close\r\n"))
+    status, headers, _ = await read_response(reader)
+    assert status == 200 and headers["connection"] == "close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # the router closed it
+    writer.close()
+
+
+async def test_slow_body_gets_408_and_slow_head_is_closed(fakes, router_client) -> None:
+    (f,) = await fakes(1)
+    client = await router_client([f.url], body_timeout_s=0.2, header_timeout_s=0.2)
+    reader, writer = await connect(client)
+    writer.write(post()[:-3])  # the body never completes
+    status, _, body = await read_response(reader)
+    assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    reader, writer = await connect(client)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost:")  # the head never completes
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    assert f.requests == 0
+
+
+async def test_client_gone_mid_stream_releases_the_replica(fakes, router_client) -> None:
+    (f,) = await fakes(1, tokens=200, token_delay_s=0.02)
+    f.mode = "slow"
+    client = await router_client([f.url])
+    reader, writer = await connect(client)
+    writer.write(post(json.dumps({"model": "tiny", "prompt": "hi", "stream": True}).encode()))
+    await asyncio.wait_for(reader.readuntil(b"data:"), 5)
+    tracker = client.app[REPLICAS].ordered[0].tracker
+    assert tracker.outstanding == 1
+    writer.close()
+    await wait_for(lambda: tracker.outstanding == 0 and f.cancelled == 1)
+
+
+async def test_lean_off_answers_the_same_through_aiohttp(fakes, router_client) -> None:
+    (f,) = await fakes(1)
+    client = await router_client([f.url], lean_listener=False)
+    reader, writer = await connect(client)
+    writer.write(post())
+    status, headers, body = await read_response(reader)
+    assert status == 200 and "aiohttp" in headers["server"] and json.loads(body)["choices"]
+    writer.close()
+
+
+async def test_drain_finishes_a_request_in_progress(fakes, router_client) -> None:
+    (f,) = await fakes(1, tokens=10, token_delay_s=0.05)
+    f.mode = "slow"
+    client = await router_client([f.url])
+    reader, writer = await connect(client)
+    writer.write(post())
+    await wait_for(lambda: f.active == 1)
+    closing = asyncio.create_task(client.server.runner.cleanup())  # what SIGTERM runs (router.cli.serve)
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["choices"]
+    await asyncio.wait_for(closing, 5)
+    writer.close()
+
+
+async def test_client_gone_while_waiting_cancels_the_request(fakes, router_client) -> None:
+    (f,) = await fakes(1, tokens=200, token_delay_s=0.02)  # a 4 s answer
+    f.mode = "slow"
+    client = await router_client([f.url])
+    reader, writer = await connect(client)
+    writer.write(post())
+    await wait_for(lambda: f.active == 1)
+    tracker = client.app[REPLICAS].ordered[0].tracker
+    writer.close()
+    await wait_for(lambda: tracker.outstanding == 0 and f.cancelled == 1, timeout=1.0)
