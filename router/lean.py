@@ -131,30 +131,36 @@ class LeanRequest:
         self._conn = conn
 
     def stream(self, status: int, headers: Any) -> LeanStream:
-        """Sends the head of a chunked response; the body follows through the returned stream."""
+        """A chunked response; its head goes out with the first write (one send, as aiohttp's writer does)."""
         conn = self._conn
-        conn.write(b"".join([b"HTTP/1.1 %d %s\r\n" % (status, _reason(status)), *_header_bytes(headers),
-                             b"Transfer-Encoding: chunked\r\nDate: ", http_date(),
-                             b"\r\nConnection: close\r\n\r\n" if conn.close_after else b"\r\n\r\n"]))
-        return LeanStream(conn)
+        if conn.transport is None or conn.transport.is_closing():
+            raise ConnectionResetError("client disconnected")
+        return LeanStream(conn, b"".join([
+            b"HTTP/1.1 %d %s\r\n" % (status, _reason(status)), *_header_bytes(headers),
+            b"Transfer-Encoding: chunked\r\nDate: ", http_date(),
+            b"\r\nConnection: close\r\n\r\n" if conn.close_after else b"\r\n\r\n"]))
 
 
 class LeanStream:
-    """The body of a chunked response: `write` each chunk, then `write_eof`. Writes to a client that is gone raise
-    ConnectionResetError (as aiohttp's StreamResponse does); a client that reads slowly is waited for."""
+    """The body of a chunked response: `write` each chunk, then `write_eof` (with the last one, or none). Writes to
+    a client that is gone raise ConnectionResetError (as aiohttp's StreamResponse does); a client that reads slowly
+    is waited for."""
 
-    __slots__ = ("_conn",)
+    __slots__ = ("_conn", "_head")
 
-    def __init__(self, conn: LeanConnection) -> None:
+    def __init__(self, conn: LeanConnection, head: bytes) -> None:
         self._conn = conn
+        self._head = head
 
     async def write(self, data: bytes) -> None:
         if data:
-            self._conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+            head, self._head = self._head, b""
+            self._conn.write(b"%s%x\r\n%s\r\n" % (head, len(data), data))
             await self._conn.drain()
 
-    async def write_eof(self) -> None:
-        self._conn.write(b"0\r\n\r\n")
+    async def write_eof(self, data: bytes = b"") -> None:
+        head, self._head = self._head, b""
+        self._conn.write(b"%s%x\r\n%s\r\n0\r\n\r\n" % (head, len(data), data) if data else head + b"0\r\n\r\n")
         await self._conn.drain()
 
 

@@ -379,6 +379,8 @@ class Proxy:
                         ch.itl.observe((now - last_t) / n)
                     last_t = now
                     events += n
+            if content.at_eof():  # the replica's response ended with this chunk: it goes out with the end
+                break
             try:
                 await out.write(chunk)
             except ConnectionError as exc:
@@ -408,7 +410,7 @@ class Proxy:
         route.tpot_s = (e2e - ttft) / (events - 1) if ttft is not None and events > 1 else None
         route.outcome = Outcome(True, ttft, e2e, events)
         try:
-            await out.write_eof()
+            await out.write_eof(chunk)  # the last chunk, or b"" when the replica's end came alone
         except ConnectionError as exc:
             raise _ClientGone() from exc
         return out
