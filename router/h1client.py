@@ -1,10 +1,12 @@
 """A lean keep-alive HTTP/1.1 client for the proxy's hot path (plain-http replicas only).
 
-`aiohttp.ClientSession.post` builds a ClientRequest, payload, cookie set, timer and tasks per
-call: about 40% of the router's CPU per proxied request. This pool writes the request bytes
-itself and reuses aiohttp's own response protocol (`ResponseHandler`: the C parser, chunked
-decoding, the per-read idle timeout, the same ClientPayloadError/ServerDisconnectedError/
-ServerTimeoutError exceptions), so `upstream.classify` and the proxy's error handling are unchanged.
+`aiohttp.ClientSession.post` builds a ClientRequest, payload, cookie set, timer and tasks per call, and its
+response protocol a parser, payload and StreamReader per response. This pool writes the request bytes itself and
+reads the response with `H1Connection`: the status line and headers, then a body delimited by Content-Length,
+chunked encoding or the connection's end, fed to a `Body` that reads like aiohttp's StreamReader (`readany`,
+`read_nowait`, `read`, `at_eof`, `is_eof`). Failures raise aiohttp's own exceptions (ServerDisconnectedError,
+ClientPayloadError, ServerTimeoutError for the per-read idle timeout), so `upstream.classify` and the proxy's
+error handling are unchanged; a head this client cannot parse raises MalformedResponse (kind `other`).
 """
 
 from __future__ import annotations
@@ -14,16 +16,352 @@ import collections
 import time
 
 import aiohttp
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.streams import StreamReader
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 from yarl import URL
 
 KEEPALIVE_S = 15.0  # idle connections older than this are closed, as aiohttp's connector does
+MAX_HEAD_BYTES = 65536
+HIGH_WATER = 1 << 18  # bytes of body waiting to be read above which the replica's connection stops being read
 
 
 class UpstreamConnectError(aiohttp.ClientConnectionError):
     """The TCP connection to the replica could not be opened (classified as `connect`)."""
+
+
+class MalformedResponse(aiohttp.ClientError):
+    """The replica's answer is not HTTP/1.x this client can read (classified as `other`)."""
+
+
+class Body:
+    """One response body as it arrives: the part of aiohttp's StreamReader the proxy reads. As there, a failure
+    is raised by the next read even if data is waiting (the stream is broken either way)."""
+
+    __slots__ = ("_conn", "_chunks", "_size", "_eof", "_exc", "_waiter")
+
+    def __init__(self, conn: H1Connection) -> None:
+        self._conn = conn
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+
+    def feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size > HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def end(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def set_exception(self, exc: BaseException) -> None:
+        if not self._eof:
+            self._exc = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _take(self) -> bytes:
+        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks = []
+        self._size = 0
+        self._conn.resume()
+        return data
+
+    async def _wait(self) -> None:
+        self._waiter = self._conn.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def readany(self) -> bytes:
+        """What has arrived (waits for something), b"" at the end."""
+        while True:
+            if self._exc is not None:
+                raise self._exc
+            if self._chunks:
+                return self._take()
+            if self._eof:
+                return b""
+            await self._wait()
+
+    def read_nowait(self) -> bytes:
+        if self._exc is not None:
+            raise self._exc
+        return self._take() if self._chunks else b""
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self._eof:
+            if self._exc is not None:
+                raise self._exc
+            await self._wait()
+        if self._exc is not None:
+            raise self._exc
+        return self._take() if self._chunks else b""
+
+    def is_eof(self) -> bool:
+        return self._eof
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._chunks
+
+
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _IDLE = range(8)
+
+
+class H1Connection(asyncio.Protocol):
+    """One keep-alive connection to a replica and the response being read on it (one at a time)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.should_close = False
+        self._state = _IDLE
+        self._buf = bytearray()
+        self._left = 0  # body bytes still due: of the Content-Length, or of the current chunk
+        self._head: asyncio.Future | None = None
+        self._body: Body | None = None
+        self._read_timeout: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._paused = False
+
+    # --- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._state == _IDLE:  # nothing was asked: a replica that talks out of turn is not reused
+            self.should_close = True
+            return
+        self._buf += data
+        self._arm()
+        try:
+            self._parse()
+        except MalformedResponse as exc:
+            self._fail(exc)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.transport = None
+        self.should_close = True
+        self._disarm()
+        if self._state == _UNTIL_CLOSE:
+            self._finish()
+        elif self._state == _HEAD:
+            self._fail(aiohttp.ServerDisconnectedError())
+        elif self._state != _IDLE:
+            self._fail(aiohttp.ClientPayloadError("Response payload is not completed"))
+
+    # --- what the pool and Body call ------------------------------------------------------------
+
+    def is_connected(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def request(self, data: bytes, read_timeout: float | None) -> asyncio.Future:
+        """Sends a request; the future resolves to (status, headers, Body) once the final head has arrived."""
+        self._state = _HEAD
+        self._buf.clear()
+        self._read_timeout = read_timeout
+        self._head = self.loop.create_future()
+        self.transport.write(data)  # type: ignore[union-attr]
+        self._arm()
+        return self._head
+
+    def close(self) -> None:
+        self.should_close = True
+        self._disarm()
+        if self.transport is not None:
+            self.transport.close()
+
+    def force_close(self) -> None:
+        self.should_close = True
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self._disarm()  # a slow reader is not the replica's silence
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+            if self._state != _IDLE:
+                self._arm()
+
+    # --- the response ---------------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        """The replica must send something within read_timeout of now. One timer per response: a read only moves
+        the deadline, and the timer, when it fires early, waits out the rest."""
+        if self._read_timeout is not None and not self._paused:
+            self._deadline = self.loop.time() + self._read_timeout
+            if self._timer is None:
+                self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        if self.loop.time() < self._deadline:
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+            return
+        self._fail(aiohttp.ServerTimeoutError("Timeout on reading data from socket"))
+
+    def _fail(self, exc: BaseException) -> None:
+        state, self._state = self._state, _IDLE
+        self.should_close = True
+        self._disarm()
+        if state == _HEAD and self._head is not None and not self._head.done():
+            self._head.set_exception(exc)
+        elif self._body is not None:
+            self._body.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _finish(self) -> None:
+        self._state = _IDLE
+        self._disarm()
+        if self._buf:  # bytes beyond the response: the connection is out of step
+            self.should_close = True
+        if self._body is not None:
+            self._body.end()
+            self._body = None
+
+    def _parse(self) -> None:
+        buf = self._buf
+        while True:
+            state = self._state
+            if state == _HEAD:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(buf) > MAX_HEAD_BYTES:
+                        raise MalformedResponse("response head too long")
+                    return
+                head = bytes(buf[:end])
+                del buf[:end + 4]
+                self._start_body(head)
+            elif state == _LENGTH:
+                if not buf:
+                    return
+                n = min(self._left, len(buf))
+                self._body.feed(bytes(buf[:n]))  # type: ignore[union-attr]
+                del buf[:n]
+                self._left -= n
+                if self._left == 0:
+                    self._finish()
+            elif state in (_CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END):
+                if not self._chunks():
+                    return
+            elif state == _TRAILER:
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    return
+                del buf[:end + 2]
+                if end == 0:
+                    self._finish()
+            elif state == _UNTIL_CLOSE:
+                if buf:
+                    self._body.feed(bytes(buf))  # type: ignore[union-attr]
+                    buf.clear()
+                return
+            else:
+                return
+
+    def _chunks(self) -> bool:
+        """Decodes the chunks that have arrived, fed to the body as one piece; False while more bytes are due."""
+        buf, pos, state, left = self._buf, 0, self._state, self._left
+        out: list[bytes] = []
+        try:
+            while True:
+                if state == _CHUNK_DATA:
+                    take = min(left, len(buf) - pos)
+                    if take == 0:
+                        return False
+                    out.append(bytes(buf[pos:pos + take]))
+                    pos += take
+                    left -= take
+                    if left:
+                        return False
+                    state = _CHUNK_END
+                if state == _CHUNK_END:
+                    if len(buf) - pos < 2:
+                        return False
+                    if buf[pos:pos + 2] != b"\r\n":
+                        raise MalformedResponse("chunk not followed by CRLF")
+                    pos += 2
+                    state = _CHUNK_SIZE
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if len(buf) - pos > 1024:
+                        raise MalformedResponse("chunk size line too long")
+                    return False
+                line = bytes(buf[pos:end]).split(b";", 1)[0].strip()
+                try:
+                    left = int(line, 16)
+                except ValueError:
+                    raise MalformedResponse(f"bad chunk size {line[:20]!r}") from None
+                if left < 0:
+                    raise MalformedResponse(f"bad chunk size {line[:20]!r}")
+                pos = end + 2
+                if left == 0:
+                    state = _TRAILER
+                    return True
+                state = _CHUNK_DATA
+        finally:
+            del buf[:pos]
+            self._state, self._left = state, left
+            if out:
+                self._body.feed(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+
+    def _start_body(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts[1]) != 3 or not parts[1].isdigit():
+            raise MalformedResponse(f"bad status line {lines[0][:60]!r}")
+        status = int(parts[1])
+        headers: CIMultiDict[str] = CIMultiDict()
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name != name.strip():
+                raise MalformedResponse(f"bad header line {line[:60]!r}")
+            headers.add(name.decode("utf-8", "surrogateescape"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
+        if 100 <= status <= 199 and status != 101:
+            return  # an interim answer: the final head follows (state stays _HEAD)
+        conn = headers.get("Connection", "").lower()
+        if parts[0] == b"HTTP/1.0" and "keep-alive" not in conn or "close" in conn:
+            self.should_close = True
+        body = self._body = Body(self)
+        if "chunked" in headers.get("Transfer-Encoding", "").lower():
+            self._state = _CHUNK_SIZE
+        elif status in (204, 304):
+            self._state = _LENGTH
+            self._left = 0
+        elif "Content-Length" in headers:
+            length = headers["Content-Length"].strip()
+            if not length.isdigit():
+                raise MalformedResponse(f"bad Content-Length {length[:20]!r}")
+            self._state, self._left = _LENGTH, int(length)
+        else:
+            self._state = _UNTIL_CLOSE
+            self.should_close = True
+        head_future, self._head = self._head, None
+        if head_future is not None and not head_future.done():
+            head_future.set_result((status, headers, body))
+        if self._state == _LENGTH and self._left == 0:
+            self._finish()
 
 
 class H1Response:
@@ -31,8 +369,8 @@ class H1Response:
 
     __slots__ = ("status", "headers", "content", "_pool", "_proto")
 
-    def __init__(self, status: int, headers: CIMultiDictProxy[str], content: StreamReader,
-                 pool: H1Pool, proto: ResponseHandler) -> None:
+    def __init__(self, status: int, headers: CIMultiDict[str], content: Body, pool: H1Pool,
+                 proto: H1Connection) -> None:
         self.status = status
         self.headers = headers
         self.content = content
@@ -64,24 +402,24 @@ class H1Pool:
         self.host = host
         self.port = port
         self._host_header = host_header.encode("idna" if not host_header.isascii() else "ascii")
-        self._idle: collections.deque[tuple[ResponseHandler, float]] = collections.deque()
+        self._idle: collections.deque[tuple[H1Connection, float]] = collections.deque()
         self._sem = limit
         self._connect_timeout = connect_timeout_s
         self._read_timeout = read_timeout_s
         self.closed = False
 
-    async def _connect(self) -> ResponseHandler:
+    async def _connect(self) -> H1Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, proto = await loop.create_connection(lambda: ResponseHandler(loop), self.host, self.port)
+                _, proto = await loop.create_connection(lambda: H1Connection(loop), self.host, self.port)
         except TimeoutError:
             raise aiohttp.ConnectionTimeoutError(f"connection to {self.host}:{self.port} timed out") from None
         except OSError as exc:
             raise UpstreamConnectError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
         return proto
 
-    def _take_idle(self) -> ResponseHandler | None:
+    def _take_idle(self) -> H1Connection | None:
         now = time.monotonic()
         while self._idle:
             proto, since = self._idle.pop()
@@ -90,7 +428,7 @@ class H1Pool:
             proto.close()
         return None
 
-    def _put(self, proto: ResponseHandler, reusable: bool) -> None:
+    def _put(self, proto: H1Connection, reusable: bool) -> None:
         if reusable and not self.closed and proto.is_connected():
             self._idle.append((proto, time.monotonic()))
         else:
@@ -104,11 +442,7 @@ class H1Pool:
             await self._sem.acquire()
         proto = None
         try:
-            proto = self._take_idle()
-            if proto is None:  # not `or`: a ResponseHandler is a queue, falsy when empty
-                proto = await self._connect()
-            proto.set_response_params(read_until_eof=False, auto_decompress=False, read_timeout=self._read_timeout,
-                                      max_field_size=65536)
+            proto = self._take_idle() or await self._connect()
             head = [b"POST ", path.encode("utf-8", "surrogateescape"), b" HTTP/1.1\r\nHost: ", self._host_header,
                     b"\r\n"]
             accept = False
@@ -118,15 +452,8 @@ class H1Pool:
             if not accept:  # what aiohttp's client adds by default
                 head.append(b"Accept: */*\r\n")
             head += (b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n", body)
-            proto.transport.write(b"".join(head))
-            proto.start_timeout()
-            while True:
-                message, payload = await proto.read()
-                if not 100 <= message.code <= 199 or message.code == 101:
-                    break  # skip interim 1xx answers
-            if message.should_close:
-                proto.force_close()
-            return H1Response(message.code, message.headers, payload, self, proto)
+            status, rheaders, payload = await proto.request(b"".join(head), self._read_timeout)
+            return H1Response(status, rheaders, payload, self, proto)
         except BaseException:
             if proto is not None:
                 proto.close()

@@ -109,3 +109,118 @@ async def test_failures_are_classified_like_aiohttp():
     # the limit of 1 was given back after each failure, or the third post would have hung
     server.close()
     client.close()
+
+
+async def _one(raw_answer, read_timeout_s: float = 2.0, split: int | None = None):
+    """Posts once to a server that answers `raw_answer` (in pieces of `split` bytes); returns (response, body or the
+    exception, stats, client, server)."""
+    async def answer(t):
+        if split is None:
+            t.write(raw_answer)
+            return
+        for i in range(0, len(raw_answer), split):
+            t.write(raw_answer[i:i + split])
+            await asyncio.sleep(0.001)
+
+    server, url, stats = await serve(lambda h, b, t: asyncio.ensure_future(answer(t)))
+    client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=read_timeout_s)
+    r = await client.pool(url).post("/x", b"{}", CIMultiDict())
+    try:
+        body = await r.read()
+    except Exception as exc:  # noqa: BLE001 - the caller checks which
+        body = exc
+    return r, body, stats, client, server
+
+
+@pytest.mark.parametrize("split", [None, 1, 7])
+async def test_bodies_arrive_whole_however_the_bytes_are_cut(split):
+    chunked = (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: b\r\n\r\n"
+               b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nTrailer: x\r\n\r\n")
+    r, body, _, client, server = await _one(chunked, split=split)
+    assert (r.status, body, r.headers["x-a"]) == (200, b"hello world", "b")
+    r.release()
+    sized = b"HTTP/1.1 201 Created\r\nContent-Length: 11\r\n\r\nhello world"
+    r2, body2, _, client2, server2 = await _one(sized, split=split)
+    assert (r2.status, body2) == (201, b"hello world")
+    for c, s in ((client, server), (client2, server2)):
+        c.close()
+        s.close()
+
+
+async def test_a_connection_the_replica_closes_is_not_reused():
+    for answer in (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+                   b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"):
+        server, url, stats = await serve(lambda h, b, t, a=answer: t.write(a))
+        client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=2)
+        for _ in range(2):
+            r = await client.pool(url).post("/x", b"{}", CIMultiDict())
+            assert await r.read() == b"ok"
+            r.release()
+        assert stats["connections"] == 2
+        client.close()
+        server.close()
+
+
+async def test_body_until_close_and_no_body_on_204():
+    def answer(h, b, t):
+        t.write(b"HTTP/1.1 200 OK\r\n\r\nall of it")
+        t.close()
+
+    server, url, _ = await serve(answer)
+    client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=2)
+    r = await client.pool(url).post("/x", b"{}", CIMultiDict())
+    assert await r.read() == b"all of it"
+    r.release()
+    server.close()
+    r, body, stats, client2, server2 = await _one(b"HTTP/1.1 204 No Content\r\n\r\n")
+    assert (r.status, body) == (204, b"")
+    r.release()
+    r = await client2.pool(next(iter(client2._pools))).post("/x", b"{}", CIMultiDict())  # reused after a 204
+    assert stats["connections"] == 1
+    for c, s in ((client, server), (client2, server2)):
+        c.close()
+        s.close()
+
+
+async def test_broken_answers_are_classified():
+    r, body, _, client, server = await _one(b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\npartial", read_timeout_s=0.2)
+    assert classify(body) == "timeout"  # the replica went silent mid-body
+    client.close()
+    server.close()
+
+    def cut(h, b, t):
+        t.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel")
+        t.close()
+
+    server, url, _ = await serve(cut)
+    client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=2)
+    r = await client.pool(url).post("/x", b"{}", CIMultiDict())
+    with pytest.raises(Exception) as exc:
+        await r.read()
+    assert classify(exc.value) == "reset"
+    r.close()
+    for bad in (b"HTTP/1.1 2x0 OK\r\n\r\n", b"SPDY/3 200 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n"):
+        server2, url2, _ = await serve(lambda h, b, t, a=bad: t.write(a))
+        with pytest.raises(Exception) as exc:
+            await client.pool(url2).post("/x", b"{}", CIMultiDict())
+        assert classify(exc.value) == "other", bad
+        server2.close()
+    client.close()
+    server.close()
+
+
+async def test_a_body_nobody_reads_pauses_the_replica_and_resumes():
+    from router.h1client import HIGH_WATER
+
+    big = b"x" * (HIGH_WATER * 3)
+    server, url, _ = await serve(lambda h, b, t: t.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)))
+    client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=0.5)
+    r = await client.pool(url).post("/x", b"{}", CIMultiDict())
+    await asyncio.sleep(0.8)  # longer than the read timeout: a paused connection is not a silent replica
+    got = b""
+    while chunk := await r.content.readany():
+        got += chunk
+    assert got == big
+    r.release()
+    client.close()
+    server.close()
