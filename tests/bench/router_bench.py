@@ -6,6 +6,9 @@
     .venv/bin/python tests/bench/router_bench.py --policy least-outstanding,learned --replicas 16 --no-wrk
     # what the lean listener (router/lean.py) saves: each router beside itself with it off
     .venv/bin/python tests/bench/router_bench.py --policy learned --workers 1,2 --aiohttp-listener
+    # this checkout beside an older commit, in one run
+    git worktree add /tmp/before <commit> && cp router/policy/_fastnet*.so /tmp/before/router/policy/
+    .venv/bin/python tests/bench/router_bench.py --policy learned --baseline-tree /tmp/before
 
 Starts a trivial fast backend (raw asyncio HTTP server answering OpenAI-shaped completions,
 streamed or not, plus /health, /metrics, /v1/models), the router in a subprocess per --workers
@@ -275,6 +278,9 @@ def main() -> int:
     ap.add_argument("--aiohttp-listener", action="store_true",
                     help="also run each router with the lean listener off (ROUTEWISE_LEAN_LISTENER=0: every request "
                     "through aiohttp's server side), named <router>-aiohttp, side by side")
+    ap.add_argument("--baseline-tree", metavar="DIR",
+                    help="also run each router from another checkout (e.g. `git worktree add DIR <commit>`; its C "
+                    "extension built or copied into DIR/router/policy), named <router>-baseline, side by side")
     ap.add_argument("--no-wrk", action="store_true", help="skip (b), the wrk throughput runs")
     ap.add_argument("--vllm-router", default=str(REPO / ".venv-vr/bin/vllm-router"),
                     help="vllm-router executable (skipped when absent)")
@@ -293,6 +299,9 @@ def main() -> int:
     if not 1 <= args.replicas <= 250:
         sys.exit(f"--replicas {args.replicas}: must be 1..250")
     policies = args.policy.split(",")
+    if args.baseline_tree and not list(Path(args.baseline_tree).glob("router/policy/_fastnet*.so")):
+        sys.exit(f"--baseline-tree {args.baseline_tree}: no router/policy/_fastnet*.so there (the learned policy would run "
+                 "on onnxruntime): copy the one from router/policy/ or build it in that tree")
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if not args.no_wrk:  # (b) needs wrk, and nginx as the reference of its ratios
         for tool, found in (("nginx", nginx), ("wrk", shutil.which("wrk"))):
@@ -331,10 +340,14 @@ def main() -> int:
                 start_new_session=True, stdout=subprocess.DEVNULL))
             wait_port(vport, "/health", timeout=60)
         replicas = [a for i in range(1, args.replicas + 1) for a in ("--replica", f"http://127.0.0.{i}:{bport}")]
-        listeners = {"": {}, "-aiohttp": {"ROUTEWISE_LEAN_LISTENER": "0"}} if args.aiohttp_listener else {"": {}}
+        variants = {"": ({}, REPO)}
+        if args.aiohttp_listener:
+            variants["-aiohttp"] = ({"ROUTEWISE_LEAN_LISTENER": "0"}, REPO)
+        if args.baseline_tree:
+            variants["-baseline"] = ({}, Path(args.baseline_tree).resolve())
         for n in (int(w) for w in args.workers.split(",")):
             for policy in policies:
-                for suffix, env in listeners.items():
+                for suffix, (env, tree) in variants.items():
                     name = f"routewise-w{n}" + (f"-{policy}" if len(policies) > 1 else "") + suffix
                     rport = targets[name] = free_port()
                     base, late = split_late(policy)
@@ -342,7 +355,7 @@ def main() -> int:
                         [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
                          "--port", str(rport), *replicas, "--policy", base, *(["--late-binding"] if late else []),
                          "--log-level", "warning"],
-                        cwd=REPO, start_new_session=True, env={**os.environ, **env}))
+                        cwd=tree, start_new_session=True, env={**os.environ, **env}))
                     wait_port(rport, "/ready")
         results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}
         # the targets take turns in `rounds` slices, so a drift of the machine over the run (or being measured
