@@ -6,6 +6,8 @@
     .venv/bin/python tests/bench/router_bench.py --policy least-outstanding,learned --replicas 16 --no-wrk
     # what the lean listener (router/lean.py) saves: each router beside itself with it off
     .venv/bin/python tests/bench/router_bench.py --policy learned --workers 1,2 --aiohttp-listener
+    # the latency floor of any Python router here: a bare proxy on raw asyncio protocols, beside the rest
+    .venv/bin/python tests/bench/router_bench.py --policy learned --python-floor --no-wrk
     # this checkout beside an older commit, in one run
     git worktree add /tmp/before <commit> && cp router/policy/_fastnet*.so /tmp/before/router/policy/
     .venv/bin/python tests/bench/router_bench.py --policy learned --baseline-tree /tmp/before
@@ -140,6 +142,70 @@ def run_backend(port: int, hosts_n: int = 1, reuse_port: bool = False) -> None:
             await server.serve_forever()
 
     asyncio.run(main())
+
+# ----------------------------------------------------------------------------- the Python floor
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def run_python_floor(port: int, backend_port: int) -> None:
+    """A bare Python proxy (uvloop, raw asyncio protocols, keep-alive upstream, no routing, nothing parsed beyond
+    Content-Length framing): what any Python router pays for the two hops on this host, as a yardstick."""
+    import uvloop
+
+    idle: list[asyncio.Protocol] = []
+
+    class Upstream(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.buf, self.client, self.need = b"", None, None
+
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            end = self.buf.find(b"\r\n\r\n")
+            if self.need is None and end >= 0:
+                self.need = end + 4 + _content_length(self.buf[:end])
+            if self.need is not None and len(self.buf) >= self.need:
+                out, self.buf, self.need = self.buf[:self.need], self.buf[self.need:], None
+                client, self.client = self.client, None
+                idle.append(self)
+                client.transport.write(out)
+
+    class Client(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.buf = b""
+
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            end = self.buf.find(b"\r\n\r\n")
+            if end >= 0 and len(self.buf) >= (n := end + 4 + _content_length(self.buf[:end])):
+                request, self.buf = self.buf[:n], self.buf[n:]
+                asyncio.ensure_future(self.forward(request))
+
+        async def forward(self, request: bytes) -> None:
+            if idle:
+                up = idle.pop()
+            else:
+                _, up = await asyncio.get_running_loop().create_connection(Upstream, "127.0.0.1", backend_port)
+            up.client = self
+            up.transport.write(request)
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Client, "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(main())
 
 # ----------------------------------------------------------------------------- process helpers
 
@@ -281,6 +347,9 @@ def main() -> int:
     ap.add_argument("--baseline-tree", metavar="DIR",
                     help="also run each router from another checkout (e.g. `git worktree add DIR <commit>`; its C "
                     "extension built or copied into DIR/router/policy), named <router>-baseline, side by side")
+    ap.add_argument("--python-floor", action="store_true",
+                    help="also measure a bare Python proxy (raw asyncio protocols, no routing): the latency floor "
+                    "of any Python router on this host (non-streaming only; left out of the wrk runs)")
     ap.add_argument("--no-wrk", action="store_true", help="skip (b), the wrk throughput runs")
     ap.add_argument("--vllm-router", default=str(REPO / ".venv-vr/bin/vllm-router"),
                     help="vllm-router executable (skipped when absent)")
@@ -292,9 +361,13 @@ def main() -> int:
     ap.add_argument("--load-cpus", help="pin the backend, wrk and this script to these CPUs (e.g. 8-15)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--backend-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--floor-only", type=int, nargs=2, metavar=("PORT", "BACKEND_PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.backend_only:
         run_backend(args.backend_only, args.replicas, reuse_port=args.backend_procs > 1)
+        return 0
+    if args.floor_only:
+        run_python_floor(*args.floor_only)
         return 0
     if not 1 <= args.replicas <= 250:
         sys.exit(f"--replicas {args.replicas}: must be 1..250")
@@ -339,6 +412,11 @@ def main() -> int:
                  f"http://127.0.0.1:{bport}", "--policy", "round_robin", "--log-level", "warning"],
                 start_new_session=True, stdout=subprocess.DEVNULL))
             wait_port(vport, "/health", timeout=60)
+        if args.python_floor:
+            fport = targets["python-floor"] = free_port()
+            procs.append(subprocess.Popen([*nice, sys.executable, __file__, "--floor-only", str(fport), str(bport)],
+                                          start_new_session=True))
+            wait_port(fport)
         replicas = [a for i in range(1, args.replicas + 1) for a in ("--replica", f"http://127.0.0.{i}:{bport}")]
         variants = {"": ({}, REPO)}
         if args.aiohttp_listener:
@@ -377,7 +455,7 @@ def main() -> int:
             results["rps"][key] = {
                 name: wrk(f"http://127.0.0.1:{port}/v1/completions", stream, args.wrk_duration, args.connections, tmp,
                           args.wrk_threads, load_pin)
-                for name, port in targets.items()
+                for name, port in targets.items() if name != "python-floor"  # it frames by Content-Length only
             }
     finally:
         for p in reversed(procs):
@@ -389,7 +467,8 @@ def main() -> int:
     for name in proxies:
         r = results["latency_ms"][name]
         r["added_p50"], r["added_p99"] = r["p50"] - d["p50"], r["p99"] - d["p99"]
-    results["rps_vs_nginx"] = {key: {t: row[t] / row["nginx"] for t in proxies} for key, row in results["rps"].items()}
+    results["rps_vs_nginx"] = {key: {t: row[t] / row["nginx"] for t in proxies if t in row}
+                               for key, row in results["rps"].items()}
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
@@ -411,7 +490,7 @@ def main() -> int:
     print(f"\n(b) max requests/s with wrk -t{args.wrk_threads} -c{args.connections} -d{args.wrk_duration}s (x nginx, "
           f"{args.nginx_workers} worker(s))")
     print(f"{'target':<{width}} " + " ".join(f"{key:>22}" for key in results["rps"]))
-    for name in targets:
+    for name in (t for t in targets if t != "python-floor"):
         cells = [f"{row[name]:9.0f} ({row[name] / row['nginx']:4.2f}x)" for row in results["rps"].values()]
         print(f"{name:<{width}} " + " ".join(f"{c:>22}" for c in cells))
     return 0
