@@ -216,3 +216,17 @@ async def test_client_gone_while_waiting_cancels_the_request(fakes, router_clien
     tracker = client.app[REPLICAS].ordered[0].tracker
     writer.close()
     await wait_for(lambda: tracker.outstanding == 0 and f.cancelled == 1, timeout=1.0)
+
+
+async def test_a_pipelined_request_that_is_not_plain_is_handed_over_after_the_lean_one(fakes, router_client) -> None:
+    (f,) = await fakes(1)
+    client = await router_client([f.url])
+    reader, writer = await connect(client)
+    writer.write(post() + b"GET /ready HTTP/1.1\r\nHost: r\r\n\r\n" + post())
+    statuses = []
+    for served_by_aiohttp in (False, True, True):
+        status, headers, _ = await read_response(reader)
+        statuses.append(status)
+        assert ("aiohttp" in headers.get("server", "")) is served_by_aiohttp
+    assert statuses == [200, 200, 200] and f.requests == 2
+    writer.close()
