@@ -20,16 +20,14 @@ import re
 import time
 from http import HTTPStatus
 from email.utils import formatdate
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.tcp_helpers import tcp_nodelay
 from multidict import CIMultiDict
 
 from router.errors import BadRequest, error_response
-
-if TYPE_CHECKING:
-    from router.proxy import Proxy
 
 log = logging.getLogger("router.lean")
 
@@ -168,10 +166,11 @@ class LeanConnection(asyncio.Protocol):
     """One client connection: plain generation requests served here, one at a time in order; the rest of the
     connection handed to aiohttp (`hand_over`) at the first request that is not plain."""
 
-    def __init__(self, server: Any, proxy: Proxy, limits: tuple[float, float, float, int],
-                 aiohttp_handler: Callable[[], asyncio.Protocol], max_body: int) -> None:
+    def __init__(self, server: Any, generate: Callable[[LeanRequest, bool], Awaitable[web.StreamResponse]],
+                 limits: tuple[float, float, float, int], aiohttp_handler: Callable[[], asyncio.Protocol],
+                 max_body: int) -> None:
         self._server = server  # aiohttp's web.Server: connections are registered there (count, drain)
-        self._proxy = proxy
+        self._generate = generate  # Proxy.generate
         self._header_timeout, self._body_timeout, self._keepalive_timeout, self._max_connections = limits
         self._aiohttp_handler = aiohttp_handler
         self._max_body = max_body
@@ -246,9 +245,8 @@ class LeanConnection(asyncio.Protocol):
         self._closing = True
         task = self._task
         if task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout)
-            except (TimeoutError, asyncio.CancelledError, Exception):
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
                 task.cancel()
         if self.transport is not None:
             self.transport.close()
@@ -315,7 +313,7 @@ class LeanConnection(asyncio.Protocol):
 
     async def _serve(self, request: LeanRequest, chat: bool) -> None:
         try:
-            resp = await self._proxy.generate(request, chat)
+            resp = await self._generate(request, chat)
         except Exception as exc:  # a router bug: the client still gets an answer, as under aiohttp
             log.error("error handling POST %s: %r", "/v1/chat/completions" if chat else "/v1/completions", exc,
                       exc_info=exc)

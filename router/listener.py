@@ -127,7 +127,7 @@ class GuardedServer(web.Server):
         if self._lean is None:
             return self.guarded()
         proxy, s = self._lean
-        return LeanConnection(self, proxy, (s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s,
+        return LeanConnection(self, proxy.generate, (s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s,
                                             s.max_client_connections), self.guarded, s.max_body_bytes)
 
 
