@@ -24,7 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from router.h1client import H1Client, H1Response
-from router.lean import LeanRequest
+from router.lean import LeanRequest, LeanStream
 from router.errors import BadRequest, error_response, sse_error_event
 from router.outlier import Inflight
 from router.paths import GENERATION_PATHS, PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
@@ -161,7 +161,7 @@ class Proxy:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.generate(request, chat=True)
 
-    async def generate(self, request: web.Request | LeanRequest, chat: bool) -> web.StreamResponse:
+    async def generate(self, request: web.Request | LeanRequest, chat: bool) -> web.StreamResponse | LeanStream:
         """A completion or chat completion, from aiohttp's request or the lean listener's (router.lean): the
         response to send, or for a stream the one already sent."""
         t0 = time.perf_counter()
@@ -215,7 +215,7 @@ class Proxy:
         return raw
 
     async def _forward(self, request: web.Request | LeanRequest, raw: bytes, info, stream: bool, t0: float,
-                       path: str) -> web.StreamResponse:
+                       path: str) -> web.StreamResponse | LeanStream:
         headers = request_headers(request.headers, request.remote)
         tried: set[str] = set()
         last: UpstreamError | None = None
@@ -269,7 +269,7 @@ class Proxy:
     async def _attempt(
         self, request: web.Request | LeanRequest, route: Route, raw: bytes, headers, stream: bool, t0: float, can_retry: bool,
         path: str,
-    ) -> web.StreamResponse:
+    ) -> web.StreamResponse | LeanStream:
         """One upstream attempt. Raises UpstreamError only while nothing has reached the client."""
         rep = route.replica
         route.stream = stream
@@ -345,7 +345,7 @@ class Proxy:
     async def _stream(
         self, request: web.Request | LeanRequest, route: Route, resp: aiohttp.ClientResponse | H1Response, first: bytes, t0: float,
         ch: _Children, inflight: Inflight,
-    ) -> web.StreamResponse:
+    ) -> web.StreamResponse | LeanStream:
         rep = route.replica
         headers = route_headers(route, resp.headers, self._replica_header)
         outlier = rep.outlier
