@@ -21,6 +21,11 @@ from multiprocessing.synchronize import Lock
 import numpy as np
 
 from router.policy.tracking import ClusterTracker, ReplicaTracker
+
+try:  # numpy's sum and slice assignment cost tens of microseconds on the cold caches of a live decision
+    from router.policy import _fastnet as _compiled
+except ImportError:  # built without a C compiler: numpy does it
+    _compiled = None
 from router.policy.types import ClusterView, RequestInfo
 
 log = logging.getLogger("router.shared")
@@ -103,8 +108,10 @@ class SharedReplicaTracker(ReplicaTracker):
     runs unchanged, then published to the worker's slot) and the host's sums everywhere else (views,
     metrics, admin), as of the cluster's last `refresh()`."""
 
-    def __init__(self, replica_id: str, row: np.ndarray) -> None:
-        self._row = row  # this worker's slot, this replica's column: written by this process only
+    def __init__(self, replica_id: str, counters: np.ndarray, slot: int, col: int) -> None:
+        self._counters = counters
+        self._row = counters[slot, col]  # this worker's slot, this replica's column: written by this process only
+        self._offset = (slot * counters.shape[1] + col) * counters.shape[2]
         self._own = [0] * len(FIELDS)
         self._total = [0] * len(FIELDS)
         self._hook = True
@@ -140,7 +147,10 @@ class SharedReplicaTracker(ReplicaTracker):
             self._publish()
 
     def _publish(self) -> None:
-        self._row[:] = self._own
+        if _compiled is not None:
+            _compiled.put_row(self._counters, self._offset, self._own)
+        else:
+            self._row[:] = self._own
         self._hook = False
 
 
@@ -183,7 +193,7 @@ class SharedClusterTracker(ClusterTracker):
             log.warning("replica %s: no shared column left, its load is this worker's only", replica_id)
             t = ReplicaTracker(replica_id)
         else:
-            t = SharedReplicaTracker(replica_id, self.load.counters[self.slot, col])
+            t = SharedReplicaTracker(replica_id, self.load.counters, self.slot, col)
             self._cols[replica_id] = col
             self._ncols = max(self._ncols, col + 1)
         self.trackers.append(t)
@@ -198,12 +208,16 @@ class SharedClusterTracker(ClusterTracker):
             self._removed[replica_id] = t
 
     def refresh(self) -> None:
-        """Reads every worker's counters into the trackers' host-wide sums (one numpy sum per call)."""
+        """Reads every worker's counters into the trackers' host-wide sums (one call)."""
         if not self._cols:
             return
         if self._pairs is None:
             self._pairs = [(self.by_id[rid], col) for rid, col in self._cols.items() if rid in self.by_id]
-        totals = self.load.counters[:, : self._ncols].sum(axis=0).tolist()  # one conversion, not one per replica
+        c = self.load.counters
+        if _compiled is not None:
+            totals = _compiled.sum_rows(c, c.shape[0], c.shape[1], c.shape[2], self._ncols)
+        else:
+            totals = c[:, : self._ncols].sum(axis=0).tolist()  # one conversion, not one per replica
         for t, col in self._pairs:
             t._total = totals[col]  # type: ignore[attr-defined]
 

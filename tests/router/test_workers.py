@@ -26,7 +26,14 @@ TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def test_a_dispatch_by_one_worker_is_in_the_other_workers_view():
+@pytest.mark.parametrize("compiled", [True, False], ids=["C", "numpy"])
+def test_a_dispatch_by_one_worker_is_in_the_other_workers_view(compiled, monkeypatch):
+    import router.shared
+
+    if compiled and router.shared._compiled is None:
+        pytest.skip("built without the C extension")
+    if not compiled:
+        monkeypatch.setattr(router.shared, "_compiled", None)
     load = SharedLoad(2, multiprocessing.get_context("fork").Lock())
     try:
         a, b = SharedClusterTracker(load, 0), SharedClusterTracker(load, 1)
