@@ -182,9 +182,6 @@ class H1Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def force_close(self) -> None:
-        self.should_close = True
-
     def pause(self) -> None:
         if not self._paused and self.transport is not None:
             self._paused = True

@@ -112,9 +112,10 @@ def http_date() -> bytes:
     return _date_of(int(time.time()))
 
 
-def _header_bytes(headers: Any, skip: frozenset[str] = _OWN) -> list[bytes]:
+def _header_bytes(headers: Any) -> list[bytes]:
+    """Header lines of a response, without those the lean writer sets itself."""
     return [b"%s: %s\r\n" % (k.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape"))
-            for k, v in headers.items() if k.lower() not in skip]
+            for k, v in headers.items() if k.lower() not in _OWN]
 
 
 class LeanRequest:

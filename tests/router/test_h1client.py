@@ -111,16 +111,16 @@ async def test_failures_are_classified_like_aiohttp():
     client.close()
 
 
-async def _one(raw_answer, read_timeout_s: float = 2.0, split: int | None = None):
-    """Posts once to a server that answers `raw_answer` (in pieces of `split` bytes); returns (response, body or the
-    exception, stats, client, server)."""
+async def _one(raw_answer, read_timeout_s: float = 2.0, split: int | None = None, close: bool = False):
+    """Posts once to a server that answers `raw_answer` (in pieces of `split` bytes, then closes the connection if
+    `close`); returns (response, body or the exception, stats, client, server)."""
     async def answer(t):
-        if split is None:
-            t.write(raw_answer)
-            return
-        for i in range(0, len(raw_answer), split):
-            t.write(raw_answer[i:i + split])
-            await asyncio.sleep(0.001)
+        for i in range(0, len(raw_answer), split or len(raw_answer)):
+            t.write(raw_answer[i:i + (split or len(raw_answer))])
+            if split:
+                await asyncio.sleep(0.001)
+        if close:
+            t.close()
 
     server, url, stats = await serve(lambda h, b, t: asyncio.ensure_future(answer(t)))
     client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=read_timeout_s)
@@ -162,16 +162,9 @@ async def test_a_connection_the_replica_closes_is_not_reused():
 
 
 async def test_body_until_close_and_no_body_on_204():
-    def answer(h, b, t):
-        t.write(b"HTTP/1.1 200 OK\r\n\r\nall of it")
-        t.close()
-
-    server, url, _ = await serve(answer)
-    client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=2)
-    r = await client.pool(url).post("/x", b"{}", CIMultiDict())
-    assert await r.read() == b"all of it"
+    r, body, _, client, server = await _one(b"HTTP/1.1 200 OK\r\n\r\nall of it", close=True)
+    assert body == b"all of it"
     r.release()
-    server.close()
     r, body, stats, client2, server2 = await _one(b"HTTP/1.1 204 No Content\r\n\r\n")
     assert (r.status, body) == (204, b"")
     r.release()
@@ -188,16 +181,8 @@ async def test_broken_answers_are_classified():
     client.close()
     server.close()
 
-    def cut(h, b, t):
-        t.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel")
-        t.close()
-
-    server, url, _ = await serve(cut)
-    client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=2)
-    r = await client.pool(url).post("/x", b"{}", CIMultiDict())
-    with pytest.raises(Exception) as exc:
-        await r.read()
-    assert classify(exc.value) == "reset"
+    r, body, _, client, server = await _one(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel", close=True)
+    assert classify(body) == "reset"  # cut mid-chunk
     r.close()
     for bad in (b"HTTP/1.1 2x0 OK\r\n\r\n", b"SPDY/3 200 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n"):
         server2, url2, _ = await serve(lambda h, b, t, a=bad: t.write(a))
