@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Awaitable
 
 import aiohttp
 from multidict import CIMultiDict
@@ -361,6 +362,42 @@ class H1Connection(asyncio.Protocol):
             self._finish()
 
 
+class ConnectionLimit:
+    """At most `n` connections in use at once over every pool (aiohttp's TCPConnector(limit=)). `try_take` takes
+    one without waiting (the synchronous send); `take` waits its turn, in order; `give` hands a slot straight to
+    the longest waiter."""
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    def try_take(self) -> bool:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        if self.try_take():
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled():  # handed a slot just as it was cancelled: pass it on
+                self.give()
+            raise
+
+    def give(self) -> None:
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._free += 1
+
+
 class H1Response:
     """Status, headers and the body stream of one upstream response; `release()` or `close()` it once."""
 
@@ -394,7 +431,7 @@ class H1Pool:
     """Keep-alive connections to one `host:port`; `limit` (shared by all pools, None = unlimited) bounds
     the connections in use at once, like aiohttp's TCPConnector(limit=)."""
 
-    def __init__(self, host: str, port: int, host_header: str, *, limit: asyncio.Semaphore | None, connect_timeout_s: float | None,
+    def __init__(self, host: str, port: int, host_header: str, *, limit: ConnectionLimit | None, connect_timeout_s: float | None,
                  read_timeout_s: float | None) -> None:
         self.host = host
         self.port = port
@@ -431,32 +468,62 @@ class H1Pool:
         else:
             proto.close()
         if self._sem is not None:
-            self._sem.release()
+            self._sem.give()
+
+    def _request(self, path: str, body: bytes, headers: CIMultiDict[str]) -> bytes:
+        head = [b"POST ", path.encode("utf-8", "surrogateescape"), b" HTTP/1.1\r\nHost: ", self._host_header, b"\r\n"]
+        accept = False
+        for k, v in headers.items():
+            accept = accept or k.lower() == "accept"
+            head += (k.encode("utf-8", "surrogateescape"), b": ", v.encode("utf-8", "surrogateescape"), b"\r\n")
+        if not accept:  # what aiohttp's client adds by default
+            head.append(b"Accept: */*\r\n")
+        head += (b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n", body)
+        return b"".join(head)
+
+    def send_now(self, path: str, body: bytes, headers: CIMultiDict[str]) -> Awaitable[H1Response] | None:
+        """Sends the request now if a kept-alive connection is idle and the limit has room (the awaitable then
+        gives the response as `post` does; await it once), else None and nothing is sent."""
+        if self._sem is not None and not self._sem.try_take():
+            return None
+        proto = self._take_idle()
+        if proto is None:
+            if self._sem is not None:
+                self._sem.give()
+            return None
+        return self._response(proto, self._send(proto, path, body, headers))
 
     async def post(self, path: str, body: bytes, headers: CIMultiDict[str]) -> H1Response:
         """Send the request and wait for the status line and headers. The body is read by the caller."""
         if self._sem is not None:
-            await self._sem.acquire()
-        proto = None
+            await self._sem.take()
         try:
             proto = self._take_idle() or await self._connect()
-            head = [b"POST ", path.encode("utf-8", "surrogateescape"), b" HTTP/1.1\r\nHost: ", self._host_header,
-                    b"\r\n"]
-            accept = False
-            for k, v in headers.items():
-                accept = accept or k.lower() == "accept"
-                head += (k.encode("utf-8", "surrogateescape"), b": ", v.encode("utf-8", "surrogateescape"), b"\r\n")
-            if not accept:  # what aiohttp's client adds by default
-                head.append(b"Accept: */*\r\n")
-            head += (b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n", body)
-            status, rheaders, payload = await proto.request(b"".join(head), self._read_timeout)
-            return H1Response(status, rheaders, payload, self, proto)
         except BaseException:
-            if proto is not None:
-                proto.close()
             if self._sem is not None:
-                self._sem.release()
+                self._sem.give()
             raise
+        return await self._response(proto, self._send(proto, path, body, headers))
+
+    def _send(self, proto: H1Connection, path: str, body: bytes, headers: CIMultiDict[str]) -> asyncio.Future:
+        try:
+            return proto.request(self._request(path, body, headers), self._read_timeout)
+        except BaseException:
+            self._drop(proto)
+            raise
+
+    def _drop(self, proto: H1Connection) -> None:
+        proto.close()
+        if self._sem is not None:
+            self._sem.give()
+
+    async def _response(self, proto: H1Connection, head: asyncio.Future) -> H1Response:
+        try:
+            status, rheaders, payload = await head
+        except BaseException:
+            self._drop(proto)
+            raise
+        return H1Response(status, rheaders, payload, self, proto)
 
     def close(self) -> None:
         self.closed = True
@@ -469,7 +536,7 @@ class H1Client:
 
     def __init__(self, *, limit: int, connect_timeout_s: float | None, read_timeout_s: float | None) -> None:
         self._pools: dict[URL, H1Pool] = {}
-        self._limit = asyncio.Semaphore(limit) if limit else None
+        self._limit = ConnectionLimit(limit) if limit else None
         self._connect_timeout = connect_timeout_s
         self._read_timeout = read_timeout_s
 

@@ -8,6 +8,7 @@ back into the tracker. Shadow evaluation and A/B splits extend `Router.select_ru
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -23,7 +24,7 @@ from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, tex
 from router.policy.fallback import BUDGET_COOLDOWN, FALLBACK_REASONS, Decision
 from router.policy.late_binding import restrict
 from router.policy.served import GUARD_FIELDS, served_policy
-from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
+from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info
 from router.replicas import Replica, ReplicaSet
 from router.serving.arms import routing_key
 from router.serving.layer import ServingLayer
@@ -221,12 +222,12 @@ class Router:
             max_tokens *= n
         user = body.get("user")
         request_id = f"r{next(self._ids)}"
-        return RequestInfo(
-            request_id=request_id,
-            prompt_tokens_est=exact if exact is not None else self.estimator.from_text(text),
-            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
-            prefix_blocks=text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
-            key=routing_key(headers or {}, user if isinstance(user, str) else None, request_id),
+        return make_request_info(
+            request_id,
+            exact if exact is not None else self.estimator.from_text(text),
+            max_tokens if isinstance(max_tokens, int) else None,
+            text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
+            routing_key(headers or {}, user if isinstance(user, str) else None, request_id),
         )
 
     def select_runner(self, request: RequestInfo) -> PolicyRunner:
@@ -255,7 +256,11 @@ class Router:
         decision = runner.decide(view, request)
         replica = self.replicas.ordered[decision.index]
         self.replicas.cluster.dispatch(decision.index, request)
-        runner._latency.observe(time.perf_counter() - t0)
+        latency_s = time.perf_counter() - t0
+        try:  # observed once the request is on its way (the metric's cost is off the request's path)
+            asyncio.get_running_loop().call_soon(runner._latency.observe, latency_s)
+        except RuntimeError:  # no running loop (a synchronous caller)
+            runner._latency.observe(latency_s)
         route = Route(replica, decision, runner, request, view=view, wall_s=time.time(), attempt=len(exclude or ()),
                       prefix_block_tokens=self.replicas.cluster.prefix_block_tokens)
         self.serving.after_decision(route, view)

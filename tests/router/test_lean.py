@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from router.app import REPLICAS
+from router.app import PROXY, REPLICAS
 from router.lean import parse_head
 from tests.router.conftest import wait_for
 
@@ -230,3 +230,52 @@ async def test_a_pipelined_request_that_is_not_plain_is_handed_over_after_the_le
         assert ("aiohttp" in headers.get("server", "")) is served_by_aiohttp
     assert statuses == [200, 200, 200] and f.requests == 2
     writer.close()
+
+
+class _Transport(asyncio.Transport):
+    """Enough of a client's transport to drive a LeanConnection by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data) -> None:
+        self.out += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def test_the_start_runs_in_data_received_and_a_client_gone_at_once_leaves_nothing_taken(fakes, router_client):
+    """A plain request is decided and sent upstream inside data_received (on an idle kept-alive connection), before
+    its task first runs. A client gone before that first step: the cancel waits for it, so the task releases the
+    replica, the in-flight count and the upstream connection (a task cancelled earlier never runs its coroutine)."""
+    (f,) = await fakes(1, tokens=20, token_delay_s=0.05)
+    client = await router_client([f.url])
+    reader, writer = await connect(client)
+    writer.write(post())
+    assert (await read_response(reader))[0] == 200  # leaves a kept-alive connection to the replica in the pool
+    writer.close()
+    f.mode = "slow"
+    tracker, proxy = client.app[REPLICAS].ordered[0].tracker, client.app[PROXY]
+    conn, transport = client.server.runner.server(), _Transport()
+    conn.connection_made(transport)
+    conn.data_received(post())
+    assert tracker.outstanding == 1 and proxy.inflight == 1  # decided with no await in between
+    conn.connection_lost(None)
+    await wait_for(lambda: f.active == 1 or f.cancelled == 1)  # the request reached the replica
+    await wait_for(lambda: tracker.outstanding == 0 and proxy.inflight == 0 and f.cancelled == 1, timeout=2.0)
+    assert transport.out == b""
