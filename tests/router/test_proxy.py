@@ -304,3 +304,23 @@ async def test_hop_by_hop_headers_are_stripped_both_ways(fakes, router_client):
     for h in ("x-drop-me", "te", "proxy-authorization", "keep-alive"):
         assert h not in sent, h
     assert "transfer-encoding" not in {k.lower() for k in resp.headers}
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "prompt": "\\u00e9\\ud800"}', b'{"a": 1}  \n', b'  {"a": 1}', b'{"a": 1} x', b'{"a": 1}{}',
+    b'{"a": }', b'{', b'{"a": NaN, "b": 1e999}', "{\"a\": \"\u00e9\"}".encode(), '{"a": 1}'.encode("utf-16-le"),
+    b'{"a": "\xff"}', b"[1, 2]", b"", b"{" * 100_000,
+])
+async def test_body_decoding_is_json_loads(raw: bytes) -> None:
+    """proxy.loads, json.loads without its regex on the usual body: the same value or the same error."""
+    from router.proxy import loads
+
+    try:
+        want = ("value", json.loads(raw))
+    except (ValueError, RecursionError) as exc:
+        want = ("error", type(exc), str(exc))
+    try:
+        got = ("value", loads(raw))
+    except (ValueError, RecursionError) as exc:
+        got = ("error", type(exc), str(exc))
+    assert repr(got) == repr(want)
