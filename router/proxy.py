@@ -455,8 +455,16 @@ class Proxy:
             raise _ClientGone() from exc
         content = resp.content
         while chunk:
-            if _DATA in chunk:
+            data = _DATA in chunk
+            if data:
                 outlier.last_progress = inflight.last = now = time.perf_counter()
+            end = content.at_eof()  # the replica's response ended with this chunk: it goes out with the end
+            if not end:
+                try:
+                    await out.write(chunk)  # first: the accounting below is off the client's wait
+                except ConnectionError as exc:
+                    raise _ClientGone() from exc
+            if data:
                 n = chunk.count(_DATA)
                 if _DONE in chunk:
                     n -= 1
@@ -470,12 +478,8 @@ class Proxy:
                         ch.itl.observe((now - last_t) / n)
                     last_t = now
                     events += n
-            if content.at_eof():  # the replica's response ended with this chunk: it goes out with the end
+            if end:
                 break
-            try:
-                await out.write(chunk)
-            except ConnectionError as exc:
-                raise _ClientGone() from exc
             try:
                 chunk = await content.readany()
                 if chunk:

@@ -8,6 +8,8 @@
     .venv/bin/python tests/bench/router_bench.py --policy learned --workers 1,2 --aiohttp-listener
     # the latency floor of any Python router here: a bare proxy on raw asyncio protocols, beside the rest
     .venv/bin/python tests/bench/router_bench.py --policy learned --python-floor --no-wrk
+    # streamed time to first token too; every proxy on core 1, the load and backend on core 0 (steadier on 2 cores)
+    .venv/bin/python tests/bench/router_bench.py --policy learned --stream-latency --no-wrk --proxy-cpus 1 --load-cpus 0
     # this checkout beside an older commit, in one run
     git worktree add /tmp/before <commit> && cp router/policy/_fastnet*.so /tmp/before/router/policy/
     .venv/bin/python tests/bench/router_bench.py --policy learned --baseline-tree /tmp/before
@@ -266,11 +268,12 @@ http {{
 # ----------------------------------------------------------------------------- measurements
 
 
-async def open_loop(url: str, rate: float, duration: float) -> list[float]:
-    """Latencies (s) of non-streaming completions sent at fixed intervals, regardless of answers."""
+async def open_loop(url: str, rate: float, duration: float, stream: bool = False) -> list[float]:
+    """Latencies (s) of completions sent at fixed intervals, regardless of answers: to the whole answer, or with
+    `stream` to the first chunk carrying an SSE `data:` event (the client's time to first token)."""
     import aiohttp
 
-    payload = json.dumps(BODY).encode()
+    payload = json.dumps({**BODY, "stream": True} if stream else BODY).encode()
     headers = {"Content-Type": "application/json"}
     lat: list[float] = []
     loop = asyncio.get_running_loop()
@@ -281,10 +284,16 @@ async def open_loop(url: str, rate: float, duration: float) -> list[float]:
 
         async def one():
             t = time.perf_counter()
+            first = None
             async with s.post(url, data=payload, headers=headers) as r:
-                await r.read()
                 assert r.status == 200, r.status
-            lat.append(time.perf_counter() - t)
+                if stream:
+                    async for chunk in r.content.iter_any():
+                        if first is None and b"data:" in chunk:
+                            first = time.perf_counter()
+                else:
+                    await r.read()
+            lat.append((first if stream else time.perf_counter()) - t)
 
         tasks = []
         t0 = loop.time()
@@ -351,6 +360,9 @@ def main() -> int:
                     help="also measure a bare Python proxy (raw asyncio protocols, no routing): the latency floor "
                     "of any Python router on this host (non-streaming only; left out of the wrk runs)")
     ap.add_argument("--no-wrk", action="store_true", help="skip (b), the wrk throughput runs")
+    ap.add_argument("--stream-latency", action="store_true",
+                    help="also (a'): the added time to first token of streamed completions at the same rate, the "
+                    "first chunk with an SSE data event (the Python floor is left out: it frames by Content-Length)")
     ap.add_argument("--vllm-router", default=str(REPO / ".venv-vr/bin/vllm-router"),
                     help="vllm-router executable (skipped when absent)")
     ap.add_argument("--nice", type=int, default=0, help="run the proxies under nice -n N (shared machines)")
@@ -445,6 +457,15 @@ def main() -> int:
                                                     args.duration / args.rounds))
         for name, lat in lats.items():
             results["latency_ms"][name] = {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "n": len(lat)}
+        if args.stream_latency:
+            streamed = {name: port for name, port in targets.items() if name != "python-floor"}
+            ttfts: dict[str, list[float]] = {name: [] for name in streamed}
+            for _ in range(args.rounds):
+                for name, port in streamed.items():
+                    ttfts[name] += asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/completions", args.rate,
+                                                         args.duration / args.rounds, stream=True))
+            results["ttft_ms"] = {name: {"p50": pct(v, 0.5) * 1e3, "p99": pct(v, 0.99) * 1e3, "n": len(v)}
+                                  for name, v in ttfts.items()}
         # each router's own view of its decisions over the latency phase (before wrk adds its load)
         from fleet.demo import router_stats
 
@@ -462,11 +483,14 @@ def main() -> int:
             stop(p)
         shutil.rmtree(tmp, ignore_errors=True)
 
-    d = results["latency_ms"]["direct"]
     proxies = [t for t in targets if t != "direct"]
-    for name in proxies:
-        r = results["latency_ms"][name]
-        r["added_p50"], r["added_p99"] = r["p50"] - d["p50"], r["p99"] - d["p99"]
+    for table in ("latency_ms", "ttft_ms"):
+        if table not in results:
+            continue
+        d = results[table]["direct"]
+        for name in (t for t in proxies if t in results[table]):
+            r = results[table][name]
+            r["added_p50"], r["added_p99"] = r["p50"] - d["p50"], r["p99"] - d["p99"]
     results["rps_vs_nginx"] = {key: {t: row[t] / row["nginx"] for t in proxies if t in row}
                                for key, row in results["rps"].items()}
     if args.json:
@@ -478,6 +502,11 @@ def main() -> int:
     for name in targets:
         r = results["latency_ms"][name]
         print(f"{name:<{width}} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f}")
+    if "ttft_ms" in results:
+        print(f"\n(a') time to first token at {args.rate:g} req/s open loop, streamed ({STREAM_EVENTS} events), same turns (ms)")
+        print(f"{'target':<{width}} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8}")
+        for name, r in results["ttft_ms"].items():
+            print(f"{name:<{width}} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f}")
     print("\nrouter decisions in (a), from each router's /metrics (llm_router_decision_latency_seconds: view + policy +"
           " fallback, wall time; p50/p99 are histogram bucket upper bounds)")
     for name, arms in results["decisions"].items():
