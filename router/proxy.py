@@ -394,14 +394,14 @@ class Proxy:
                 clean = True
                 e2e = now - t0
                 route.outcome = Outcome(status < 300, None, e2e)
-                headers = route_headers(route, resp.headers, self._replica_header)
+                answer_headers = route_headers(route, resp.headers, self._replica_header)
                 if isinstance(request, LeanRequest):  # sent now: the accounting below is off the client's wait
                     try:
-                        out = request.respond(status, headers, first)
+                        out = request.respond(status, answer_headers, first)
                     except ConnectionError as exc:
                         raise _ClientGone() from exc
                 else:
-                    out = web.Response(status=status, body=first, headers=headers)
+                    out = web.Response(status=status, body=first, headers=answer_headers)
                 self._judge(rep, status, stream, now - t0 if stream and route.found_idle else None)
                 ch.e2e.observe(e2e)
                 ch.codes[_code_class(status)].inc()

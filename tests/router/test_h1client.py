@@ -10,7 +10,7 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from router.h1client import H1Client
+from router.h1client import ConnectionLimit, H1Client
 from router.upstream import classify
 
 CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
@@ -209,3 +209,47 @@ async def test_a_body_nobody_reads_pauses_the_replica_and_resumes():
     r.release()
     client.close()
     server.close()
+
+
+async def test_send_now_needs_an_idle_connection_and_room_under_the_limit():
+    server, url, stats = await serve(echo)
+    client = H1Client(limit=1, connect_timeout_s=2, read_timeout_s=5)
+    pool = client.pool(url)
+    headers = CIMultiDict({"Content-Type": "application/json"})
+    assert pool.send_now("/v1/completions", b"a", headers) is None  # no connection yet: nothing sent, limit kept
+    r = await pool.post("/v1/completions", b"b", headers)
+    assert await r.read() == b"b"
+    assert pool.send_now("/v1/completions", b"c", headers) is None  # the one connection is in use: the limit is full
+    r.release()
+    sent = pool.send_now("/v1/completions", b"d", headers)
+    assert sent is not None and stats["requests"] == 1  # written now; the replica reads it on the next loop turn
+    r = await sent
+    assert await r.read() == b"d" and stats == {**stats, "connections": 1, "requests": 2}
+    r.release()
+    client.close()
+    server.close()
+
+
+async def test_connection_limit_serves_waiters_in_order_and_a_cancelled_one_passes_its_slot_on():
+    limit = ConnectionLimit(1)
+    assert limit.try_take() and not limit.try_take()
+    order: list[str] = []
+
+    async def waiter(name: str) -> None:
+        await limit.take()
+        order.append(name)
+
+    a, b, c = (asyncio.create_task(waiter(n)) for n in "abc")
+    await asyncio.sleep(0)
+    limit.give()  # handed to a
+    b.cancel()  # b never got one: c is next
+    await asyncio.gather(a, return_exceptions=True)
+    limit.give()
+    await c
+    assert order == ["a", "c"] and not limit.try_take()
+    handed = asyncio.create_task(waiter("d"))
+    await asyncio.sleep(0)
+    limit.give()  # handed to d, cancelled before it runs: the slot is passed on, not lost
+    handed.cancel()
+    await asyncio.gather(handed, return_exceptions=True)
+    assert order == ["a", "c"] and limit.try_take()
