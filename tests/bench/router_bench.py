@@ -20,7 +20,8 @@ count (`router serve --workers N --policy least-outstanding`, named routewise-wN
 worker, proxy_buffering off) and, with --vllm-router (or .venv-vr/bin/vllm-router when present:
 `python -m venv .venv-vr && .venv-vr/bin/pip install vllm-router==0.1.17`), vllm-router
 (round_robin) in front of the same backend. Measures
-  (a) added latency p50/p99 vs direct at a fixed open-loop rate (default 50 req/s, 20 s), and
+  (a) added latency p50/p99 vs direct at a fixed open-loop rate (default 50 req/s, 20 s), with each proxy's CPU
+      time per request over that phase (its process group's, from /proc), and
   (b) max requests/s with wrk, non-streaming and streaming, for direct, nginx and router.
 On a many-core host pin the proxies to the same CPUs and the load elsewhere (--proxy-cpus, --load-cpus, with
 --nginx-workers N --workers N, --wrk-threads, --backend-procs: tests/bench/README.md).
@@ -268,6 +269,24 @@ http {{
 # ----------------------------------------------------------------------------- measurements
 
 
+WARMUP = 20  # requests sent before each timed slice, on the same connections
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) the live processes of a process group have used (Linux /proc; clock ticks)."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # from the state on: the name may hold spaces
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 async def open_loop(url: str, rate: float, duration: float, stream: bool = False) -> list[float]:
     """Latencies (s) of completions sent at fixed intervals, regardless of answers: to the whole answer, or with
     `stream` to the first chunk carrying an SSE `data:` event (the client's time to first token)."""
@@ -278,7 +297,7 @@ async def open_loop(url: str, rate: float, duration: float, stream: bool = False
     lat: list[float] = []
     loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        for _ in range(20):  # warm up connections
+        for _ in range(WARMUP):  # warm up connections
             async with s.post(url, data=payload, headers=headers) as r:
                 await r.read()
 
@@ -411,11 +430,13 @@ def main() -> int:
                                           start_new_session=True))
         wait_port(bport)
         targets = {"direct": bport}
+        groups: dict[str, int] = {}  # each proxy's process group (every Popen here starts its own session)
         if nginx is not None:
             targets["nginx"] = nport
             (tmp / "nginx.conf").write_text(NGINX_CONF.format(tmp=tmp, backend=bport, port=nport, workers=args.nginx_workers))
             procs.append(subprocess.Popen([*nice, nginx, "-c", str(tmp / "nginx.conf"), "-p", str(tmp), "-g", "daemon off;"],
                                           start_new_session=True))
+            groups["nginx"] = procs[-1].pid
             wait_port(nport)
         if Path(args.vllm_router).exists():
             vport = targets["vllm-router"] = free_port()
@@ -423,11 +444,13 @@ def main() -> int:
                 [*nice, args.vllm_router, "--host", "127.0.0.1", "--port", str(vport), "--worker-urls",
                  f"http://127.0.0.1:{bport}", "--policy", "round_robin", "--log-level", "warning"],
                 start_new_session=True, stdout=subprocess.DEVNULL))
+            groups["vllm-router"] = procs[-1].pid
             wait_port(vport, "/health", timeout=60)
         if args.python_floor:
             fport = targets["python-floor"] = free_port()
             procs.append(subprocess.Popen([*nice, sys.executable, __file__, "--floor-only", str(fport), str(bport)],
                                           start_new_session=True))
+            groups["python-floor"] = procs[-1].pid
             wait_port(fport)
         replicas = [a for i in range(1, args.replicas + 1) for a in ("--replica", f"http://127.0.0.{i}:{bport}")]
         variants = {"": ({}, REPO)}
@@ -446,17 +469,24 @@ def main() -> int:
                          "--port", str(rport), *replicas, "--policy", base, *(["--late-binding"] if late else []),
                          "--log-level", "warning"],
                         cwd=tree, start_new_session=True, env={**os.environ, **env}))
+                    groups[name] = procs[-1].pid
                     wait_port(rport, "/ready")
         results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}
         # the targets take turns in `rounds` slices, so a drift of the machine over the run (or being measured
         # first) does not land on one target
         lats: dict[str, list[float]] = {name: [] for name in targets}
+        cpu_s = {name: 0.0 for name in groups}
         for _ in range(args.rounds):
             for name, port in targets.items():
+                before = group_cpu_s(groups[name]) if name in groups else 0.0
                 lats[name] += asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/completions", args.rate,
                                                     args.duration / args.rounds))
+                if name in groups:
+                    cpu_s[name] += group_cpu_s(groups[name]) - before
         for name, lat in lats.items():
             results["latency_ms"][name] = {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "n": len(lat)}
+            if name in cpu_s:  # the warm-up requests of each slice were served too
+                results["latency_ms"][name]["cpu_us_per_request"] = cpu_s[name] / (len(lat) + WARMUP * args.rounds) * 1e6
         if args.stream_latency:
             streamed = {name: port for name, port in targets.items() if name != "python-floor"}
             ttfts: dict[str, list[float]] = {name: [] for name in streamed}
@@ -498,10 +528,12 @@ def main() -> int:
         return 0
     print(f"(a) latency at {args.rate:g} req/s open loop, {args.duration:g} s each in {args.rounds} turns, non-streaming (ms)")
     width = max(14, *(len(t) for t in targets))
-    print(f"{'target':<{width}} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8}   ({args.replicas} replica(s))")
+    print(f"{'target':<{width}} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8} {'CPU/req':>9}   ({args.replicas} replica(s);"
+          " CPU/req: the proxy's processes' CPU time over the requests, background work included, in us)")
     for name in targets:
         r = results["latency_ms"][name]
-        print(f"{name:<{width}} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f}")
+        cpu = f"{r['cpu_us_per_request']:9.0f}" if "cpu_us_per_request" in r else f"{'':9}"
+        print(f"{name:<{width}} {r['p50']:8.3f} {r['p99']:8.3f} {r.get('added_p50', 0):8.3f} {r.get('added_p99', 0):8.3f} {cpu}")
     if "ttft_ms" in results:
         print(f"\n(a') time to first token at {args.rate:g} req/s open loop, streamed ({STREAM_EVENTS} events), same turns (ms)")
         print(f"{'target':<{width}} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8}")
