@@ -437,7 +437,7 @@ class H1Pool:
         self.port = port
         self._host_header = host_header.encode("idna" if not host_header.isascii() else "ascii")
         self._idle: collections.deque[tuple[H1Connection, float]] = collections.deque()
-        self._sem = limit
+        self._limit = limit
         self._connect_timeout = connect_timeout_s
         self._read_timeout = read_timeout_s
         self.closed = False
@@ -467,8 +467,11 @@ class H1Pool:
             self._idle.append((proto, time.monotonic()))
         else:
             proto.close()
-        if self._sem is not None:
-            self._sem.give()
+        self._give()
+
+    def _give(self) -> None:
+        if self._limit is not None:
+            self._limit.give()
 
     def _request(self, path: str, body: bytes, headers: CIMultiDict[str]) -> bytes:
         head = [b"POST ", path.encode("utf-8", "surrogateescape"), b" HTTP/1.1\r\nHost: ", self._host_header, b"\r\n"]
@@ -484,24 +487,22 @@ class H1Pool:
     def send_now(self, path: str, body: bytes, headers: CIMultiDict[str]) -> Awaitable[H1Response] | None:
         """Sends the request now if a kept-alive connection is idle and the limit has room (the awaitable then
         gives the response as `post` does; await it once), else None and nothing is sent."""
-        if self._sem is not None and not self._sem.try_take():
+        if self._limit is not None and not self._limit.try_take():
             return None
         proto = self._take_idle()
         if proto is None:
-            if self._sem is not None:
-                self._sem.give()
+            self._give()
             return None
         return self._response(proto, self._send(proto, path, body, headers))
 
     async def post(self, path: str, body: bytes, headers: CIMultiDict[str]) -> H1Response:
         """Send the request and wait for the status line and headers. The body is read by the caller."""
-        if self._sem is not None:
-            await self._sem.take()
+        if self._limit is not None:
+            await self._limit.take()
         try:
             proto = self._take_idle() or await self._connect()
         except BaseException:
-            if self._sem is not None:
-                self._sem.give()
+            self._give()
             raise
         return await self._response(proto, self._send(proto, path, body, headers))
 
@@ -514,8 +515,7 @@ class H1Pool:
 
     def _drop(self, proto: H1Connection) -> None:
         proto.close()
-        if self._sem is not None:
-            self._sem.give()
+        self._give()
 
     async def _response(self, proto: H1Connection, head: asyncio.Future) -> H1Response:
         try:

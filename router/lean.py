@@ -34,7 +34,8 @@ log = logging.getLogger("router.lean")
 
 _PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
 # A header name is a token (RFC 9110); a value is tab and visible ASCII. Checked with bytes.translate, not a regex:
-# on a router idle between requests the regex engine's code is cold, and cost 40 us a request at 50 req/s.
+# on a router idle between requests the regex engine's code is cold (with the two regexes, parsing a head took
+# 45 us at 50 req/s, 5.5 us in a loop).
 _TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _VALUE_CHARS = bytes([0x09, *range(0x20, 0x7f)])
 _HAND_OVER = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
