@@ -50,6 +50,15 @@ FLEET_ARGS: list[list[str]] = [
 ]
 SMALL, ROOMY = 0, 1
 
+# The same two servers, but ROOMY runs the tiny model 6x as deep (12 layers instead of 2: vLLM's --hf-overrides on the
+# same dummy-weight model directory), so the replica with more slots and KV is the slower one. No fleet the shipped
+# policy trained on was like this (its roomier GPUs were also its faster ones): a fleet its prior gets wrong, for the
+# learning-from-the-fleet bench (tests/bench/fleet_finetune.py --fleet slow-roomy).
+SLOW_ROOMY_FLEET_ARGS: list[list[str]] = [
+    FLEET_ARGS[SMALL],
+    [*FLEET_ARGS[ROOMY], "--hf-overrides", json.dumps({"num_hidden_layers": 12})],
+]
+
 # ---------------------------------------------------------------------------------------------------------------
 # Tiny model (runs in the vLLM venv)
 # ---------------------------------------------------------------------------------------------------------------

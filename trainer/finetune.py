@@ -18,6 +18,12 @@ same regression continues on what the live fleet really did, starting from the s
   treatment arm's bounded exploration share (router setting `ab_explore_share`, router/serving/promotion.py).
   The card counts how many samples each replica position and each decision source contributed.
 
+The regression's Huber loss fits the middle of each replica's log TTFT, so the model routes to the replica
+whose typical TTFT is lowest. A replica with a low median and a heavy tail (few batch slots: fast alone,
+queueing in bursts) then draws too much traffic for the p99. `quantile` (e.g. 0.9; `--quantile`) fits that
+quantile of log TTFT with the pinball loss instead, so the argmax goes to the replica whose tail is lowest; the
+fit's criterion (early stopping, `follow`'s hand-over) is then the pinball loss, and the MAE is still reported.
+
 Early stopping: the newest 15 % of the training part picks the epoch kept (the initial weights
 count as epoch 0), so a log too small or too noisy to learn from does not make the model worse there.
 
@@ -59,6 +65,7 @@ class FinetuneConfig:
     anchor: float = 0.1  # weight of the unchosen replicas' pull towards the initial model's logits
     early_stop: float = 0.15  # newest share of the training part scored per epoch to pick the epoch kept
     pair_window_s: float = 0.5  # decisions this close in time count as "at the same moment"
+    quantile: float | None = None  # fit this quantile of log TTFT (pinball loss) instead of its middle (Huber)
     max_records: int | None = None  # newest samples to use (None: all)
     seed: int = 0
 
@@ -67,6 +74,8 @@ class FinetuneConfig:
             raise FinetuneError(f"early_stop={self.early_stop}: must be within [0, 1)")
         if not 0.0 < self.holdout < 1.0:
             raise FinetuneError(f"holdout={self.holdout}: must be within (0, 1)")
+        if self.quantile is not None and not 0.0 < self.quantile < 1.0:
+            raise FinetuneError(f"quantile={self.quantile}: must be within (0, 1)")
         if self.epochs < 0 or self.batch_size < 1 or not self.lr > 0 or self.anchor < 0:
             raise FinetuneError(f"epochs >= 0, batch_size >= 1, lr > 0, anchor >= 0 expected, got {self}")
 
@@ -247,22 +256,25 @@ def fit(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float) -> lis
 
     def score() -> float:  # c from the scored part itself: one constant, and no extra pass over the fitted part
         logits = all_logits(net, stop_part)
+        if cfg.quantile is not None:
+            return pinball_score(logits, stop_part, cfg.quantile)
         return prediction_errors(logits, calibrate(logits, stop_part), stop_part, cfg.pair_window_s)["mae_log_ttft"]
 
+    key = "early_stop_mae_log_ttft" if cfg.quantile is None else f"early_stop_pinball_q{cfg.quantile:g}"
     best = (score(), 0, copy.deepcopy(net.state_dict())) if stop_part is not None else None
-    history = _epochs(net, fit_part, cfg, c0, score if stop_part is not None else None)
+    history = _epochs(net, fit_part, cfg, c0, score if stop_part is not None else None, key)
     if best is not None:
         for k, h in enumerate(history, 1):
-            if h["early_stop_mae_log_ttft"] < best[0]:
-                best = (h["early_stop_mae_log_ttft"], k, h.pop("_state"))
+            if h[key] < best[0]:
+                best = (h[key], k, h.pop("_state"))
             h.pop("_state", None)
         net.load_state_dict(best[2])
-        history.append({"kept_epoch": best[1], "early_stop_mae_log_ttft": best[0]})
+        history.append({"kept_epoch": best[1], key: best[0]})
     net.eval()
     return history
 
 
-def _epochs(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float, score) -> list[dict]:
+def _epochs(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float, score, key: str) -> list[dict]:
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     f = torch.from_numpy(data.features)
@@ -282,7 +294,10 @@ def _epochs(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float, sc
             idx = perm[s : s + cfg.batch_size]
             logits = net.logits(f[idx], m[idx])
             pred = offset - logits.gather(1, a[idx])[:, 0] / LOGIT_SCALE
-            loss = nn.functional.huber_loss(pred, y[idx], delta=1.0)
+            if cfg.quantile is None:
+                loss = nn.functional.huber_loss(pred, y[idx], delta=1.0)
+            else:
+                loss = pinball_loss(y[idx] - pred, cfg.quantile)
             if cfg.anchor > 0:
                 others = m[idx].clone()
                 others.scatter_(1, a[idx], 0.0)
@@ -296,11 +311,33 @@ def _epochs(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float, sc
         stats: dict = {"loss": round(tot / n, 5)}
         if score is not None:
             net.eval()
-            stats |= {"early_stop_mae_log_ttft": score(), "_state": copy.deepcopy(net.state_dict())}
+            stats |= {key: score(), "_state": copy.deepcopy(net.state_dict())}
             net.train()
         history.append(stats)
     net.eval()
     return history
+
+
+def pinball_loss(residual: torch.Tensor, q: float) -> torch.Tensor:
+    """The quantile (pinball) loss of `residual` = observed - predicted: minimised by the q-quantile."""
+    return torch.mean(torch.maximum(q * residual, (q - 1.0) * residual))
+
+
+def _residual_before_offset(logits: np.ndarray, data: FleetData) -> np.ndarray:
+    """observed - predicted log TTFT on the chosen replicas, before the constant c is added to the prediction."""
+    return log_target(data.ttft_s) + logits[np.arange(len(data)), data.actions] / LOGIT_SCALE
+
+
+def quantile_offset(logits: np.ndarray, data: FleetData, q: float) -> float:
+    """The constant c minimising the pinball loss at quantile q on `data` (the residuals' q-quantile)."""
+    return float(np.quantile(_residual_before_offset(logits, data), q))
+
+
+def pinball_score(logits: np.ndarray, data: FleetData, q: float, c: float | None = None) -> float:
+    """Pinball loss of log TTFT on `data` at quantile q, with the constant c (default: the one best on `data`)."""
+    r = _residual_before_offset(logits, data)
+    r = r - (np.quantile(r, q) if c is None else c)
+    return round(float(np.mean(np.maximum(q * r, (q - 1.0) * r))), 4)
 
 
 @dataclass
@@ -316,15 +353,23 @@ class FinetuneReport:
     after: dict
     wall_s: float
     baselines: dict  # baseline_errors on the same held-out part
+    quantile: float | None = None  # FinetuneConfig.quantile: the fit's criterion is then the pinball loss
+
+    @property
+    def criterion(self) -> str:
+        """The held-out error the fit minimised: a key of `before` and `after`."""
+        return "mae_log_ttft" if self.quantile is None else "pinball_log_ttft"
 
     def summary(self) -> str:
         b, a = self.before, self.after
         acc = lambda d: "n/a" if d["pair_order_accuracy"] is None else f"{d['pair_order_accuracy']:.3f}"  # noqa: E731
+        pinball = (f"held-out pinball loss of log TTFT at q={self.quantile:g} (the fit's criterion): "
+                   f"{b['pinball_log_ttft']:.4f} -> {a['pinball_log_ttft']:.4f}\n") if self.quantile is not None else ""
         return (
             f"{self.records} records, {self.train_samples} train / {self.val_samples} held-out samples "
             f"(skipped {self.skipped or 'none'})\n"
             f"held-out MAE of log TTFT: {b['mae_log_ttft']:.4f} -> {a['mae_log_ttft']:.4f}; "
-            f"pair order accuracy ({a['pairs']} pairs): {acc(b)} -> {acc(a)}\n"
+            f"pair order accuracy ({a['pairs']} pairs): {acc(b)} -> {acc(a)}\n{pinball}"
             f"baselines fitted on the same training part, held-out MAE: constant {self.baselines['constant']:.4f}, "
             f"ridge on the chosen replica's features {self.baselines['ridge_chosen_replica']:.4f}\n"
             f"wrote {self.out} ({self.policy_version}) and {self.card} in {self.wall_s:.1f}s"
@@ -358,10 +403,17 @@ def finetune(decision_log: str | Path, init: str | Path, out: str | Path, cfg: F
     train, val = split(data, cfg.holdout)
     ref_train = all_logits(net, train)
     c0 = calibrate(ref_train, train)
-    before = prediction_errors(all_logits(net, val), c0, val, cfg.pair_window_s)
-    history = fit(net, train, cfg, c0)
-    c1 = calibrate(all_logits(net, train), train)
-    after = prediction_errors(all_logits(net, val), c1, val, cfg.pair_window_s)
+    val_before = all_logits(net, val)
+    before = prediction_errors(val_before, c0, val, cfg.pair_window_s)
+    offset0 = c0 if cfg.quantile is None else quantile_offset(ref_train, train, cfg.quantile)  # where the fit starts
+    history = fit(net, train, cfg, offset0)
+    train_after, val_after = all_logits(net, train), all_logits(net, val)
+    c1 = calibrate(train_after, train)
+    after = prediction_errors(val_after, c1, val, cfg.pair_window_s)
+    if cfg.quantile is not None:  # the fit's own criterion on the held-out part, c from the training part
+        q = cfg.quantile
+        before["pinball_log_ttft"] = pinball_score(val_before, val, q, offset0)
+        after["pinball_log_ttft"] = pinball_score(val_after, val, q, quantile_offset(train_after, train, q))
     baselines = baseline_errors(train, val)
     version = f"{meta['policy_version'].split('+ft')[0]}+ft{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
     per_replica = np.bincount(data.actions, minlength=data.masks.shape[1]).tolist()
@@ -404,4 +456,4 @@ def finetune(decision_log: str | Path, init: str | Path, out: str | Path, cfg: F
     finally:
         tmp.unlink(missing_ok=True)
     return FinetuneReport(str(out), str(card_path), version, data.records, len(train), len(val), data.skipped,
-                          before, after, card["wall_s"], baselines)
+                          before, after, card["wall_s"], baselines, cfg.quantile)

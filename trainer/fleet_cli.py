@@ -20,7 +20,14 @@ def _finetune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--early-stop", type=float, default=0.15,
                    help="newest share of the training part scored each epoch; the best epoch is kept (0 = off; default 0.15)")
     p.add_argument("--max-records", type=int, help="use only the newest N usable records")
+    _quantile_argument(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _quantile_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantile", type=float, default=None,
+                   help="fit this quantile of each replica's log TTFT (pinball loss, e.g. 0.9: route by the tail) instead "
+                        "of its middle (Huber; the default)")
 
 
 def _finetune(args: argparse.Namespace) -> int:
@@ -29,7 +36,7 @@ def _finetune(args: argparse.Namespace) -> int:
     from trainer.finetune import FinetuneConfig, finetune
 
     cfg = FinetuneConfig(holdout=args.holdout, epochs=args.epochs, lr=args.lr, anchor=args.anchor, max_records=args.max_records,
-                         early_stop=args.early_stop)
+                         early_stop=args.early_stop, quantile=args.quantile)
     report = finetune(args.decision_log, args.init, args.out, cfg)
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0
@@ -45,8 +52,10 @@ def _follow_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--every-records", type=int, default=5000, help="fine-tune again after this many new log records (default 5000)")
     p.add_argument("--interval-s", type=float, default=30.0, help="how often to look at the log (default 30 s)")
     p.add_argument("--min-improvement", type=float, default=0.0,
-                   help="hand over only candidates whose held-out MAE of log TTFT beats the starting model's by this much")
+                   help="hand over only candidates whose held-out error (MAE of log TTFT; with --quantile, the pinball "
+                        "loss) beats the starting model's by this much")
     p.add_argument("--max-records", type=int, default=50_000, help="fit on the newest N usable records (default 50000)")
+    _quantile_argument(p)
     p.add_argument("--once", action="store_true", help="one round (if due), then exit")
 
 
@@ -59,7 +68,7 @@ def _follow(args: argparse.Namespace) -> int:
     token = args.admin_token or os.environ.get("ROUTEWISE_ADMIN_TOKEN")
     follower = Follower(args.decision_log, args.models, init=args.init, router=args.router, admin_token=token,
                         every_records=args.every_records, min_improvement=args.min_improvement,
-                        config=FinetuneConfig(max_records=args.max_records))
+                        config=FinetuneConfig(max_records=args.max_records, quantile=args.quantile))
     if args.once:
         print(json.dumps(follower.step(), indent=2))
         return 0

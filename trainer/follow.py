@@ -130,12 +130,12 @@ class Follower:
             round_doc |= {"action": "failed", "error": str(exc)}
             self._finish(round_doc, counts, seq=self.state["seq"])  # do not retry on the same records
             return round_doc
-        gain = report.before["mae_log_ttft"] - report.after["mae_log_ttft"]
+        key = report.criterion
+        gain = report.before[key] - report.after[key]
         round_doc |= {"candidate": str(out), "report": asdict(report)}
         if gain < self.min_improvement:
             round_doc["action"] = "kept_base"
-            log.info("candidate %s not handed over: held-out MAE %.4f -> %.4f", out, report.before["mae_log_ttft"],
-                     report.after["mae_log_ttft"])
+            log.info("candidate %s not handed over: held-out %s %.4f -> %.4f", out, key, report.before[key], report.after[key])
         elif self.router is None:
             round_doc["action"] = "written"
         else:

@@ -1,18 +1,22 @@
 """Learning from the fleet on real vLLM CPU servers: fine-tuned vs shipped learned vs heuristics.
 
-    flock /work/wt/vllm.lock .venv/bin/python tests/bench/fleet_finetune.py [--segment-s 60] [--rate 6]
+    .venv/bin/python tests/bench/fleet_finetune.py [--fleet capacity|slow-roomy] [--rate 8] [--train-s 240]
+        [--segment-s 60] [--repeats 4] [--also-quantile 0.9] [--keep DIR]
 
-Two real vLLM servers (tiny model, one core each), heterogeneous as the e2e fleet
-(fleet/vllm.py FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues
-and preempts), ROOMY 16 slots and 16 MB. The shipped policy's simulator prior knows H100/A100-class
-replicas with hundreds of slots, not a replica that saturates at 4.
+Two real vLLM servers (tiny model, one core each). `--fleet capacity` (default) is the e2e fleet (fleet/vllm.py
+FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues and preempts), ROOMY 16 slots and 16 MB.
+`--fleet slow-roomy` (SLOW_ROOMY_FLEET_ARGS) gives ROOMY a model 6x as deep, so the roomier replica is the
+slower one: a fleet the shipped policy's simulator prior gets wrong (its roomier GPUs were its faster ones).
 1. Segment A (earlier traffic) goes through the router with the shipped learned policy, the
    decision log on and a bounded exploration share (`ab_explore_share`, default 0.2: the router's
-   answer to bandit feedback); `trainer finetune` fits on that log (its newest 20 % held out).
+   answer to bandit feedback); `trainer finetune` fits on that log (its newest 20 % held out);
+   `--also-quantile Q` fits a second model to the Q-quantile of log TTFT (`trainer finetune --quantile`).
 2. Segment B (later traffic: the same generator, another seed) is replayed, with the same arrivals,
    prompts and lengths, through a fresh router for each policy: least-outstanding, expected-wait,
-   the shipped learned policy, and the fine-tuned one. Printed: p50/p99 TTFT per policy (client side,
-   streamed, first SSE event), and the prediction error on segment B's own decision log (unseen by
+   the shipped learned policy, and the fine-tuned one(s); `--repeats N` replays it N times, each policy
+   first in turn, and pools the repeats. Printed: p50/p99 TTFT per policy (client side, streamed, first SSE
+   event) with the p99's 95 % bootstrap interval and each repeat's p99, the share of requests sent to SMALL
+   (from each router's decision log), and the prediction error on segment B's own decision log (unseen by
    the fit) before (shipped) and after (fine-tuned).
 Requests: streamed completions with `ignore_eos`, Poisson arrivals, prompts of 10-150 words
 (lognormal; the longest with 160 output tokens still fit the servers' 1024-token context), 16-160 output tokens.
@@ -34,11 +38,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from fleet.fidelity import interval95, p99_bootstrap  # noqa: E402
+from fleet.fidelity import interval95, p99_bootstrap, rotated  # noqa: E402
 from fleet.router_process import start_router  # noqa: E402
 from fleet.vllm import (  # noqa: E402
-    FLEET_ARGS, SERVED_MODEL_NAME, ensure_tiny_model, start_servers, stop_servers, vllm_python,
+    FLEET_ARGS, SERVED_MODEL_NAME, SLOW_ROOMY_FLEET_ARGS, SMALL, ensure_tiny_model, start_servers, stop_servers, vllm_python,
 )
+
+FLEETS = {"capacity": FLEET_ARGS, "slow-roomy": SLOW_ROOMY_FLEET_ARGS}
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
@@ -122,6 +128,13 @@ def error_floor(log_dir: Path) -> dict[str, float]:
     return {"constant": b["constant"], "ridge_on_same_traffic": b["ridge_chosen_replica"]}
 
 
+def share_on(log_dir: Path, replica: str) -> float:
+    """The share of first attempts the router sent to `replica` (host:port), from its decision log."""
+    picks = [rec["replica"] for path in sorted(log_dir.rglob("*.jsonl")) for line in path.read_text().splitlines()
+             if (rec := json.loads(line)).get("attempt") == 0]
+    return sum(p == replica for p in picks) / max(1, len(picks))
+
+
 def pct(xs: list[float | None], q: float) -> float:
     ok = [x for x in xs if x is not None]
     return float(np.percentile(ok, q)) if ok else float("nan")
@@ -134,6 +147,14 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s (default 4)")
     ap.add_argument("--explore", type=float, default=0.2, help="exploration share while segment A is logged (default 0.2)")
     ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="replay segment B this many times per policy, each policy first in turn; figures pool the "
+                         "repeats (default 1)")
+    ap.add_argument("--fleet", choices=sorted(FLEETS), default="capacity",
+                    help="capacity: SMALL (4 slots, 2 MB KV) and ROOMY (16, 16 MB); slow-roomy: the same, ROOMY running "
+                         "a 6x deeper model, so the roomier replica is the slower one (default capacity)")
+    ap.add_argument("--also-quantile", type=float,
+                    help="also fit a model to this quantile of log TTFT (trainer finetune --quantile) and replay it too")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", type=Path, help="copy the decision logs and the fine-tuned model here (to refit offline)")
     args = ap.parse_args()
@@ -147,7 +168,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="routewise-fleet-ft-"))
     seg_a = segment(1, args.train_s, args.rate)
     seg_b = segment(2, args.segment_s, args.rate)
-    servers = start_servers(2, ensure_tiny_model(work / "model", python), python, work, extra_args=FLEET_ARGS)
+    servers = start_servers(2, ensure_tiny_model(work / "model", python), python, work, extra_args=FLEETS[args.fleet])
     try:
         urls = [s.base_url for s in servers]
         t = time.perf_counter()
@@ -160,25 +181,44 @@ def main() -> int:
         results = {}
         policies = {"least-outstanding": "least-outstanding", "expected-wait": "expected-wait",
                     "learned (shipped)": str(shipped), "learned (fine-tuned)": str(work / "finetuned.onnx")}
-        for name, policy in policies.items():
-            log_dir = work / "log-b-shipped" if name == "learned (shipped)" else None
-            ttfts = run_policy(urls, policy, seg_b, work, log_dir)
+        models = {"shipped": shipped, "fine-tuned": work / "finetuned.onnx"}
+        if args.also_quantile is not None:  # a second fit of the same log, to its tail: replayed and scored beside
+            name = f"fine-tuned q{args.also_quantile:g}"
+            models[name] = work / "finetuned-quantile.onnx"
+            report_q = finetune(work / "log-a", shipped, models[name], FinetuneConfig(epochs=args.epochs, quantile=args.also_quantile))
+            print(f"{name}: {report_q.summary()}", flush=True)
+            policies[f"learned ({name})"] = str(models[name])
+        small = urls[SMALL].split("//", 1)[1]
+        log_dirs = {name: work / ("log-b-shipped" if name == "learned (shipped)" else f"log-b-{k}")
+                    for k, name in enumerate(policies)}
+        pooled: dict[str, list[float | None]] = {name: [] for name in policies}
+        per_repeat: dict[str, list[float]] = {name: [] for name in policies}
+        for repeat in range(args.repeats):  # the same segment again, each policy first in turn
+            for name in rotated(list(policies), repeat):
+                ttfts = run_policy(urls, policies[name], seg_b, work, log_dirs[name])
+                pooled[name] += ttfts
+                per_repeat[name].append(pct(ttfts, 99))
+                print(f"  [{repeat + 1}/{args.repeats}] {name:26s} p50 {pct(ttfts, 50) * 1e3:7.1f} ms  "
+                      f"p99 {pct(ttfts, 99) * 1e3:7.1f} ms  failed {sum(x is None for x in ttfts)}", flush=True)
+        for name, ttfts in pooled.items():
             (boot,) = p99_bootstrap([[x for x in ttfts if x is not None]])
             results[name] = {"p50_s": pct(ttfts, 50), "p99_s": pct(ttfts, 99), "failed": sum(x is None for x in ttfts),
-                             "p99_ci95_s": interval95(boot)}
-            print(f"  {name:22s} p50 {results[name]['p50_s'] * 1e3:7.1f} ms  p99 {results[name]['p99_s'] * 1e3:7.1f} ms  "
-                  f"failed {results[name]['failed']}", flush=True)
-        unseen = errors_on(work / "log-b-shipped", {"shipped": shipped, "fine-tuned": work / "finetuned.onnx"})
+                             "p99_ci95_s": interval95(boot), "p99_per_repeat_s": per_repeat[name],
+                             "share_small": share_on(log_dirs[name], small)}
+        unseen = errors_on(work / "log-b-shipped", models)
         floor = error_floor(work / "log-b-shipped")
     finally:
         stop_servers(servers)
     best_h = min(results["least-outstanding"]["p99_s"], results["expected-wait"]["p99_s"])
     ft, sh = results["learned (fine-tuned)"]["p99_s"], results["learned (shipped)"]["p99_s"]
-    print(f"\nsegment B ({len(seg_b)} requests, {args.rate}/s for {args.segment_s:.0f}s), TTFT per policy:")
+    print(f"\nsegment B ({len(seg_b)} requests, {args.rate}/s for {args.segment_s:.0f}s, x{args.repeats} pooled), "
+          f"TTFT per policy (p99 95 % interval; p99 of each repeat):")
     for name, r in results.items():
         ci = r["p99_ci95_s"]  # None when no request of that policy succeeded
-        print(f"  {name:22s} p50 {r['p50_s'] * 1e3:7.1f} ms   p99 {r['p99_s'] * 1e3:7.1f} ms "
-              + ("[-]" if ci is None else f"[{ci[0] * 1e3:.0f}, {ci[1] * 1e3:.0f}]") + f"   failed {r['failed']}")
+        print(f"  {name:26s} p50 {r['p50_s'] * 1e3:7.1f} ms   p99 {r['p99_s'] * 1e3:7.1f} ms "
+              + ("[-]" if ci is None else f"[{ci[0] * 1e3:.0f}, {ci[1] * 1e3:.0f}]")
+              + f"   failed {r['failed']}   to SMALL {r['share_small']:.0%}   "
+              + " / ".join(f"{x * 1e3:.0f}" for x in r["p99_per_repeat_s"]))
     print(f"fine-tuned p99 < shipped p99: {ft < sh} ({ft * 1e3:.1f} vs {sh * 1e3:.1f} ms); "
           f"<= best heuristic p99: {ft <= best_h} ({best_h * 1e3:.1f} ms)")
     ft_ci, sh_ci = results["learned (fine-tuned)"]["p99_ci95_s"], results["learned (shipped)"]["p99_ci95_s"]
@@ -201,7 +241,7 @@ def main() -> int:
                           "unseen": unseen, "unseen_yardsticks": floor}, indent=2))
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
-        for name in ("log-a", "log-b-shipped", "finetuned.onnx"):
+        for name in ("log-a", "log-b-shipped", "finetuned.onnx", "finetuned-quantile.onnx"):
             src, dst = work / name, args.keep / name
             if src.is_dir():
                 shutil.copytree(src, dst, dirs_exist_ok=True)

@@ -181,3 +181,53 @@ def test_simulated_log_of_a_crash_marks_retries_and_no_negative_ttft(tmp_path):
     assert all(r["ttft_s"] is None or r["ttft_s"] >= 0 for r in recs)
     data = read_fleet_log(tmp_path)
     assert data.skipped["retry"] == sum(r["attempt"] > 0 for r in recs)
+
+
+def test_pinball_loss_is_least_at_its_quantile_and_a_bad_quantile_is_named():
+    import torch
+
+    from trainer.finetune import pinball_loss
+
+    x = torch.from_numpy(np.random.default_rng(0).lognormal(0.0, 1.0, 4001))
+    grid = torch.linspace(0.0, 8.0, 801)
+    losses = torch.stack([pinball_loss(x - c, 0.9) for c in grid])
+    assert float(grid[int(losses.argmin())]) == pytest.approx(float(torch.quantile(x, 0.9)), abs=0.02)
+    with pytest.raises(FinetuneError, match="quantile=1.5"):
+        FinetuneConfig(quantile=1.5)
+
+
+def test_a_quantile_fit_routes_by_the_tail_where_the_middle_misleads():
+    """Half the replicas (feature 0 = 2) are fast alone but queue in bursts: log TTFT -3.5, or -1.5 one time in
+    five; the others a steady -3.0. The median says the bursty ones are faster, the 0.9 quantile the opposite.
+    Fitted on the same decisions from the shipped weights, the Huber fit picks the bursty replicas and the
+    q=0.9 fit the steady ones."""
+    import torch
+
+    from router.policy.features import N_FEATURES
+    from trainer.finetune import fit
+    from trainer.fleet_log import FleetData
+
+    rng = np.random.default_rng(5)
+
+    def data(n: int) -> tuple[FleetData, np.ndarray]:
+        feats = rng.uniform(0.0, 1.0, size=(n, 4, N_FEATURES)).astype(np.float32)
+        bursty = rng.uniform(size=(n, 4)) < 0.5
+        bursty[:, 0], bursty[:, 1] = True, False  # every view offers both kinds
+        feats[:, :, 0] = np.where(bursty, 2.0, 0.0)
+        actions = rng.integers(0, 4, n)
+        on_bursty = bursty[np.arange(n), actions]
+        log_ttft = np.where(on_bursty, -3.5 + 2.0 * (rng.uniform(size=n) < 0.2), -3.0) + rng.normal(0.0, 0.05, n)
+        return FleetData(feats, np.ones((n, 4), np.float32), actions, np.exp(log_ttft), np.arange(n) * 0.1, [], n), bursty
+
+    train, _ = data(1500)
+    test, bursty = data(1000)
+
+    def steady_share(quantile: float | None) -> float:
+        torch.manual_seed(0)
+        net, _ = load_init_model(DEFAULT_MODEL_PATH)
+        fit(net, train, FinetuneConfig(epochs=20, batch_size=128, anchor=0.0, early_stop=0.0, quantile=quantile), c0=-3.0)
+        pick = all_logits(net, test).argmax(1)
+        return float(np.mean(~bursty[np.arange(len(test)), pick]))
+
+    middle, tail = steady_share(None), steady_share(0.9)
+    assert middle < 0.3 and tail > 0.7, (middle, tail)
