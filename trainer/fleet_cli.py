@@ -24,10 +24,15 @@ def _finetune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def _quantile(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def _quantile_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantile", type=float, default=None,
-                   help="fit this quantile of each replica's log TTFT (pinball loss, e.g. 0.9: route by the tail) instead "
-                        "of its middle (Huber; the default)")
+    p.add_argument("--quantile", type=_quantile, default=0.9,
+                   help="fit this quantile of each replica's log TTFT (pinball loss; default 0.9: the policy routes by "
+                        "the replicas' tail); 'none' fits the middle (Huber), which favours a replica that is fast alone "
+                        "but queues in bursts")
 
 
 def _finetune(args: argparse.Namespace) -> int:

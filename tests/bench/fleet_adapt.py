@@ -45,7 +45,7 @@ def adapt(scenario: str, folder: Path, args: argparse.Namespace) -> dict:
     simulate_log(scenario, log_dir, behaviour=LEARNED, epsilon=args.epsilon, episodes=args.episodes,
                  max_requests=args.max_requests, seed=args.log_seed)
     model = here / "fine-tuned.onnx"
-    report = finetune(log_dir, DEFAULT_MODEL_PATH, model, FinetuneConfig(quantile=args.quantile))
+    report = finetune(log_dir, DEFAULT_MODEL_PATH, model, FinetuneConfig(quantile=None if args.quantile == "none" else float(args.quantile)))
     ab = compare([scenario], [LEARNED, str(model)], args.ab_seeds, split="train", workers=args.workers, progress=False)
     ab_p99 = {r["policy"]: r["ttft_p99_s"] for r in ab["results"]}
     doc = compare([scenario], [*HEURISTICS, LEARNED, str(model)], args.seeds, workers=args.workers, progress=False)
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=1000, help="requests per logged episode (default 1000)")
     ap.add_argument("--log-seed", type=int, default=1, help="seed of the logged episodes and exploration")
     ap.add_argument("--ab-seeds", type=int, default=3, help="TRAIN-window seeds of the promotion A/B (default 3)")
-    ap.add_argument("--quantile", type=float, default=None,
-                    help="fine-tune to this quantile of log TTFT (trainer finetune --quantile; default: the middle)")
+    ap.add_argument("--quantile", default="0.9",
+                    help="trainer finetune --quantile: a quantile of log TTFT, or none for the middle (default 0.9)")
     ap.add_argument("--keep", type=Path, help="keep the logs and fine-tuned models here")
     ap.add_argument("--json", action="store_true", help="print the summaries as JSON")
     args = ap.parse_args(argv)

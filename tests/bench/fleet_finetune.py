@@ -1,7 +1,7 @@
 """Learning from the fleet on real vLLM CPU servers: fine-tuned vs shipped learned vs heuristics.
 
     .venv/bin/python tests/bench/fleet_finetune.py [--fleet capacity|slow-roomy] [--rate 8] [--train-s 240]
-        [--segment-s 60] [--repeats 4] [--also-quantile 0.9] [--keep DIR]
+        [--segment-s 60] [--repeats 4] [--also-quantile none] [--keep DIR]
 
 Two real vLLM servers (tiny model, one core each). `--fleet capacity` (default) is the e2e fleet (fleet/vllm.py
 FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues and preempts), ROOMY 16 slots and 16 MB.
@@ -9,8 +9,8 @@ FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues and preem
 slower one: a fleet the shipped policy's simulator prior gets wrong (its roomier GPUs were its faster ones).
 1. Segment A (earlier traffic) goes through the router with the shipped learned policy, the
    decision log on and a bounded exploration share (`ab_explore_share`, default 0.2: the router's
-   answer to bandit feedback); `trainer finetune` fits on that log (its newest 20 % held out);
-   `--also-quantile Q` fits a second model to the Q-quantile of log TTFT (`trainer finetune --quantile`).
+   answer to bandit feedback); `trainer finetune` fits on that log (its newest 20 % held out; the 0.9 quantile
+   of log TTFT, its default); `--also-quantile Q|none` fits a second model (`trainer finetune --quantile Q`).
 2. Segment B (later traffic: the same generator, another seed) is replayed, with the same arrivals,
    prompts and lengths, through a fresh router for each policy: least-outstanding, expected-wait,
    the shipped learned policy, and the fine-tuned one(s); `--repeats N` replays it N times, each policy
@@ -153,8 +153,9 @@ def main() -> int:
     ap.add_argument("--fleet", choices=sorted(FLEETS), default="capacity",
                     help="capacity: SMALL (4 slots, 2 MB KV) and ROOMY (16, 16 MB); slow-roomy: the same, ROOMY running "
                          "a 6x deeper model, so the roomier replica is the slower one (default capacity)")
-    ap.add_argument("--also-quantile", type=float,
-                    help="also fit a model to this quantile of log TTFT (trainer finetune --quantile) and replay it too")
+    ap.add_argument("--also-quantile", default="off",
+                    help="also fit a model with `trainer finetune --quantile` this value (a number, or none: the middle, "
+                         "Huber) and replay it too (default off)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", type=Path, help="copy the decision logs and the fine-tuned model here (to refit offline)")
     args = ap.parse_args()
@@ -182,10 +183,11 @@ def main() -> int:
         policies = {"least-outstanding": "least-outstanding", "expected-wait": "expected-wait",
                     "learned (shipped)": str(shipped), "learned (fine-tuned)": str(work / "finetuned.onnx")}
         models = {"shipped": shipped, "fine-tuned": work / "finetuned.onnx"}
-        if args.also_quantile is not None:  # a second fit of the same log, to its tail: replayed and scored beside
-            name = f"fine-tuned q{args.also_quantile:g}"
+        if args.also_quantile != "off":  # a second fit of the same log, replayed and scored beside the first
+            q = None if args.also_quantile == "none" else float(args.also_quantile)
+            name = "fine-tuned middle" if q is None else f"fine-tuned q{q:g}"
             models[name] = work / "finetuned-quantile.onnx"
-            report_q = finetune(work / "log-a", shipped, models[name], FinetuneConfig(epochs=args.epochs, quantile=args.also_quantile))
+            report_q = finetune(work / "log-a", shipped, models[name], FinetuneConfig(epochs=args.epochs, quantile=q))
             print(f"{name}: {report_q.summary()}", flush=True)
             policies[f"learned ({name})"] = str(models[name])
         small = urls[SMALL].split("//", 1)[1]
