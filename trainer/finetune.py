@@ -23,7 +23,8 @@ to the replica whose tail is lowest. A Huber fit (`quantile=None`, `--quantile n
 then a replica with a low median and a heavy tail (few batch slots: fast alone, queueing in bursts) draws too
 much traffic for the p99: on the simulated fleets of tests/bench/fleet_adapt.py the 0.9 quantile fit has the
 geometric mean p99 ratio to the best heuristic 0.970 against the middle fit's 1.024 (worst 1.47 vs 2.12), and on
-a real CPU fleet with such a replica 186 vs 250 ms p99 TTFT (tests/bench/README.md). The fit's criterion (early
+a real CPU fleet with such a replica 186 vs 250 and 283 vs 335 ms p99 TTFT in two pooled runs, the second inside
+the noise (tests/bench/README.md). The fit's criterion (early
 stopping, `follow`'s hand-over) is the pinball loss; the MAE is reported either way.
 
 Early stopping: the newest 15 % of the training part picks the epoch kept (the initial weights

@@ -24,12 +24,13 @@ def _finetune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _quantile(text: str) -> float | None:
-    return None if text.lower() == "none" else float(text)
+def parse_quantile(text: str) -> float | None:
+    """A `--quantile` value: a number, or `none` for the middle (Huber) fit."""
+    return None if text.strip().lower() == "none" else float(text)
 
 
 def _quantile_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantile", type=_quantile, default=0.9,
+    p.add_argument("--quantile", type=parse_quantile, default=0.9,
                    help="fit this quantile of each replica's log TTFT (pinball loss; default 0.9: the policy routes by "
                         "the replicas' tail); 'none' fits the middle (Huber), which favours a replica that is fast alone "
                         "but queues in bursts")

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED  # noqa: E402
 from simulator.experiments import compare, resolve_scenarios  # noqa: E402
 from trainer.finetune import FinetuneConfig, finetune  # noqa: E402
+from trainer.fleet_cli import parse_quantile  # noqa: E402
 from trainer.simlog import simulate_log  # noqa: E402
 
 HEURISTICS = list(BASELINES)
@@ -45,7 +46,7 @@ def adapt(scenario: str, folder: Path, args: argparse.Namespace) -> dict:
     simulate_log(scenario, log_dir, behaviour=LEARNED, epsilon=args.epsilon, episodes=args.episodes,
                  max_requests=args.max_requests, seed=args.log_seed)
     model = here / "fine-tuned.onnx"
-    report = finetune(log_dir, DEFAULT_MODEL_PATH, model, FinetuneConfig(quantile=None if args.quantile == "none" else float(args.quantile)))
+    report = finetune(log_dir, DEFAULT_MODEL_PATH, model, FinetuneConfig(quantile=args.quantile))
     ab = compare([scenario], [LEARNED, str(model)], args.ab_seeds, split="train", workers=args.workers, progress=False)
     ab_p99 = {r["policy"]: r["ttft_p99_s"] for r in ab["results"]}
     doc = compare([scenario], [*HEURISTICS, LEARNED, str(model)], args.seeds, workers=args.workers, progress=False)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=1000, help="requests per logged episode (default 1000)")
     ap.add_argument("--log-seed", type=int, default=1, help="seed of the logged episodes and exploration")
     ap.add_argument("--ab-seeds", type=int, default=3, help="TRAIN-window seeds of the promotion A/B (default 3)")
-    ap.add_argument("--quantile", default="0.9",
+    ap.add_argument("--quantile", type=parse_quantile, default=0.9,
                     help="trainer finetune --quantile: a quantile of log TTFT, or none for the middle (default 0.9)")
     ap.add_argument("--keep", type=Path, help="keep the logs and fine-tuned models here")
     ap.add_argument("--json", action="store_true", help="print the summaries as JSON")

@@ -164,6 +164,7 @@ def main() -> int:
         print("no vLLM venv (.venv-vllm or ROUTEWISE_VLLM_PYTHON)", file=sys.stderr)
         return 2
     from trainer.finetune import FinetuneConfig, finetune
+    from trainer.fleet_cli import parse_quantile
 
     shipped = REPO / "router" / "policy" / "models" / "default.onnx"
     work = Path(tempfile.mkdtemp(prefix="routewise-fleet-ft-"))
@@ -184,7 +185,7 @@ def main() -> int:
                     "learned (shipped)": str(shipped), "learned (fine-tuned)": str(work / "finetuned.onnx")}
         models = {"shipped": shipped, "fine-tuned": work / "finetuned.onnx"}
         if args.also_quantile != "off":  # a second fit of the same log, replayed and scored beside the first
-            q = None if args.also_quantile == "none" else float(args.also_quantile)
+            q = parse_quantile(args.also_quantile)
             name = "fine-tuned middle" if q is None else f"fine-tuned q{q:g}"
             models[name] = work / "finetuned-quantile.onnx"
             report_q = finetune(work / "log-a", shipped, models[name], FinetuneConfig(epochs=args.epochs, quantile=q))
