@@ -135,6 +135,11 @@ class WarmStartConfig(_Strict):
     ttft_floor_s: float = Field(
         0.0, ge=0, description="latency target: regress log(TTFT + this), weighting the slow tail over small differences"
     )
+    quantile: float | None = Field(
+        None, gt=0, lt=1,
+        description="latency target: fit this quantile of log TTFT (pinball loss), so the greedy pick is the replica "
+        "whose tail is lowest; null: the middle (Huber loss)",
+    )
     dagger_rounds: int = Field(
         2, ge=0, description="latency target: rounds of episodes routed by the fitted network (epsilon 0.1), each followed by epochs/2 more epochs on all data"
     )

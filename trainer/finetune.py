@@ -51,7 +51,7 @@ from torch import nn
 from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_FEATURES, model_inputs
 from trainer.config import NetworkConfig
 from trainer.fleet_log import FleetData, read_fleet_log
-from trainer.latency import LOGIT_SCALE, MIN_TTFT_S
+from trainer.latency import LOGIT_SCALE, MIN_TTFT_S, pinball_loss
 from trainer.network import RoutingNet
 
 
@@ -319,11 +319,6 @@ def _epochs(net: RoutingNet, data: FleetData, cfg: FinetuneConfig, c0: float, sc
         history.append(stats)
     net.eval()
     return history
-
-
-def pinball_loss(residual: torch.Tensor, q: float) -> torch.Tensor:
-    """The quantile (pinball) loss of `residual` = observed - predicted: minimised by the q-quantile."""
-    return torch.mean(torch.maximum(q * residual, (q - 1.0) * residual))
 
 
 def _residual_before_offset(logits: np.ndarray, data: FleetData) -> np.ndarray:

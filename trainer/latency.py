@@ -80,12 +80,17 @@ def fit_latency(
     seed: int = 0,
     progress: bool = True,
     floor_s: float = 0.0,
+    quantile: float | None = None,
 ) -> list[dict[str, float]]:
-    """Fit `net`'s logits (in place) so that c - logit[action] / LOGIT_SCALE predicts log(TTFT + floor_s)
-    (Huber loss). A floor of a fraction of a second spends the fit on the slow tail rather than on
-    telling 50 ms from 60 ms.
+    """Fit `net`'s logits (in place) so that c - logit[action] / LOGIT_SCALE predicts log(TTFT + floor_s):
+    its middle (Huber loss), or with `quantile` q its q-quantile (pinball loss), so that the argmax goes to the
+    replica whose tail is lowest rather than its median. A floor of a fraction of a second spends the fit on
+    the slow tail rather than on telling 50 ms from 60 ms.
 
-    Returns per-epoch {"warm/huber", "warm/rmse_log_ttft"}."""
+    Returns per-epoch {"warm/huber" or "warm/pinball", "warm/rmse_log_ttft"}."""
+    if quantile is not None and not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile={quantile}: must be within (0, 1)")
+    loss_name = "warm/huber" if quantile is None else "warm/pinball"
     gen = torch.Generator().manual_seed(seed)
     f = torch.from_numpy(features.astype(np.float32))
     m = torch.from_numpy(masks.astype(np.float32))
@@ -101,21 +106,29 @@ def fit_latency(
     bar = tqdm(range(epochs), desc="latency fit", unit="epoch", disable=not progress)
     for _ in bar:
         perm = torch.randperm(n, generator=gen)
-        tot_huber = tot_sq = 0.0
+        tot_loss = tot_sq = 0.0
         for start in range(0, n, batch_size):
             idx = perm[start : start + batch_size]
             logits = net.logits(f[idx], m[idx])
             pred = offset - logits.gather(1, a[idx])[:, 0] / LOGIT_SCALE
-            loss = nn.functional.huber_loss(pred, y[idx], delta=1.0)
+            if quantile is None:
+                loss = nn.functional.huber_loss(pred, y[idx], delta=1.0)
+            else:
+                loss = pinball_loss(y[idx] - pred, quantile)
             opt.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
             sched.step()
-            tot_huber += loss.item() * len(idx)
+            tot_loss += loss.item() * len(idx)
             tot_sq += float(((pred.detach() - y[idx]) ** 2).sum())
-        stats = {"warm/huber": tot_huber / n, "warm/rmse_log_ttft": float(np.sqrt(tot_sq / n))}
+        stats = {loss_name: tot_loss / n, "warm/rmse_log_ttft": float(np.sqrt(tot_sq / n))}
         history.append(stats)
         bar.set_postfix(rmse=f"{stats['warm/rmse_log_ttft']:.3f}")
     net.eval()
     return history
+
+
+def pinball_loss(residual: torch.Tensor, q: float) -> torch.Tensor:
+    """The quantile (pinball) loss of `residual` = observed - predicted: minimised by the q-quantile."""
+    return torch.mean(torch.maximum(q * residual, (q - 1.0) * residual))

@@ -200,7 +200,7 @@ def _latency_warm_start(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, rng
         history += fit_latency(  # later rounds continue on all data so far, with half the epochs
             net, feats, np.concatenate([d.masks for d in data]), np.concatenate([d.actions for d in data]),
             np.concatenate([d.ttft_s for d in data]), w.epochs if rnd == 0 else max(1, w.epochs // 2),
-            w.batch_size, w.lr, cfg.run.seed + rnd, progress, w.ttft_floor_s,
+            w.batch_size, w.lr, cfg.run.seed + rnd, progress, w.ttft_floor_s, w.quantile,
         )  # fmt: skip
         if rnd == w.dagger_rounds:
             break
@@ -488,7 +488,7 @@ def _csv_fields(cfg: TrainConfig) -> list[str]:
         "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/ref_kl",
         "losses/clipfrac", "losses/explained_variance", "losses/epochs", "charts/learning_rate", "charts/ent_coef",
         "charts/ref_kl_coef", "charts/load", "charts/decisions", "rollout/ttft_p90_s", "rollout/ttft_p99_s",
-        "rollout/slo_attainment", "rollout/paired_gain", "imitate/loss", "imitate/accuracy", "warm/huber",
+        "rollout/slo_attainment", "rollout/paired_gain", "imitate/loss", "imitate/accuracy", "warm/huber", "warm/pinball",
         "warm/rmse_log_ttft", "eval/score", "eval/worst_ratio", "eval/min_goodput_gap", "eval/fallback_free_share",
         "eval/ttft_p90_s", "eval/ttft_p99_s", "eval/slo_attainment",
     ]  # fmt: skip

@@ -3,6 +3,7 @@
     python -m simulator compare --scenario shapes --seeds 3 --workers 2 --late-binding --json > shapes.json
     python tests/bench/shapes_table.py shapes.json
     python tests/bench/shapes_table.py suite.json --learned runs/fleets/candidate.onnx   # a candidate model's row
+    python tests/bench/shapes_table.py suite.json shapes.json --models learned,runs/a.onnx,runs/b.onnx   # side by side
 
 Per scenario: the best per-request heuristic by mean p99 TTFT over seeds (and its ±95 % CI half-width), the
 learned policy's p99 and their ratio; the best late-binding heuristic (`<name>+late` rows, when present) and
@@ -84,17 +85,46 @@ def markdown(doc: dict, learned_name: str = LEARNED) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(docs: list[dict], models: list[str]) -> str:
+    """Per scenario, each model's p99 TTFT over the best per-request heuristic's (the same arrivals), then the
+    geometric mean and the worst ratio over the scenarios every model ran."""
+    ratios: dict[str, dict[str, float]] = {}
+    for doc in docs:
+        for m in models:
+            for r in rows(doc, m):
+                ratios.setdefault(r["scenario"], {})[m] = r["learned"]["ttft_p99_s"] / r["best"]["ttft_p99_s"]
+    full = {sc: by for sc, by in ratios.items() if all(m in by for m in models)}
+    if not full:
+        raise SystemExit(f"no scenario has a row for every one of {', '.join(models)}")
+    lines = ["| scenario | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
+    lines += [f"| {sc} | " + " | ".join(f"{by[m]:.2f}" for m in models) + " |" for sc, by in full.items()]
+    geo = [math.exp(sum(math.log(by[m]) for by in full.values()) / len(full)) for m in models]
+    lines.append(f"| geometric mean ({len(full)}) | " + " | ".join(f"{g:.3f}" for g in geo) + " |")
+    lines.append("| worst | " + " | ".join(f"{max(by[m] for by in full.values()):.2f}" for m in models) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("compare_json", help="output of `simulator compare --json`")
+    ap.add_argument("compare_json", nargs="+", help="output of `simulator compare --json` (several with --models)")
     ap.add_argument("--learned", default=LEARNED,
                     help="the policy whose row is the learned one, as compare names it (default: the shipped "
                          "`learned`; an .onnx path for a candidate)")
+    ap.add_argument("--models", help="comma-separated learned policies as compare names them: instead of the table, "
+                                      "each one's p99 over the best per-request heuristic side by side, with the "
+                                      "geometric mean and the worst scenario")
     args = ap.parse_args(argv)
-    with open(args.compare_json) as f:
-        doc = json.load(f)
-    print(f"seeds {doc['seeds']}, {doc['split']} split")
-    print(markdown(doc, args.learned))
+    docs = []
+    for path in args.compare_json:
+        with open(path) as f:
+            docs.append(json.load(f))
+    if args.models:
+        print(side_by_side(docs, args.models.split(",")))
+        return
+    if len(docs) > 1:
+        ap.error("several compare documents need --models")
+    print(f"seeds {docs[0]['seeds']}, {docs[0]['split']} split")
+    print(markdown(docs[0], args.learned))
 
 
 if __name__ == "__main__":

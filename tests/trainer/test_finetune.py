@@ -186,7 +186,7 @@ def test_simulated_log_of_a_crash_marks_retries_and_no_negative_ttft(tmp_path):
 def test_pinball_loss_is_least_at_its_quantile_and_a_bad_quantile_is_named():
     import torch
 
-    from trainer.finetune import pinball_loss
+    from trainer.latency import pinball_loss
 
     x = torch.from_numpy(np.random.default_rng(0).lognormal(0.0, 1.0, 4001))
     grid = torch.linspace(0.0, 8.0, 801)

@@ -64,6 +64,40 @@ def test_fit_ranks_replicas_by_the_latency_it_learned():
     assert np.mean(choice == test[..., k].argmin(1)) > 0.8
 
 
+def test_a_quantile_warm_start_ranks_replicas_by_their_tail():
+    """Bursty replicas (feature outstanding_prompt_tokens = 1) answer in e^-3.5 s, one time in five in e^-1.5 s;
+    steady ones (0) always in e^-3.0 s. The median favours the bursty replicas, the 0.9 quantile the steady
+    ones: the Huber fit picks bursty, warm_start.quantile 0.9 steady."""
+    rng = np.random.default_rng(1)
+    n, r = 3000, 4
+    k = FEATURE_NAMES.index("outstanding_prompt_tokens")
+    feats = np.zeros((n, r, N_FEATURES), np.float32)
+    feats[..., 0] = feats[..., 1] = 1.0
+    feats[..., k] = rng.random((n, r)) < 0.5
+    feats[:, 0, k], feats[:, 1, k] = 1.0, 0.0  # every view offers both kinds
+    masks = np.ones((n, r), np.float32)
+    actions = rng.integers(r, size=n)
+    on_bursty = feats[np.arange(n), actions, k] > 0.5
+    log_ttft = np.where(on_bursty, -3.5 + 2.0 * (rng.random(n) < 0.2), -3.0) + rng.normal(0.0, 0.05, n)
+
+    def steady_share(quantile: float | None) -> float:
+        torch.manual_seed(0)
+        net = RoutingNet(N_FEATURES, NetworkConfig(hidden=16, heads=2, layers=1))
+        net.normaliser.update(feats, masks)
+        history = fit_latency(net, feats, masks, actions, np.exp(log_ttft), epochs=10, batch_size=250, lr=1e-2,
+                              progress=False, quantile=quantile)
+        assert ("warm/huber" if quantile is None else "warm/pinball") in history[-1]
+        with torch.no_grad():
+            choice = net.logits(torch.from_numpy(feats[:500]), torch.ones(500, r)).argmax(1).numpy()
+        return float(np.mean(feats[np.arange(500), choice, k] < 0.5))
+
+    middle, tail = steady_share(None), steady_share(0.9)
+    assert middle < 0.3 and tail > 0.7, (middle, tail)
+    with pytest.raises(ValueError, match="quantile=1.0"):
+        fit_latency(RoutingNet(N_FEATURES, NetworkConfig(hidden=16, heads=2, layers=1)), feats, masks, actions,
+                    np.exp(log_ttft), epochs=1, batch_size=250, lr=1e-2, progress=False, quantile=1.0)
+
+
 def test_config_names_bad_behaviours_and_epsilons():
     with pytest.raises(ConfigError, match="warm_start.behaviours.*no-such-router"):
         config_from_dict({"env": ENV, "warm_start": {"behaviours": ["least-outstanding", "no-such-router"]}})
@@ -71,6 +105,8 @@ def test_config_names_bad_behaviours_and_epsilons():
         config_from_dict({"env": ENV, "warm_start": {"explore_epsilon": [0.1, 1.5]}})
     with pytest.raises(ConfigError, match="warm_start.ttft_floor_s"):
         config_from_dict({"env": ENV, "warm_start": {"ttft_floor_s": -0.1}})
+    with pytest.raises(ConfigError, match="warm_start.quantile"):
+        config_from_dict({"env": ENV, "warm_start": {"quantile": 1.2}})
     with pytest.raises(ConfigError, match="warm_start.target"):
         config_from_dict({"env": ENV, "warm_start": {"target": "guess"}})
 
