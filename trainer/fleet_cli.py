@@ -13,7 +13,9 @@ def _finetune_arguments(p: argparse.ArgumentParser) -> None:
                    "router/policy/models/default.onnx) or a training checkpoint (.pt)")
     p.add_argument("-o", "--out", required=True, help="the .onnx to write (atomically), with its model card beside it (.json)")
     p.add_argument("--holdout", type=float, default=0.2, help="newest share of the log held out for validation (default 0.2)")
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=4, help="passes over the log (default 4; raised by --min-steps)")
+    p.add_argument("--min-steps", type=int, default=120,
+                   help="at least this many optimiser steps: a small log gets more epochs (default 120; 0 = off)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--anchor", type=float, default=0.1,
                    help="pull of unchosen replicas' predictions towards the initial model's (bandit feedback; default 0.1)")
@@ -41,8 +43,8 @@ def _finetune(args: argparse.Namespace) -> int:
 
     from trainer.finetune import FinetuneConfig, finetune
 
-    cfg = FinetuneConfig(holdout=args.holdout, epochs=args.epochs, lr=args.lr, anchor=args.anchor, max_records=args.max_records,
-                         early_stop=args.early_stop, quantile=args.quantile)
+    cfg = FinetuneConfig(holdout=args.holdout, epochs=args.epochs, min_steps=args.min_steps, lr=args.lr, anchor=args.anchor,
+                         max_records=args.max_records, early_stop=args.early_stop, quantile=args.quantile)
     report = finetune(args.decision_log, args.init, args.out, cfg)
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0

@@ -46,7 +46,8 @@ def adapt(scenario: str, folder: Path, args: argparse.Namespace) -> dict:
     simulate_log(scenario, log_dir, behaviour=LEARNED, epsilon=args.epsilon, episodes=args.episodes,
                  max_requests=args.max_requests, seed=args.log_seed)
     model = here / "fine-tuned.onnx"
-    report = finetune(log_dir, DEFAULT_MODEL_PATH, model, FinetuneConfig(quantile=args.quantile))
+    report = finetune(log_dir, DEFAULT_MODEL_PATH, model, FinetuneConfig(quantile=args.quantile, epochs=args.epochs,
+                                                                           min_steps=args.min_steps))
     ab = compare([scenario], [LEARNED, str(model)], args.ab_seeds, split="train", workers=args.workers, progress=False)
     ab_p99 = {r["policy"]: r["ttft_p99_s"] for r in ab["results"]}
     doc = compare([scenario], [*HEURISTICS, LEARNED, str(model)], args.seeds, workers=args.workers, progress=False)
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-seeds", type=int, default=3, help="TRAIN-window seeds of the promotion A/B (default 3)")
     ap.add_argument("--quantile", type=parse_quantile, default=0.9,
                     help="trainer finetune --quantile: a quantile of log TTFT, or none for the middle (default 0.9)")
+    ap.add_argument("--epochs", type=int, default=FinetuneConfig.epochs,
+                    help=f"trainer finetune --epochs (default {FinetuneConfig.epochs})")
+    ap.add_argument("--min-steps", type=int, default=FinetuneConfig.min_steps,
+                    help=f"trainer finetune --min-steps (default {FinetuneConfig.min_steps}; 0: --epochs exactly)")
     ap.add_argument("--keep", type=Path, help="keep the logs and fine-tuned models here")
     ap.add_argument("--json", action="store_true", help="print the summaries as JSON")
     args = ap.parse_args(argv)

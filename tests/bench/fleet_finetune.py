@@ -1,7 +1,7 @@
 """Learning from the fleet on real vLLM CPU servers: fine-tuned vs shipped learned vs heuristics.
 
     .venv/bin/python tests/bench/fleet_finetune.py [--fleet capacity|slow-roomy] [--rate 8] [--train-s 240]
-        [--segment-s 60] [--repeats 4] [--also-quantile none] [--keep DIR]
+        [--segment-s 60] [--repeats 4] [--epochs 4 --min-steps 0] [--also-quantile none] [--also-epochs 40] [--keep DIR]
 
 Two real vLLM servers (tiny model, one core each). `--fleet capacity` (default) is the e2e fleet (fleet/vllm.py
 FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues and preempts), ROOMY 16 slots and 16 MB.
@@ -10,7 +10,8 @@ slower one: a fleet the shipped policy's simulator prior gets wrong (its roomier
 1. Segment A (earlier traffic) goes through the router with the shipped learned policy, the
    decision log on and a bounded exploration share (`ab_explore_share`, default 0.2: the router's
    answer to bandit feedback); `trainer finetune` fits on that log (its newest 20 % held out; the 0.9 quantile
-   of log TTFT, its default); `--also-quantile Q|none` fits a second model (`trainer finetune --quantile Q`).
+   of log TTFT, its default); `--also-quantile Q|none` and/or `--also-epochs N` fit a second model of the same
+   log (`trainer finetune --quantile Q --epochs N`).
 2. Segment B (later traffic: the same generator, another seed) is replayed, with the same arrivals,
    prompts and lengths, through a fresh router for each policy: least-outstanding, expected-wait,
    the shipped learned policy, and the fine-tuned one(s); `--repeats N` replays it N times, each policy
@@ -146,7 +147,8 @@ def main() -> int:
     ap.add_argument("--train-s", type=float, default=120.0, help="length of the earlier segment A (default 120 s)")
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s (default 4)")
     ap.add_argument("--explore", type=float, default=0.2, help="exploration share while segment A is logged (default 0.2)")
-    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=4, help="trainer finetune --epochs (default 4, as the command)")
+    ap.add_argument("--min-steps", type=int, default=120, help="trainer finetune --min-steps, both fits (default 120)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="replay segment B this many times per policy, each policy first in turn; figures pool the "
                          "repeats (default 1)")
@@ -156,6 +158,9 @@ def main() -> int:
     ap.add_argument("--also-quantile", default="off",
                     help="also fit a model with `trainer finetune --quantile` this value (a number, or none: the middle, "
                          "Huber) and replay it too (default off)")
+    ap.add_argument("--also-epochs", type=int,
+                    help="the second fit (--also-quantile's, or the default quantile's) with this many epochs instead "
+                         "of --epochs")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", type=Path, help="copy the decision logs and the fine-tuned model here (to refit offline)")
     args = ap.parse_args()
@@ -178,17 +183,20 @@ def main() -> int:
         print(f"segment A: {len(seg_a)} requests through the shipped policy ({args.explore:.0%} explored) "
               f"in {time.perf_counter() - t:.0f}s "
               f"({sum(x is None for x in ttft_a)} failed)", flush=True)
-        report = finetune(work / "log-a", shipped, work / "finetuned.onnx", FinetuneConfig(epochs=args.epochs))
+        report = finetune(work / "log-a", shipped, work / "finetuned.onnx",
+                          FinetuneConfig(epochs=args.epochs, min_steps=args.min_steps))
         print(report.summary(), flush=True)
         results = {}
         policies = {"least-outstanding": "least-outstanding", "expected-wait": "expected-wait",
                     "learned (shipped)": str(shipped), "learned (fine-tuned)": str(work / "finetuned.onnx")}
         models = {"shipped": shipped, "fine-tuned": work / "finetuned.onnx"}
-        if args.also_quantile != "off":  # a second fit of the same log, replayed and scored beside the first
-            q = parse_quantile(args.also_quantile)
-            name = "fine-tuned middle" if q is None else f"fine-tuned q{q:g}"
+        if args.also_quantile != "off" or args.also_epochs is not None:  # a second fit of the same log, replayed beside
+            q = FinetuneConfig.quantile if args.also_quantile == "off" else parse_quantile(args.also_quantile)
+            epochs = args.epochs if args.also_epochs is None else args.also_epochs
+            name = ("fine-tuned middle" if q is None else f"fine-tuned q{q:g}") + f" e{epochs}"
             models[name] = work / "finetuned-quantile.onnx"
-            report_q = finetune(work / "log-a", shipped, models[name], FinetuneConfig(epochs=args.epochs, quantile=q))
+            report_q = finetune(work / "log-a", shipped, models[name],
+                                FinetuneConfig(epochs=epochs, min_steps=args.min_steps, quantile=q))
             print(f"{name}: {report_q.summary()}", flush=True)
             policies[f"learned ({name})"] = str(models[name])
         small = urls[SMALL].split("//", 1)[1]

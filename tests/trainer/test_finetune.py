@@ -19,7 +19,7 @@ from trainer.fleet_log import FleetLogError, read_fleet_log
 from trainer.simlog import simulate_log
 
 MISFIT = str(Path(__file__).resolve().parents[1] / "data" / "fleet-misfit.yaml")
-FAST = FinetuneConfig(epochs=2)
+FAST = FinetuneConfig(epochs=2, min_steps=0)
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +194,27 @@ def test_pinball_loss_is_least_at_its_quantile_and_a_bad_quantile_is_named():
     assert float(grid[int(losses.argmin())]) == pytest.approx(float(torch.quantile(x, 0.9)), abs=0.02)
     with pytest.raises(FinetuneError, match="quantile=1.5"):
         FinetuneConfig(quantile=1.5)
+
+
+def test_a_small_log_gets_epochs_enough_for_min_steps_and_a_large_one_its_epochs():
+    cfg = FinetuneConfig(epochs=4, batch_size=512, min_steps=120)
+    assert cfg.epochs_for(1088) == 40  # 3 batches an epoch: a 1,600-record log's fitted part
+    assert cfg.epochs_for(34_000) == 4  # 67 batches an epoch: 268 steps already
+    assert FinetuneConfig(epochs=4, min_steps=0).epochs_for(1088) == 4
+    assert FinetuneConfig(epochs=0).epochs_for(1088) == 0  # no fit asked for, none made
+    with pytest.raises(FinetuneError, match="min_steps"):
+        FinetuneConfig(min_steps=-1)
+    from router.policy.features import N_FEATURES
+    from trainer.finetune import fit
+    from trainer.fleet_log import FleetData
+
+    rng = np.random.default_rng(2)
+    n = 250
+    data = FleetData(rng.uniform(0.0, 1.0, (n, 3, N_FEATURES)).astype(np.float32), np.ones((n, 3), np.float32),
+                     rng.integers(0, 3, n), np.exp(rng.normal(-3.0, 0.3, n)), np.arange(n) * 0.1, [], n)
+    net, _ = load_init_model(DEFAULT_MODEL_PATH)
+    history = fit(net, data, FinetuneConfig(epochs=2, batch_size=100, min_steps=30, early_stop=0.0), c0=-3.0)
+    assert len(history) == 10  # 3 batches an epoch: 10 epochs make the 30 steps
 
 
 def test_a_quantile_fit_routes_by_the_tail_where_the_middle_misleads():
