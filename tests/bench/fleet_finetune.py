@@ -1,7 +1,9 @@
 """Learning from the fleet on real vLLM CPU servers: fine-tuned vs shipped learned vs heuristics.
 
     .venv/bin/python tests/bench/fleet_finetune.py [--fleet capacity|slow-roomy] [--rate 8] [--train-s 240]
-        [--segment-s 60] [--repeats 4] [--epochs 4 --min-steps 0] [--also-quantile none] [--also-epochs 40] [--keep DIR]
+        [--segment-s 60] [--repeats 4] [--epochs 4] [--min-steps 0] [--also-quantile none] [--also-epochs 40]
+        [--also-min-steps 0]
+        [--keep DIR]
 
 Two real vLLM servers (tiny model, one core each). `--fleet capacity` (default) is the e2e fleet (fleet/vllm.py
 FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues and preempts), ROOMY 16 slots and 16 MB.
@@ -10,8 +12,8 @@ slower one: a fleet the shipped policy's simulator prior gets wrong (its roomier
 1. Segment A (earlier traffic) goes through the router with the shipped learned policy, the
    decision log on and a bounded exploration share (`ab_explore_share`, default 0.2: the router's
    answer to bandit feedback); `trainer finetune` fits on that log (its newest 20 % held out; the 0.9 quantile
-   of log TTFT, its default); `--also-quantile Q|none` and/or `--also-epochs N` fit a second model of the same
-   log (`trainer finetune --quantile Q --epochs N`).
+   of log TTFT, its default); `--also-quantile Q|none`, `--also-epochs N` and/or `--also-min-steps S` fit a
+   second model of the same log (`trainer finetune --quantile Q --epochs N --min-steps S`).
 2. Segment B (later traffic: the same generator, another seed) is replayed, with the same arrivals,
    prompts and lengths, through a fresh router for each policy: least-outstanding, expected-wait,
    the shipped learned policy, and the fine-tuned one(s); `--repeats N` replays it N times, each policy
@@ -161,6 +163,7 @@ def main() -> int:
     ap.add_argument("--also-epochs", type=int,
                     help="the second fit (--also-quantile's, or the default quantile's) with this many epochs instead "
                          "of --epochs")
+    ap.add_argument("--also-min-steps", type=int, help="the second fit with this --min-steps instead of --min-steps")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", type=Path, help="copy the decision logs and the fine-tuned model here (to refit offline)")
     args = ap.parse_args()
@@ -190,13 +193,14 @@ def main() -> int:
         policies = {"least-outstanding": "least-outstanding", "expected-wait": "expected-wait",
                     "learned (shipped)": str(shipped), "learned (fine-tuned)": str(work / "finetuned.onnx")}
         models = {"shipped": shipped, "fine-tuned": work / "finetuned.onnx"}
-        if args.also_quantile != "off" or args.also_epochs is not None:  # a second fit of the same log, replayed beside
+        if args.also_quantile != "off" or args.also_epochs is not None or args.also_min_steps is not None:  # a 2nd fit
             q = FinetuneConfig.quantile if args.also_quantile == "off" else parse_quantile(args.also_quantile)
             epochs = args.epochs if args.also_epochs is None else args.also_epochs
-            name = ("fine-tuned middle" if q is None else f"fine-tuned q{q:g}") + f" e{epochs}"
+            min_steps = args.min_steps if args.also_min_steps is None else args.also_min_steps
+            name = ("fine-tuned middle" if q is None else f"fine-tuned q{q:g}") + f" e{epochs} s{min_steps}"
             models[name] = work / "finetuned-quantile.onnx"
             report_q = finetune(work / "log-a", shipped, models[name],
-                                FinetuneConfig(epochs=epochs, min_steps=args.min_steps, quantile=q))
+                                FinetuneConfig(epochs=epochs, min_steps=min_steps, quantile=q))
             print(f"{name}: {report_q.summary()}", flush=True)
             policies[f"learned ({name})"] = str(models[name])
         small = urls[SMALL].split("//", 1)[1]
