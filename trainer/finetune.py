@@ -88,12 +88,9 @@ class FinetuneConfig:
             raise FinetuneError(f"epochs >= 0, min_steps >= 0, batch_size >= 1, lr > 0, anchor >= 0 expected, got {self}")
 
     def epochs_for(self, samples: int) -> int:
-        """Epochs over `samples` fitted samples: `epochs`, raised until the fit takes `min_steps` optimiser steps.
-        A log of a few thousand records gives a handful of batches per epoch, and 4 epochs of them (12 steps at
-        1,600 records) left the model close to its prior: on tests/bench/fleet_adapt.py's unseen fleets with
-        1,600-record logs, 4 epochs gave a geometric mean p99 ratio to the best heuristic of 1.026, 40 epochs
-        (120 steps) 0.939. Early stopping still keeps the best epoch, so the extra epochs cannot make the
-        scored part worse; large logs (50k records: ~100 batches an epoch) run `epochs` as before."""
+        """Epochs over `samples` fitted samples: `epochs`, raised until the fit takes `min_steps` optimiser steps
+        (why: the module docstring, "How long"). Early stopping still keeps the best epoch; large logs (50k
+        records: ~70 batches an epoch) run `epochs` as before."""
         if self.epochs == 0 or samples <= 0:
             return self.epochs
         batches = -(-samples // self.batch_size)
