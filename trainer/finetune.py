@@ -349,7 +349,7 @@ def pinball_score(logits: np.ndarray, data: FleetData, q: float, c: float | None
     """Pinball loss of log TTFT on `data` at quantile q, with the constant c (default: the one best on `data`)."""
     r = _residual_before_offset(logits, data)
     r = r - (np.quantile(r, q) if c is None else c)
-    return round(float(np.mean(np.maximum(q * r, (q - 1.0) * r))), 4)
+    return round(float(pinball_loss(torch.from_numpy(r), q)), 4)
 
 
 @dataclass

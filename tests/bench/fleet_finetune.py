@@ -46,6 +46,8 @@ from fleet.router_process import start_router  # noqa: E402
 from fleet.vllm import (  # noqa: E402
     FLEET_ARGS, SERVED_MODEL_NAME, SLOW_ROOMY_FLEET_ARGS, SMALL, ensure_tiny_model, start_servers, stop_servers, vllm_python,
 )
+from trainer.finetune import FinetuneConfig, finetune  # noqa: E402
+from trainer.fleet_cli import parse_quantile  # noqa: E402
 
 FLEETS = {"capacity": FLEET_ARGS, "slow-roomy": SLOW_ROOMY_FLEET_ARGS}
 
@@ -149,8 +151,10 @@ def main() -> int:
     ap.add_argument("--train-s", type=float, default=120.0, help="length of the earlier segment A (default 120 s)")
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s (default 4)")
     ap.add_argument("--explore", type=float, default=0.2, help="exploration share while segment A is logged (default 0.2)")
-    ap.add_argument("--epochs", type=int, default=4, help="trainer finetune --epochs (default 4, as the command)")
-    ap.add_argument("--min-steps", type=int, default=120, help="trainer finetune --min-steps, both fits (default 120)")
+    ap.add_argument("--epochs", type=int, default=FinetuneConfig.epochs,
+                    help=f"trainer finetune --epochs (default {FinetuneConfig.epochs}, as the command)")
+    ap.add_argument("--min-steps", type=int, default=FinetuneConfig.min_steps,
+                    help=f"trainer finetune --min-steps, both fits (default {FinetuneConfig.min_steps})")
     ap.add_argument("--repeats", type=int, default=1,
                     help="replay segment B this many times per policy, each policy first in turn; figures pool the "
                          "repeats (default 1)")
@@ -171,8 +175,6 @@ def main() -> int:
     if python is None:
         print("no vLLM venv (.venv-vllm or ROUTEWISE_VLLM_PYTHON)", file=sys.stderr)
         return 2
-    from trainer.finetune import FinetuneConfig, finetune
-    from trainer.fleet_cli import parse_quantile
 
     shipped = REPO / "router" / "policy" / "models" / "default.onnx"
     work = Path(tempfile.mkdtemp(prefix="routewise-fleet-ft-"))

@@ -196,6 +196,21 @@ def test_pinball_loss_is_least_at_its_quantile_and_a_bad_quantile_is_named():
         FinetuneConfig(quantile=1.5)
 
 
+def test_the_command_line_defaults_are_the_config_defaults():
+    """trainer/fleet_cli.py keeps its defaults as literals (its --help stays free of torch): they must not drift."""
+    import argparse
+    from dataclasses import fields
+
+    from trainer.fleet_cli import _finetune_arguments
+
+    p = argparse.ArgumentParser()
+    _finetune_arguments(p)
+    args = vars(p.parse_args(["--decision-log", "d", "--init", "m.onnx", "-o", "o.onnx"]))
+    shared = {f.name for f in fields(FinetuneConfig)} & set(args)
+    assert {"epochs", "min_steps", "holdout", "lr", "anchor", "early_stop", "quantile"} <= shared
+    assert {k: args[k] for k in shared} == {k: getattr(FinetuneConfig(), k) for k in shared}
+
+
 def test_a_small_log_gets_epochs_enough_for_min_steps_and_a_large_one_its_epochs():
     cfg = FinetuneConfig(epochs=4, batch_size=512, min_steps=120)
     assert cfg.epochs_for(1088) == 40  # 3 batches an epoch: a 1,600-record log's fitted part
