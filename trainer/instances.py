@@ -163,17 +163,19 @@ def window(requests: list[SimRequest], max_requests: int | None, rng: np.random.
 
 
 class InstanceBuilder:
-    """Builds instances from specs; keeps loaded scenarios (per process)."""
+    """Builds instances from specs; keeps loaded scenarios (per process). Training reads the TRAIN windows;
+    `split="eval"` builds the same kind of instance on the EVAL windows (tests/bench/random_fleets.py)."""
 
-    def __init__(self, env_cfg: EnvConfig) -> None:
+    def __init__(self, env_cfg: EnvConfig, split: str = "train") -> None:
         self.env_cfg = env_cfg
+        self.split = split
         self._scenarios: dict[str, object] = {}
 
     def scenario(self, name: str):
         if name not in self._scenarios:
             from simulator.scenario import load_scenario
 
-            self._scenarios[name] = load_scenario(name, split="train")
+            self._scenarios[name] = load_scenario(name, split=self.split)
         return self._scenarios[name]
 
     def build(self, spec: InstanceSpec) -> tuple[ClusterConfig, list[SimRequest]]:

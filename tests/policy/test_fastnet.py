@@ -53,9 +53,17 @@ def test_c_inputs_equal_model_inputs(width: int, healthy_share: float) -> None:
         np.testing.assert_array_equal(got[:, :N_FEATURES], rows)
 
 
+SHIPPED_MODELS = sorted(DEFAULT_MODEL_PATH.parent.glob("*.onnx"))  # default.onnx and any-fleet.onnx
+
+
+def test_both_models_ship():
+    assert {p.name for p in SHIPPED_MODELS} == {"default.onnx", "any-fleet.onnx"}
+
+
 @needs_ext
-def test_shipped_model_decides_on_the_fast_path_like_onnxruntime() -> None:
-    policy = OnnxPolicy(DEFAULT_MODEL_PATH)
+@pytest.mark.parametrize("model", SHIPPED_MODELS, ids=lambda p: p.name)
+def test_shipped_model_decides_on_the_fast_path_like_onnxruntime(model) -> None:
+    policy = OnnxPolicy(model)
     assert policy.describe()["executor"] == "fastnet", policy.executor_note
     rng = np.random.default_rng(7)
     # widths off every block size of the C loops: rows in threes, keys and exponentials in eights

@@ -1,0 +1,184 @@
+"""Random fleets: learned policies against every heuristic on many fleets that neither the suite nor the shapes hold (issue 16).
+
+Each instance is one suite scenario's traffic (its EVAL window unless `--split train`) on a random fleet drawn as
+training draws them (trainer/instances.py `random_fleet`): 2-32 replicas in 1-3 groups of any profile in
+simulator/profiles/, at the scenario's own load level (arrival rate scaled by measured capacity), with the training's
+other randomisation on top (speed factors, scrape interval, lag and failures, prompt scale, few batch slots). The
+ranges come from `--config` (trainer/configs/fleets.yaml); every instance is a random fleet (fleet_prob = 1).
+Seeds start at 3,000,000, apart from every seed training and its TRAIN-window evaluation use.
+
+    python tests/bench/random_fleets.py --fleets 20 --models learned,runs/a.onnx --workers 2
+    python tests/bench/random_fleets.py --fleets 20 --split train ...   # a validation set for choosing between models
+
+Per model, over all instances: the geometric mean of its p99 TTFT over the best heuristic on that instance
+(chosen with hindsight, a high bar), over the best single heuristic (the one with the lowest geometric mean
+over all instances, what an operator would deploy), the share of instances at or below 1.03x the best, the
+90th percentile and the worst ratio (with its instance), and the mean goodput gap to the best heuristic's.
+Then the geometric mean by fleet size and by speed spread (fastest over slowest replica's saturated completion
+rate on the instance's own request lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from router.policy.registry import BASELINES  # noqa: E402
+from router.policy.served import served_policy  # noqa: E402
+from simulator.bench import saturated_rps  # noqa: E402
+from simulator.cluster import simulate  # noqa: E402
+from simulator.metrics import summarize  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.instances import InstanceBuilder, InstanceSpec  # noqa: E402
+
+SEED_BASE = 3_000_000
+HEURISTICS = [n for n in BASELINES if n != "random"]
+SIZE_BUCKETS = ((2, 4), (5, 12), (13, 32))
+SPREAD_BUCKETS = ((1.0, 2.0), (2.0, 5.0), (5.0, math.inf))  # labelled <2x, 2-5x, >=5x
+PROBE_REQUESTS = 200
+
+_builder: InstanceBuilder | None = None
+
+
+def _init(config: str, split: str) -> None:
+    global _builder
+    cfg = load_config(config, ["env.randomisation.fleet_prob=1.0"])
+    _builder = InstanceBuilder(cfg.env, split=split)
+
+
+def speed_spread(cluster, requests) -> float:
+    """Fastest over slowest replica: each group's saturated completion rate on a sample of the instance's lengths."""
+    if len(cluster.replicas) < 2:
+        return 1.0
+    rng = np.random.default_rng(0)
+    idx = rng.integers(len(requests), size=PROBE_REQUESTS)
+    lengths = (np.array([requests[i].prompt_tokens for i in idx]), np.array([requests[i].output_tokens for i in idx]))
+    rates = [saturated_rps(g, rng, PROBE_REQUESTS, lengths) for g in cluster.replicas]
+    return max(rates) / min(rates)
+
+
+def run_instance(args: tuple[str, int, int, tuple[str, ...]]) -> dict:
+    """Every heuristic and model on one instance: p99 TTFT and goodput each, with the fleet's size and spread."""
+    scenario, seed, max_requests, models = args
+    assert _builder is not None
+    spec = InstanceSpec(scenario, seed, 1.0, True, max_requests)
+    cluster, requests = _builder.build(spec)
+    slo = _builder.scenario(scenario).slo
+    row = {
+        "scenario": scenario, "seed": seed, "replicas": sum(g.count for g in cluster.replicas),
+        "profiles": sorted({g.profile for g in cluster.replicas}), "spread": speed_spread(cluster, requests),
+        "p99": {}, "goodput": {},
+    }  # fmt: skip
+    for name in (*HEURISTICS, *models):
+        summary = summarize(simulate(cluster, requests, served_policy(name, seed=seed), seed=seed), slo)
+        row["p99"][name], row["goodput"][name] = summary["ttft_p99_s"], summary["goodput"]
+    return row
+
+
+def instances(scenarios: Sequence[str], fleets: int) -> list[tuple[str, int]]:
+    """(scenario, seed) pairs; each scenario has its own seed block, so no two scenarios share a fleet."""
+    return [(sc, SEED_BASE + 1000 * i + k) for i, sc in enumerate(scenarios) for k in range(fleets)]
+
+
+def _spread_label(lo: float, hi: float) -> str:
+    return f"<{hi:g}x" if lo <= 1.0 else f">={lo:g}x" if math.isinf(hi) else f"{lo:g}-{hi:g}x"
+
+
+def _geomean(values: Sequence[float]) -> float:
+    return math.exp(float(np.mean(np.log(values)))) if len(values) else math.nan
+
+
+def summarise(rows: list[dict], models: Sequence[str]) -> dict:
+    """Per model, the ratios of its p99 TTFT to the best heuristic per instance and to the best single heuristic."""
+    best_p99 = [min(r["p99"][h] for h in HEURISTICS) for r in rows]
+    best_goodput = [max(r["goodput"][h] for h in HEURISTICS) for r in rows]
+    single = min(HEURISTICS, key=lambda h: _geomean([r["p99"][h] / b for r, b in zip(rows, best_p99)]))
+    out = {"instances": len(rows), "best_single_heuristic": single, "models": {}}
+    for m in models:
+        ratio = np.array([r["p99"][m] / b for r, b in zip(rows, best_p99)])
+        worst = int(np.argmax(ratio))
+        by_size = {f"{lo}-{hi}": _geomean(ratio[[lo <= r["replicas"] <= hi for r in rows]]) for lo, hi in SIZE_BUCKETS}
+        by_spread = {
+            _spread_label(lo, hi): _geomean(ratio[[lo <= r["spread"] < hi for r in rows]]) for lo, hi in SPREAD_BUCKETS
+        }
+        out["models"][m] = {
+            "vs_best_per_instance": _geomean(ratio),
+            "vs_best_single": _geomean([r["p99"][m] / r["p99"][single] for r in rows]),
+            "share_within_1_03": float(np.mean(ratio <= 1.03)),
+            "p90": float(np.quantile(ratio, 0.9)),
+            "worst": float(ratio[worst]),
+            "worst_instance": f"{rows[worst]['scenario']} seed {rows[worst]['seed']} ({rows[worst]['replicas']} replicas)",
+            "goodput_gap": float(np.mean([r["goodput"][m] - g for r, g in zip(rows, best_goodput)])),
+            "by_size": by_size,
+            "by_spread": by_spread,
+        }
+    out["counts"] = {
+        "by_size": {f"{lo}-{hi}": sum(lo <= r["replicas"] <= hi for r in rows) for lo, hi in SIZE_BUCKETS},
+        "by_spread": {_spread_label(lo, hi): sum(lo <= r["spread"] < hi for r in rows) for lo, hi in SPREAD_BUCKETS},
+    }
+    return out
+
+
+def format_summary(doc: dict) -> str:
+    single = doc["best_single_heuristic"]
+    lines = [
+        f"{doc['instances']} instances; best single heuristic: {single}",
+        "",
+        f"| model | p99 / best per instance | p99 / {single} | within 1.03x | p90 | worst | goodput gap |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m, s in doc["models"].items():
+        lines.append(
+            f"| {m} | {s['vs_best_per_instance']:.3f} | {s['vs_best_single']:.3f} | {s['share_within_1_03'] * 100:.0f} % | "
+            f"{s['p90']:.2f} | {s['worst']:.2f} ({s['worst_instance']}) | {s['goodput_gap']:+.3f} |"
+        )
+    for key, title in (("by_size", "replicas"), ("by_spread", "speed spread")):
+        buckets = list(doc["counts"][key])
+        lines += ["", f"| model, by {title} | " + " | ".join(f"{b} ({doc['counts'][key][b]})" for b in buckets) + " |"]
+        lines.append("|---" * (len(buckets) + 1) + "|")
+        for m, s in doc["models"].items():
+            lines.append(f"| {m} | " + " | ".join(f"{s[key][b]:.3f}" for b in buckets) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="learned", help="comma-separated: `learned` (the shipped model) and/or .onnx paths")
+    ap.add_argument("--fleets", type=int, default=20, help="random fleets per scenario (default 20)")
+    ap.add_argument("--scenarios", default=None, help="comma-separated suite scenarios (default: the config's training scenarios)")
+    ap.add_argument("--split", choices=["eval", "train"], default="eval", help="the traces' EVAL windows (a test) or TRAIN windows (validation)")
+    ap.add_argument("--config", default=str(ROOT / "trainer/configs/fleets.yaml"), help="training config whose randomisation ranges draw the fleets")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--json", metavar="FILE", help="also write every instance's figures and the summary here")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    models = tuple(m for m in args.models.split(",") if m)
+    for m in models:
+        if m != "learned" and not Path(m).is_file():
+            ap.error(f"--models: {m!r} is neither `learned` nor an existing .onnx file")
+    cfg = load_config(args.config)
+    scenarios = args.scenarios.split(",") if args.scenarios else list(cfg.env.scenarios)
+    jobs = [(sc, seed, cfg.env.eval_max_requests, models) for sc, seed in instances(scenarios, args.fleets)]
+    from tqdm import tqdm
+
+    with Pool(args.workers, initializer=_init, initargs=(args.config, args.split)) as pool:
+        rows = list(tqdm(pool.imap(run_instance, jobs), total=len(jobs), desc="instances", disable=args.no_progress))
+    doc = summarise(rows, models)
+    print(format_summary(doc))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": doc, "instances": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

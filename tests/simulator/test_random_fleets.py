@@ -1,0 +1,73 @@
+"""tests/bench/random_fleets.py: learned policies against every heuristic on random fleets."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.bench import random_fleets
+from trainer.config import load_config
+from trainer.instances import InstanceBuilder, InstanceSpec
+
+
+def _row(scenario: str, seed: int, replicas: int, spread: float, p99: dict[str, float], goodput: float = 1.0) -> dict:
+    heur = {h: 10.0 for h in random_fleets.HEURISTICS}
+    return {"scenario": scenario, "seed": seed, "replicas": replicas, "profiles": ["x"], "spread": spread,
+            "p99": heur | p99, "goodput": {k: goodput for k in heur | p99}}  # fmt: skip
+
+
+def test_summary_divides_by_the_best_heuristic_per_instance_and_by_the_best_single_one():
+    rows = [
+        _row("a", 1, 3, 1.5, {"least-outstanding": 2.0, "expected-wait": 4.0, "m": 2.0}),  # best here: least-outstanding
+        _row("a", 2, 8, 3.0, {"least-outstanding": 8.0, "expected-wait": 4.0, "m": 2.0}),  # best here: expected-wait
+        _row("b", 3, 20, 9.0, {"least-outstanding": 4.0, "expected-wait": 1.0, "m": 2.0}),
+    ]
+    doc = random_fleets.summarise(rows, ["m"])
+    s = doc["models"]["m"]
+    # ratios to the best per instance: 1.0, 0.5, 2.0
+    assert s["vs_best_per_instance"] == pytest.approx(1.0)
+    assert s["share_within_1_03"] == pytest.approx(2 / 3)
+    assert s["worst"] == pytest.approx(2.0) and s["worst_instance"].startswith("b seed 3")
+    # expected-wait's ratios 2, 1, 1 (geomean 1.26) beat least-outstanding's 1, 2, 4 (2.0)
+    assert doc["best_single_heuristic"] == "expected-wait"
+    assert s["vs_best_single"] == pytest.approx(math.exp((math.log(0.5) + math.log(0.5) + math.log(2.0)) / 3))
+    assert s["by_size"] == pytest.approx({"2-4": 1.0, "5-12": 0.5, "13-32": 2.0})
+    assert doc["counts"]["by_spread"] == {"<2x": 1, "2-5x": 1, ">=5x": 1}
+    assert s["goodput_gap"] == pytest.approx(0.0)
+    assert "| m | 1.000 |" in random_fleets.format_summary(doc)
+
+
+def test_scenarios_get_disjoint_seed_blocks_apart_from_training_seeds():
+    pairs = random_fleets.instances(["a", "b"], 3)
+    seeds = [s for _, s in pairs]
+    assert len(set(seeds)) == 6 and min(seeds) >= random_fleets.SEED_BASE
+    from trainer.ppo import EVAL_SEED_BASE, WARM_START_SEED_BASE
+
+    assert random_fleets.SEED_BASE > max(EVAL_SEED_BASE, WARM_START_SEED_BASE) + 100_000
+
+
+def test_the_builder_reads_the_split_it_is_given():
+    env = load_config(random_fleets.ROOT / "trainer/configs/fleets.yaml", ["env.randomisation.fleet_prob=1.0"]).env
+    spec = InstanceSpec("steady-chat", random_fleets.SEED_BASE, 1.0, True, 50)
+    train = InstanceBuilder(env).build(spec)[1]
+    held_out = InstanceBuilder(env, split="eval").build(spec)[1]
+    assert [q.prompt_tokens for q in train] != [q.prompt_tokens for q in held_out]
+
+
+def test_one_instance_end_to_end_writes_every_policy(tmp_path, capsys):
+    out = tmp_path / "rf.json"
+    assert random_fleets.main(["--fleets", "1", "--scenarios", "steady-chat", "--workers", "1", "--no-progress",
+                               "--json", str(out)]) == 0  # fmt: skip
+    doc = json.loads(out.read_text())
+    (row,) = doc["instances"]
+    assert set(row["p99"]) == set(random_fleets.HEURISTICS) | {"learned"}
+    assert 2 <= row["replicas"] <= 32 and row["spread"] >= 1.0
+    assert "learned" in capsys.readouterr().out
+
+
+def test_a_missing_model_file_is_named(capsys):
+    with pytest.raises(SystemExit):
+        random_fleets.main(["--models", "learned,nope.onnx", "--fleets", "1"])
+    assert "nope.onnx" in capsys.readouterr().err

@@ -1,0 +1,23 @@
+"""The second shipped model (issue 16): its card names the configuration that trained it, and that file still says so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from router.policy.registry import DEFAULT_MODEL_PATH
+from router.policy.onnx_policy import OnnxPolicy
+from trainer.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+ANY_FLEET = DEFAULT_MODEL_PATH.parent / "any-fleet.onnx"
+
+
+def test_any_fleet_card_was_trained_by_its_config_file():
+    card = json.loads(ANY_FLEET.with_suffix(".json").read_text())
+    config = load_config(ROOT / "trainer/configs/any-fleet.yaml").model_dump(mode="json")
+    assert card["training"]["config"] == config
+    assert config["warm_start"]["quantile"] == 0.9 and config["env"]["randomisation"]["fleet_prob"] == 0.25
+    selected = card["training"]["selected_checkpoint"]
+    assert card["policy_version"] == f"any-fleet-{selected}"
+    assert OnnxPolicy(ANY_FLEET).describe()["version"] == card["policy_version"]
