@@ -74,8 +74,9 @@ def _train(args: argparse.Namespace) -> int:
     print(f"best heuristic per scenario (TRAIN windows): {json.dumps(summary['best_heuristic'])}")
     print(f"selected checkpoint: {summary['selected']} -> {Path(summary['run_dir']) / 'best.pt'}")
     for h in summary["history"]:
+        fleets = f", random fleets {h['eval/fleets_score']:.3f}" if "eval/fleets_score" in h else ""
         print(f"  {h['label']:>8s}: p99 ratio geomean {h['eval/score']:.3f}, worst {h['eval/worst_ratio']:.3f}, "
-              f"min goodput gap {h['eval/min_goodput_gap']:+.3f}")  # fmt: skip
+              f"min goodput gap {h['eval/min_goodput_gap']:+.3f}{fleets}, key {h['key']:.3f}")  # fmt: skip
     return 0
 
 

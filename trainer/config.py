@@ -205,6 +205,13 @@ class RunConfig(_Strict):
     checkpoint_every: int = Field(5, ge=1, description="PPO updates between checkpoints")
     eval_every: int = Field(10, ge=1, description="PPO updates between greedy TRAIN-window evaluations")
     eval_seeds: int = Field(2, ge=1, description="TRAIN seeds per scenario in periodic/selection evaluations")
+    validation_fleets: int = Field(
+        0,
+        ge=0,
+        description="random fleets per scenario (TRAIN windows, seeds from 2,000,000) added to every periodic/selection "
+        "evaluation: `best.pt` then minimises the suite's key times the geometric mean of p99 TTFT over the best heuristic "
+        "on each of those instances; 0 = off (the suite's own fleets only)",
+    )
     torch_threads: int = Field(1, ge=1, description="torch threads per process (1: the workers use the cores)")
     ray: str | None = Field(
         None,

@@ -26,9 +26,21 @@ class InstanceSpec:
     load: float = 1.0  # arrival-rate multiplier (curriculum)
     randomise: bool = True
     max_requests: int | None = None  # None = the whole instance (evaluation)
+    random_fleet: bool = False  # always on a random fleet (with `randomise`), whatever randomisation.fleet_prob says
 
     def key(self) -> tuple:
-        return (self.scenario, self.seed, round(self.load, 3), self.randomise, self.max_requests)
+        return (self.scenario, self.seed, round(self.load, 3), self.randomise, self.max_requests, self.random_fleet)
+
+
+def random_fleet_specs(scenarios: list[str], per_scenario: int, seed_base: int, max_requests: int | None) -> list[InstanceSpec]:
+    """Each scenario's traffic on `per_scenario` random fleets at its own load level: a validation set (the trainer's
+    `run.validation_fleets`) or a test (tests/bench/random_fleets.py), told apart by `seed_base`. Each scenario has
+    its own block of seeds, so no two scenarios share a fleet."""
+    return [
+        InstanceSpec(sc, seed_base + 1000 * i + k, 1.0, randomise=True, max_requests=max_requests, random_fleet=True)
+        for i, sc in enumerate(scenarios)
+        for k in range(per_scenario)
+    ]
 
 
 def _scale_counts(cluster: ClusterConfig, rng: np.random.Generator, lo: float, hi: float, max_replicas: int) -> tuple[ClusterConfig, float]:
@@ -105,14 +117,21 @@ def few_batch_slots(
 
 
 def perturb(
-    cluster: ClusterConfig, requests: list[SimRequest], env_cfg: EnvConfig, rng: np.random.Generator, load: float, randomise: bool
+    cluster: ClusterConfig,
+    requests: list[SimRequest],
+    env_cfg: EnvConfig,
+    rng: np.random.Generator,
+    load: float,
+    randomise: bool,
+    force_fleet: bool = False,
 ) -> tuple[ClusterConfig, list[SimRequest]]:
-    """Domain randomisation over replica count, GPU mix/speed, batch slots, scrape staleness and workload."""
+    """Domain randomisation over replica count, GPU mix/speed, batch slots, scrape staleness and workload;
+    `force_fleet`: a random fleet whatever randomisation.fleet_prob says (the generator advances as with fleet_prob 1)."""
     capacity_ratio = 1.0
     prompt_scale = 1.0
     if randomise:
         r = env_cfg.randomisation
-        random = r.fleet_prob > 0 and rng.random() < r.fleet_prob
+        random = (r.fleet_prob > 0 or force_fleet) and (rng.random() < r.fleet_prob or force_fleet)
         if random:
             hi = min(r.fleet_replicas[1], env_cfg.max_replicas)
             cluster, capacity_ratio = random_fleet(cluster, requests, min(r.fleet_replicas[0], hi), hi, rng)
@@ -183,7 +202,7 @@ class InstanceBuilder:
         cluster, requests = sc.build(np.random.default_rng(spec.seed))
         rng = np.random.default_rng([spec.seed, 0x5EED])
         requests = window(requests, spec.max_requests, rng)
-        cluster, requests = perturb(cluster, requests, self.env_cfg, rng, spec.load, spec.randomise)
+        cluster, requests = perturb(cluster, requests, self.env_cfg, rng, spec.load, spec.randomise, spec.random_fleet)
         if spec.max_requests is not None:
             cluster = retime_faults(cluster, requests, rng)
         return cluster, requests

@@ -48,7 +48,7 @@ from torch import nn
 
 from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
 from trainer.config import PPOConfig, TrainConfig
-from trainer.instances import InstanceSpec
+from trainer.instances import InstanceSpec, random_fleet_specs
 from trainer.network import RoutingNet, masked_categorical
 from trainer.episode import Episode, ExploreJob, HeuristicJob, HeuristicRun, LatencySamples, RolloutJob
 from trainer.rollout import WorkerPool
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 # 1. Config and run state
 # ==============================================================================================
 EVAL_SEED_BASE = 1_000_000  # TRAIN-window instances used for selection/evaluation (disjoint from the PPO seed pool)
+VALIDATION_SEED_BASE = 2_000_000  # run.validation_fleets: random fleets on TRAIN windows (tests/bench/random_fleets.py: 3,000,000)
 WARM_START_SEED_BASE = 500_000
 WARM_START_CHECKPOINT = "warm_start.pt"
 OLD_WARM_START_CHECKPOINT = "bc.pt"  # what runs before the rename wrote; read as the KL reference on --resume
@@ -135,6 +136,11 @@ def eval_specs(cfg: TrainConfig, seeds: int | None = None) -> list[InstanceSpec]
     ]
 
 
+def validation_specs(cfg: TrainConfig) -> list[InstanceSpec]:
+    """`run.validation_fleets` random fleets per scenario on TRAIN windows, the same in every evaluation of a run."""
+    return random_fleet_specs(list(cfg.env.scenarios), cfg.run.validation_fleets, VALIDATION_SEED_BASE, cfg.env.eval_max_requests)
+
+
 def select_best_heuristics(pool: WorkerPool, cfg: TrainConfig) -> tuple[dict[str, str], dict[str, dict[str, float]], dict]:
     """Per scenario, the baseline with the lowest mean p99 TTFT on TRAIN-window instances.
 
@@ -145,7 +151,7 @@ def select_best_heuristics(pool: WorkerPool, cfg: TrainConfig) -> tuple[dict[str
 
     specs = eval_specs(cfg, max(cfg.warm_start.selection_seeds, cfg.run.eval_seeds))
     names = [n for n in BASELINES if n != "random"]
-    jobs = [HeuristicJob(s, p) for s in specs for p in names]
+    jobs = [HeuristicJob(s, p) for s in specs + validation_specs(cfg) for p in names]
     results: list[HeuristicRun] = pool.run("heuristics", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j.spec.seed)])
     runs = {(r.spec.scenario, r.spec.seed, r.policy): r.summary for r in results}
     best, table = {}, {}
@@ -425,11 +431,23 @@ def rollout_stats(cfg: TrainConfig, episodes: list[Episode], batch: Batch, load:
 
 def evaluate_on_train(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, best: dict[str, str], heuristic_runs: dict) -> dict[str, float]:
     """Greedy network vs the best heuristic on TRAIN-window instances: p99 ratio per scenario and overall."""
-    specs = eval_specs(cfg)
+    validation = validation_specs(cfg)
+    specs = eval_specs(cfg) + validation
     sd = {k: v.clone() for k, v in net.state_dict().items()}
     parts = pool.split([RolloutJob(s) for s in specs], key=lambda j: j.spec.seed)
-    eps: list[Episode] = pool.run("rollout", [{"state_dict": sd, "jobs": part, "greedy": True, "seed": 0} for part in parts])
+    every: list[Episode] = pool.run("rollout", [{"state_dict": sd, "jobs": part, "greedy": True, "seed": 0} for part in parts])
+    eps = [e for e in every if not e.spec.random_fleet]
     out: dict[str, float] = {}
+    if validation:  # p99 over the best of the heuristics on each instance (chosen with hindsight, as the bench does)
+        from router.policy.registry import BASELINES
+
+        names = [n for n in BASELINES if n != "random"]
+        ratios = [
+            e.summary["ttft_p99_s"] / max(1e-9, min(heuristic_runs[(e.spec.scenario, e.spec.seed, n)]["ttft_p99_s"] for n in names))
+            for e in every
+            if e.spec.random_fleet
+        ]
+        out["eval/fleets_score"] = float(math.exp(np.mean(np.log(np.maximum(ratios, 1e-9)))))
     logs, goodput_gaps, ff = [], [], []
     for sc in cfg.env.scenarios:
         mine = [e.summary for e in eps if e.spec.scenario == sc]
@@ -451,9 +469,11 @@ def evaluate_on_train(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, best:
 
 def selection_key(ev: dict[str, float]) -> float:
     """What `best.pt` minimises: the geometric-mean p99 ratio, with a heavy penalty for any
-    scenario worse than 1.03x or any goodput loss (targets: never above 1.03x, goodput >= best)."""
+    scenario worse than 1.03x or any goodput loss (targets: never above 1.03x, goodput >= best);
+    with `run.validation_fleets`, times the random fleets' geometric mean (README: "Which seed")."""
     worst = ev["eval/worst_ratio"]
-    return ev["eval/score"] + 2.0 * max(0.0, worst - 1.03) + 5.0 * max(0.0, -ev["eval/min_goodput_gap"] - 0.002)
+    key = ev["eval/score"] + 2.0 * max(0.0, worst - 1.03) + 5.0 * max(0.0, -ev["eval/min_goodput_gap"] - 0.002)
+    return key * ev.get("eval/fleets_score", 1.0)
 
 
 class _Logger:
@@ -492,7 +512,8 @@ def _csv_fields(cfg: TrainConfig) -> list[str]:
         "warm/rmse_log_ttft", "eval/score", "eval/worst_ratio", "eval/min_goodput_gap", "eval/fallback_free_share",
         "eval/ttft_p90_s", "eval/ttft_p99_s", "eval/slo_attainment",
     ]  # fmt: skip
-    return base + [f"eval/ttft_p99_ratio/{Path(s).stem}" for s in cfg.env.scenarios]
+    fleets = ["eval/fleets_score"] if cfg.run.validation_fleets else []  # kept out of older runs' CSV header
+    return base + fleets + [f"eval/ttft_p99_ratio/{Path(s).stem}" for s in cfg.env.scenarios]
 
 
 # ==============================================================================================

@@ -4,7 +4,8 @@ Each instance is one suite scenario's traffic (its EVAL window unless `--split t
 training draws them (trainer/instances.py `random_fleet`): 2-32 replicas in 1-3 groups of any profile in
 simulator/profiles/, at the scenario's own load level (arrival rate scaled by measured capacity), with the training's
 other randomisation on top (speed factors, scrape interval, lag and failures, prompt scale, few batch slots). The
-ranges come from `--config` (trainer/configs/fleets.yaml); every instance is a random fleet (fleet_prob = 1).
+ranges come from `--config` (trainer/configs/fleets.yaml); every instance is a random fleet (trainer/instances.py
+`random_fleet_specs`, as the trainer's validation fleets, on other seeds).
 Seeds start at 3,000,000, apart from every seed training and its TRAIN-window evaluation use.
 
     python tests/bench/random_fleets.py --fleets 20 --models learned,runs/a.onnx --workers 2
@@ -39,9 +40,9 @@ from simulator.bench import saturated_rps  # noqa: E402
 from simulator.cluster import simulate  # noqa: E402
 from simulator.metrics import summarize  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.instances import InstanceBuilder, InstanceSpec  # noqa: E402
+from trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs  # noqa: E402
 
-SEED_BASE = 3_000_000
+SEED_BASE = 3_000_000  # the trainer's validation fleets (run.validation_fleets) start at 2,000,000
 HEURISTICS = [n for n in BASELINES if n != "random"]
 SIZE_BUCKETS = ((2, 4), (5, 12), (13, 32))
 SPREAD_BUCKETS = ((1.0, 2.0), (2.0, 5.0), (5.0, math.inf))  # labelled <2x, 2-5x, >=5x
@@ -52,8 +53,7 @@ _builder: InstanceBuilder | None = None
 
 def _init(config: str, split: str) -> None:
     global _builder
-    cfg = load_config(config, ["env.randomisation.fleet_prob=1.0"])
-    _builder = InstanceBuilder(cfg.env, split=split)
+    _builder = InstanceBuilder(load_config(config).env, split=split)
 
 
 def speed_spread(cluster, requests) -> float:
@@ -67,11 +67,11 @@ def speed_spread(cluster, requests) -> float:
     return max(rates) / min(rates)
 
 
-def run_instance(args: tuple[str, int, int, tuple[str, ...]]) -> dict:
+def run_instance(args: tuple[InstanceSpec, tuple[str, ...]]) -> dict:
     """Every heuristic and model on one instance: p99 TTFT and goodput each, with the fleet's size and spread."""
-    scenario, seed, max_requests, models = args
+    spec, models = args
+    scenario, seed = spec.scenario, spec.seed
     assert _builder is not None
-    spec = InstanceSpec(scenario, seed, 1.0, True, max_requests)
     cluster, requests = _builder.build(spec)
     slo = _builder.scenario(scenario).slo
     row = {
@@ -83,11 +83,6 @@ def run_instance(args: tuple[str, int, int, tuple[str, ...]]) -> dict:
         summary = summarize(simulate(cluster, requests, served_policy(name, seed=seed), seed=seed), slo)
         row["p99"][name], row["goodput"][name] = summary["ttft_p99_s"], summary["goodput"]
     return row
-
-
-def instances(scenarios: Sequence[str], fleets: int) -> list[tuple[str, int]]:
-    """(scenario, seed) pairs; each scenario has its own seed block, so no two scenarios share a fleet."""
-    return [(sc, SEED_BASE + 1000 * i + k) for i, sc in enumerate(scenarios) for k in range(fleets)]
 
 
 def _spread_label(lo: float, hi: float) -> str:
@@ -168,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--models: {m!r} is neither `learned` nor an existing .onnx file")
     cfg = load_config(args.config)
     scenarios = args.scenarios.split(",") if args.scenarios else list(cfg.env.scenarios)
-    jobs = [(sc, seed, cfg.env.eval_max_requests, models) for sc, seed in instances(scenarios, args.fleets)]
+    jobs = [(spec, models) for spec in random_fleet_specs(scenarios, args.fleets, SEED_BASE, cfg.env.eval_max_requests)]
     from tqdm import tqdm
 
     with Pool(args.workers, initializer=_init, initargs=(args.config, args.split)) as pool:

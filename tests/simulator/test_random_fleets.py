@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from tests.bench import random_fleets
 from trainer.config import load_config
-from trainer.instances import InstanceBuilder, InstanceSpec
+from trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs
 
 
 def _row(scenario: str, seed: int, replicas: int, spread: float, p99: dict[str, float], goodput: float = 1.0) -> dict:
@@ -39,13 +40,28 @@ def test_summary_divides_by_the_best_heuristic_per_instance_and_by_the_best_sing
     assert "| m | 1.000 |" in random_fleets.format_summary(doc)
 
 
-def test_scenarios_get_disjoint_seed_blocks_apart_from_training_seeds():
-    pairs = random_fleets.instances(["a", "b"], 3)
-    seeds = [s for _, s in pairs]
+def test_scenarios_get_disjoint_seed_blocks_apart_from_training_and_validation_seeds():
+    specs = random_fleet_specs(["a", "b"], 3, random_fleets.SEED_BASE, 100)
+    seeds = [s.seed for s in specs]
     assert len(set(seeds)) == 6 and min(seeds) >= random_fleets.SEED_BASE
-    from trainer.ppo import EVAL_SEED_BASE, WARM_START_SEED_BASE
+    assert all(s.random_fleet and s.randomise for s in specs)
+    from trainer.ppo import EVAL_SEED_BASE, VALIDATION_SEED_BASE, WARM_START_SEED_BASE
 
-    assert random_fleets.SEED_BASE > max(EVAL_SEED_BASE, WARM_START_SEED_BASE) + 100_000
+    assert random_fleets.SEED_BASE >= VALIDATION_SEED_BASE + 1_000_000 > max(EVAL_SEED_BASE, WARM_START_SEED_BASE) + 1_000_000
+
+
+def test_a_forced_random_fleet_draws_as_fleet_prob_one_does():
+    """`random_fleet=True` gives the fleet that fleet_prob 1 gives, and leaves other specs as they were."""
+    base = load_config(random_fleets.ROOT / "trainer/configs/fleets.yaml")
+    always = load_config(random_fleets.ROOT / "trainer/configs/fleets.yaml", ["env.randomisation.fleet_prob=1.0"])
+    (spec,) = random_fleet_specs(["steady-chat"], 1, random_fleets.SEED_BASE, 50)
+    forced, drawn = InstanceBuilder(base.env).build(spec)[0], InstanceBuilder(always.env).build(spec)[0]
+    assert forced == drawn
+    # also under a config that draws no random fleets at all (default.yaml: fleet_prob 0)
+    default = load_config(random_fleets.ROOT / "trainer/configs/default.yaml")
+    cluster = InstanceBuilder(default.env).build(spec)[0]
+    own = InstanceBuilder(default.env).scenario("steady-chat").build(np.random.default_rng(spec.seed))[0]
+    assert [(g.profile, g.count) for g in cluster.replicas] != [(g.profile, g.count) for g in own.replicas]
 
 
 def test_the_builder_reads_the_split_it_is_given():
