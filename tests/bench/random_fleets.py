@@ -15,8 +15,8 @@ Per model, over all instances: the geometric mean of its p99 TTFT over the best 
 (chosen with hindsight, a high bar), over the best single heuristic (the one with the lowest geometric mean
 over all instances, what an operator would deploy), the share of instances at or below 1.03x the best, the
 90th percentile and the worst ratio (with its instance), and the mean goodput gap to the best heuristic's.
-Then the geometric mean by fleet size and by speed spread (fastest over slowest replica's saturated completion
-rate on the instance's own request lengths).
+Then both geometric means by fleet size and by speed spread (fastest over slowest replica's saturated
+completion rate on the instance's own request lengths).
 """
 
 from __future__ import annotations
@@ -93,6 +93,13 @@ def _geomean(values: Sequence[float]) -> float:
     return math.exp(float(np.mean(np.log(values)))) if len(values) else math.nan
 
 
+def _by_bucket(rows: list[dict], ratio: np.ndarray, suffix: str) -> dict[str, dict[str, float]]:
+    """Geometric means of `ratio` by fleet size and by speed spread, under keys by_size<suffix>, by_spread<suffix>."""
+    size = {f"{lo}-{hi}": _geomean(ratio[[lo <= r["replicas"] <= hi for r in rows]]) for lo, hi in SIZE_BUCKETS}
+    spread = {_spread_label(lo, hi): _geomean(ratio[[lo <= r["spread"] < hi for r in rows]]) for lo, hi in SPREAD_BUCKETS}
+    return {"by_size" + suffix: size, "by_spread" + suffix: spread}
+
+
 def summarise(rows: list[dict], models: Sequence[str]) -> dict:
     """Per model, the ratios of its p99 TTFT to the best heuristic per instance and to the best single heuristic."""
     best_p99 = [min(r["p99"][h] for h in HEURISTICS) for r in rows]
@@ -101,21 +108,18 @@ def summarise(rows: list[dict], models: Sequence[str]) -> dict:
     out = {"instances": len(rows), "best_single_heuristic": single, "models": {}}
     for m in models:
         ratio = np.array([r["p99"][m] / b for r, b in zip(rows, best_p99)])
+        vs_single = np.array([r["p99"][m] / r["p99"][single] for r in rows])
         worst = int(np.argmax(ratio))
-        by_size = {f"{lo}-{hi}": _geomean(ratio[[lo <= r["replicas"] <= hi for r in rows]]) for lo, hi in SIZE_BUCKETS}
-        by_spread = {
-            _spread_label(lo, hi): _geomean(ratio[[lo <= r["spread"] < hi for r in rows]]) for lo, hi in SPREAD_BUCKETS
-        }
         out["models"][m] = {
             "vs_best_per_instance": _geomean(ratio),
-            "vs_best_single": _geomean([r["p99"][m] / r["p99"][single] for r in rows]),
+            "vs_best_single": _geomean(vs_single),
             "share_within_1_03": float(np.mean(ratio <= 1.03)),
             "p90": float(np.quantile(ratio, 0.9)),
             "worst": float(ratio[worst]),
             "worst_instance": f"{rows[worst]['scenario']} seed {rows[worst]['seed']} ({rows[worst]['replicas']} replicas)",
             "goodput_gap": float(np.mean([r["goodput"][m] - g for r, g in zip(rows, best_goodput)])),
-            "by_size": by_size,
-            "by_spread": by_spread,
+            **_by_bucket(rows, ratio, ""),
+            **_by_bucket(rows, vs_single, "_vs_single"),
         }
     out["counts"] = {
         "by_size": {f"{lo}-{hi}": sum(lo <= r["replicas"] <= hi for r in rows) for lo, hi in SIZE_BUCKETS},
@@ -139,10 +143,12 @@ def format_summary(doc: dict) -> str:
         )
     for key, title in (("by_size", "replicas"), ("by_spread", "speed spread")):
         buckets = list(doc["counts"][key])
-        lines += ["", f"| model, by {title} | " + " | ".join(f"{b} ({doc['counts'][key][b]})" for b in buckets) + " |"]
+        lines += ["", f"| model, by {title}: p99 / best per instance, / {single} | "
+                  + " | ".join(f"{b} ({doc['counts'][key][b]})" for b in buckets) + " |"]  # fmt: skip
         lines.append("|---" * (len(buckets) + 1) + "|")
         for m, s in doc["models"].items():
-            lines.append(f"| {m} | " + " | ".join(f"{s[key][b]:.3f}" for b in buckets) + " |")
+            cells = [f"{s[key][b]:.3f} / {s[key + '_vs_single'][b]:.3f}" for b in buckets]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -35,9 +35,11 @@ def test_summary_divides_by_the_best_heuristic_per_instance_and_by_the_best_sing
     assert doc["best_single_heuristic"] == "expected-wait"
     assert s["vs_best_single"] == pytest.approx(math.exp((math.log(0.5) + math.log(0.5) + math.log(2.0)) / 3))
     assert s["by_size"] == pytest.approx({"2-4": 1.0, "5-12": 0.5, "13-32": 2.0})
+    assert s["by_spread_vs_single"] == pytest.approx({"<2x": 0.5, "2-5x": 0.5, ">=5x": 2.0})
     assert doc["counts"]["by_spread"] == {"<2x": 1, "2-5x": 1, ">=5x": 1}
     assert s["goodput_gap"] == pytest.approx(0.0)
-    assert "| m | 1.000 |" in random_fleets.format_summary(doc)
+    text = random_fleets.format_summary(doc)
+    assert "| m | 1.000 |" in text and "| m | 1.000 / 0.500 | 0.500 / 0.500 | 2.000 / 2.000 |" in text
 
 
 def test_scenarios_get_disjoint_seed_blocks_apart_from_training_and_validation_seeds():
