@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/fleet_finetune.py [--fleet capacity|slow-roomy] [--rate 8] [--train-s 240]
         [--segment-s 60] [--repeats 4] [--epochs 4] [--min-steps 0] [--also-quantile none] [--also-epochs 40]
-        [--also-min-steps 0]
+        [--also-min-steps 0] [--also-model router/policy/models/any-fleet.onnx]
         [--keep DIR]
 
 Two real vLLM servers (tiny model, one core each). `--fleet capacity` (default) is the e2e fleet (fleet/vllm.py
@@ -168,9 +168,15 @@ def main() -> int:
                     help="the second fit (--also-quantile's, or the default quantile's) with this many epochs instead "
                          "of --epochs")
     ap.add_argument("--also-min-steps", type=int, help="the second fit with this --min-steps instead of --min-steps")
+    ap.add_argument("--also-model", type=Path, action="append", default=[],
+                    help="also replay this .onnx model as it is on segment B, e.g. router/policy/models/any-fleet.onnx "
+                         "(repeatable; its prediction error on segment B's log is printed too)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", type=Path, help="copy the decision logs and the fine-tuned model here (to refit offline)")
     args = ap.parse_args()
+    for extra in args.also_model:
+        if not extra.is_file():
+            ap.error(f"--also-model: no such file {extra}")
     python = vllm_python()
     if python is None:
         print("no vLLM venv (.venv-vllm or ROUTEWISE_VLLM_PYTHON)", file=sys.stderr)
@@ -205,6 +211,9 @@ def main() -> int:
                                 FinetuneConfig(epochs=epochs, min_steps=min_steps, quantile=q))
             print(f"{name}: {report_q.summary()}", flush=True)
             policies[f"learned ({name})"] = str(models[name])
+        for extra in args.also_model:  # another prior, not fitted to this fleet
+            models[extra.stem] = extra
+            policies[f"learned ({extra.stem})"] = str(extra)
         small = urls[SMALL].split("//", 1)[1]
         log_dirs = {name: work / ("log-b-shipped" if name == "learned (shipped)" else f"log-b-{k}")
                     for k, name in enumerate(policies)}
