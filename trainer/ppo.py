@@ -147,10 +147,9 @@ def select_best_heuristics(pool: WorkerPool, cfg: TrainConfig) -> tuple[dict[str
     Returns (best name per scenario, mean p99 per scenario and baseline, every run's summary by
     (scenario, seed, policy) for later comparisons on the same instances).
     """
-    from router.policy.registry import BASELINES
+    from router.policy.registry import COMPARED_BASELINES as names
 
     specs = eval_specs(cfg, max(cfg.warm_start.selection_seeds, cfg.run.eval_seeds))
-    names = [n for n in BASELINES if n != "random"]
     jobs = [HeuristicJob(s, p) for s in specs + validation_specs(cfg) for p in names]
     results: list[HeuristicRun] = pool.run("heuristics", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j.spec.seed)])
     runs = {(r.spec.scenario, r.spec.seed, r.policy): r.summary for r in results}
@@ -439,9 +438,8 @@ def evaluate_on_train(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, best:
     eps = [e for e in every if not e.spec.random_fleet]
     out: dict[str, float] = {}
     if validation:  # p99 over the best of the heuristics on each instance (chosen with hindsight, as the bench does)
-        from router.policy.registry import BASELINES
+        from router.policy.registry import COMPARED_BASELINES as names
 
-        names = [n for n in BASELINES if n != "random"]
         ratios = [
             e.summary["ttft_p99_s"] / max(1e-9, min(heuristic_runs[(e.spec.scenario, e.spec.seed, n)]["ttft_p99_s"] for n in names))
             for e in every

@@ -8,6 +8,8 @@ from router.policy.base import Policy
 from router.policy.baselines import BASELINE_CLASSES
 
 BASELINES: dict[str, type[Policy]] = {cls.name: cls for cls in BASELINE_CLASSES}
+# What a learned policy is measured and selected against: every baseline but random, which never wins.
+COMPARED_BASELINES: tuple[str, ...] = tuple(name for name in BASELINES if name != "random")
 LEARNED = "learned"
 DEFAULT_MODEL_PATH = Path(__file__).parent / "models" / "default.onnx"
 

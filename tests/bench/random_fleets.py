@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from router.policy.registry import BASELINES  # noqa: E402
+from router.policy.registry import COMPARED_BASELINES  # noqa: E402
 from router.policy.served import served_policy  # noqa: E402
 from simulator.bench import saturated_rps  # noqa: E402
 from simulator.cluster import simulate  # noqa: E402
@@ -43,7 +43,7 @@ from trainer.config import load_config  # noqa: E402
 from trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs  # noqa: E402
 
 SEED_BASE = 3_000_000  # the trainer's validation fleets (run.validation_fleets) start at 2,000,000
-HEURISTICS = [n for n in BASELINES if n != "random"]
+HEURISTICS = list(COMPARED_BASELINES)
 SIZE_BUCKETS = ((2, 4), (5, 12), (13, 32))
 SPREAD_BUCKETS = ((1.0, 2.0), (2.0, 5.0), (5.0, math.inf))  # labelled <2x, 2-5x, >=5x
 PROBE_REQUESTS = 200
