@@ -344,12 +344,15 @@ def pool_repeats(runs: list[dict[str, list[Served]]]) -> dict[str, list[Served]]
 
 def per_repeat(runs_real: list[dict[str, list[Served]]], runs_sim: list[dict[str, list[Served]]],
                policies: list[str]) -> list[dict]:
-    """Each repeat's replay order, its ranking by p99 TTFT and the learned gain, real and simulated."""
+    """Each repeat's replay order, its ranking by p99 TTFT, the learned gain, real and simulated, and its own p50 / p99
+    errors per policy: a server that drifts during a run shows as repeats that disagree (the same arrivals are
+    simulated the same way every repeat)."""
     out = []
     for rep, (rr, ss) in enumerate(zip(runs_real, runs_sim)):
-        one = compare({p: rr[p] for p in policies}, {p: ss[p] for p in policies})
+        real, sim = {p: rr[p] for p in policies}, {p: ss[p] for p in policies}
+        one = compare(real, sim)
         out.append({"order": rotated(policies, rep), "ranking_by_ttft_p99": one["ranking_by_ttft_p99"],
-                    "learned_gain_ttft_p99": one.get("learned_gain_ttft_p99")})
+                    "learned_gain_ttft_p99": one.get("learned_gain_ttft_p99"), "errors": pct_errors(real, sim)})
     return out
 
 
@@ -653,7 +656,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="replay every policy this many times, in a rotated order (drift lands on none of them); "
                         "the report pools the repeats and lists each one's ranking and gain (default 1)")
+    p.add_argument("--client-cpus", metavar="LIST",
+                   help="run this command, its router and its load generator on these CPUs only (taskset list, e.g. 1 "
+                        "or 2-3) and start the servers on the other CPUs, one each, so that no server shares a core "
+                        "with them (a real fleet's servers have their own machines); default: the servers take the "
+                        "first CPUs and the rest runs anywhere")
     p.add_argument("--quiet", action="store_true")
+
+
+def _split_cpus(client: str | None, n_servers: int) -> tuple[list[int] | None, list[int] | None]:
+    """--client-cpus as (client CPUs, CPUs left for the servers); (None, None) without it."""
+    if not client:
+        return None, None
+    from fleet.vllm import cpu_ids, parse_cpu_list
+
+    try:
+        wanted = parse_cpu_list(client)
+    except ValueError as e:
+        raise FidelityError(f"--client-cpus: {e}") from None
+    available = cpu_ids()
+    if not hasattr(os, "sched_setaffinity"):
+        raise FidelityError("--client-cpus: this platform cannot confine a process to CPUs")
+    missing = [c for c in wanted if c not in available]
+    if missing:
+        raise FidelityError(f"--client-cpus {client}: CPUs {missing} are not available here (this process may use "
+                            f"{available})")
+    rest = [c for c in available if c not in wanted]
+    if len(rest) < n_servers:
+        raise FidelityError(f"--client-cpus {client}: {n_servers} servers need a CPU each besides those, and "
+                            f"{len(rest)} are left ({rest}); use --servers {len(rest)} or fewer client CPUs"
+                            if rest else f"--client-cpus {client}: no CPU left for the servers (this process may use "
+                            f"{available})")
+    return wanted, rest
 
 
 def main(args: argparse.Namespace) -> int:
@@ -674,6 +708,8 @@ def _main(args: argparse.Namespace) -> int:
         raise FidelityError(f"--calibrations {args.calibrations}: must be 0 or more")
     if args.repeats < 1:
         raise FidelityError(f"--repeats {args.repeats}: must be 1 or more")
+    client_cpus, server_cpus = _split_cpus(args.client_cpus, 0 if args.server else args.servers)
+    affinity_before = os.sched_getaffinity(0) if client_cpus else None
     if LEARNED in {split_late(p)[0] for p in policies} and not DEFAULT_MODEL_PATH.is_file():
         raise FidelityError(f"policy 'learned': no model at {DEFAULT_MODEL_PATH}")
     if args.plot:  # before minutes of measurement, not after
@@ -698,8 +734,13 @@ def _main(args: argparse.Namespace) -> int:
             model_dir = vllm.ensure_tiny_model(work / "model", python)
             fleet_args = vllm.FLEET_ARGS[: args.servers]
             log(f"fidelity: starting {len(fleet_args)} vLLM CPU servers: {fleet_args}")
-            servers = vllm.start_servers(len(fleet_args), model_dir, python, work / "fleet", extra_args=fleet_args)
+            servers = vllm.start_servers(len(fleet_args), model_dir, python, work / "fleet", extra_args=fleet_args,
+                                         cores=server_cpus)
             urls = [s.base_url for s in servers]
+        if client_cpus:
+            os.sched_setaffinity(0, client_cpus)  # the router started later inherits it
+            log(f"fidelity: this command, the router and the load generator on CPUs {client_cpus}"
+                + (f", the servers on {server_cpus[:len(servers)]}" if servers else ""))
             known_seqs = [int(a[a.index("--max-num-seqs") + 1]) for a in fleet_args]
         model = vllm_model(urls[0])
         base = PlanSpec(trace=args.trace, window=args.window, start_s=args.start, duration_s=args.duration,
@@ -830,7 +871,7 @@ def _main(args: argparse.Namespace) -> int:
                                    for p, e in pct_errors(real, pool_repeats(runs_tracked)).items()}
         report.update(
             speed_factors=factors, extra_request_overhead_s=extra, warmup_engine_itl_s=warmup_itl, mean_tokens={"prompt": mean_p, "output": mean_o}, warmup_s=args.warmup, repeats=args.repeats, trace=args.trace, window=args.window, duration_s=args.duration, offered_rps=rate, capacity_rps=cap,
-            servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(),
+            servers=urls, profiles=[str(p) for p in profiles], load_average=os.getloadavg(), client_cpus=client_cpus,
             wall_s=time.monotonic() - t_start,
         )
         if args.out:
@@ -848,7 +889,9 @@ def _main(args: argparse.Namespace) -> int:
                 rk, g = one["ranking_by_ttft_p99"], one["learned_gain_ttft_p99"]
                 print(f"repeat {rep + 1} (replayed {', '.join(one['order'])}): real {' < '.join(rk['real'])}, "
                       f"sim {' < '.join(rk['sim'])}"
-                      + (f"; learned gain real {_pct(g['real'])}, predicted {_pct(g['predicted'])}" if g else ""))
+                      + (f"; learned gain real {_pct(g['real'])}, predicted {_pct(g['predicted'])}" if g else "")
+                      + "; TTFT p50 / p99 error " + ", ".join(f"{p} {_pct(e['ttft_s']['p50'])} / {_pct(e['ttft_s']['p99'])}"
+                                                            for p, e in one["errors"].items()))
             for p, e in engine.items():
                 print(f"{p}: mean inter-token latency real {e['real_server_side_s'] * 1e3:.1f} ms in the engines "
                       f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms; "
@@ -887,6 +930,8 @@ def _main(args: argparse.Namespace) -> int:
                   f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {report['wall_s']:.0f} s")
         return 0
     finally:
+        if affinity_before is not None:
+            os.sched_setaffinity(0, affinity_before)
         if servers:
             from fleet import vllm
 

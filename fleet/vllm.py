@@ -50,14 +50,23 @@ FLEET_ARGS: list[list[str]] = [
 ]
 SMALL, ROOMY = 0, 1
 
-# The same two servers, but ROOMY runs the tiny model 6x as deep (12 layers instead of 2: vLLM's --hf-overrides on the
-# same dummy-weight model directory), so the replica with more slots and KV is the slower one. No fleet the shipped
-# policy trained on was like this (its roomier GPUs were also its faster ones): a fleet its prior gets wrong, for the
-# learning-from-the-fleet bench (tests/bench/fleet_finetune.py --fleet slow-roomy).
-SLOW_ROOMY_FLEET_ARGS: list[list[str]] = [
-    FLEET_ARGS[SMALL],
-    [*FLEET_ARGS[ROOMY], "--hf-overrides", json.dumps({"num_hidden_layers": 12})],
-]
+# The same two servers, but ROOMY runs the tiny model `layers` deep instead of 2 (vLLM's --hf-overrides on the same
+# dummy-weight model directory), so the replica with more slots and KV is the slower one. No fleet the shipped policy
+# trained on was like this (its roomier GPUs were also its faster ones): a fleet its prior gets wrong, for the
+# learning-from-the-fleet bench (tests/bench/fleet_finetune.py --fleet slow-roomy|deep-roomy). Its KV bytes grow with
+# the depth from 16 MiB at 12 layers, so it holds the same ~2,700 tokens at any depth. Measured alone (batch 1, this
+# 2-core machine, a 40-word prompt): 2 layers prefill 5.4 ms / decode 1.5 ms per token; 12 layers 8.7 / 3.8;
+# 48 layers 17.3 / 11.6 (about the ~8x decode gap of an H100 beside an L4).
+def slow_roomy_fleet_args(layers: int = 12) -> list[list[str]]:
+    if layers < 1:
+        raise ValueError(f"slow_roomy_fleet_args: layers must be >= 1, got {layers}")
+    kv_mib = max(1, round(16 * layers / 12))
+    roomy = [*FLEET_ARGS[ROOMY][:2], "--kv-cache-memory-bytes", f"{kv_mib}M"]
+    return [FLEET_ARGS[SMALL], [*roomy, "--hf-overrides", json.dumps({"num_hidden_layers": layers})]]
+
+
+SLOW_ROOMY_FLEET_ARGS: list[list[str]] = slow_roomy_fleet_args(12)  # 6x as deep
+DEEP_ROOMY_FLEET_ARGS: list[list[str]] = slow_roomy_fleet_args(48)  # 24x as deep: ~8x slower decode
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tiny model (runs in the vLLM venv)
@@ -310,7 +319,22 @@ class VllmServer:
                 path.unlink(missing_ok=True)
 
 
-def _cpu_ids() -> list[int]:
+def parse_cpu_list(text: str) -> list[int]:
+    """A taskset-style CPU list ("1", "0,2", "2-3,6") as sorted CPU ids; ValueError naming the bad part."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(f"CPU list {text!r}: {part.strip()!r} is not a CPU number or a range like 2-3") from None
+        if first < 0 or last < first:
+            raise ValueError(f"CPU list {text!r}: {part.strip()!r} is not a CPU number or a range like 2-3")
+        cpus.update(range(first, last + 1))
+    return sorted(cpus)
+
+
+def cpu_ids() -> list[int]:
     try:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:
@@ -370,11 +394,13 @@ def start_servers(
     base_port: int | None = None,
     extra_args: list[list[str]] | list[str] | None = None,
     startup_timeout_s: float = 300.0,
+    cores: list[int] | None = None,
 ) -> list[VllmServer]:
     """Start n servers together and wait until all are healthy; on any failure stop every one and raise.
 
     extra_args: one list applied to every server, or a list of n lists (one per server).
     base_port: ports base_port..base_port+n-1; None picks free ports.
+    cores: the CPUs to put servers on, one each in turn (default: every CPU this process may use).
     """
     if extra_args is None:
         per_server: list[list[str]] = [[] for _ in range(n)]
@@ -385,7 +411,7 @@ def start_servers(
     else:
         per_server = [list(extra_args) for _ in range(n)]
     ports = free_ports(n) if base_port is None else [base_port + i for i in range(n)]
-    cores = _cpu_ids()
+    cores = list(cores) if cores else cpu_ids()
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     servers: list[VllmServer] = []

@@ -1,6 +1,6 @@
 """Learning from the fleet on real vLLM CPU servers: fine-tuned vs shipped learned vs heuristics.
 
-    .venv/bin/python tests/bench/fleet_finetune.py [--fleet capacity|slow-roomy] [--rate 8] [--train-s 240]
+    .venv/bin/python tests/bench/fleet_finetune.py [--fleet capacity|slow-roomy|deep-roomy] [--rate 8] [--train-s 240]
         [--segment-s 60] [--repeats 4] [--epochs 4] [--min-steps 0] [--also-quantile none] [--also-epochs 40]
         [--also-min-steps 0] [--also-model router/policy/models/any-fleet.onnx]
         [--keep DIR]
@@ -9,6 +9,7 @@ Two real vLLM servers (tiny model, one core each). `--fleet capacity` (default) 
 FLEET_ARGS): SMALL has 4 sequence slots and a 2 MB KV cache (it queues and preempts), ROOMY 16 slots and 16 MB.
 `--fleet slow-roomy` (SLOW_ROOMY_FLEET_ARGS) gives ROOMY a model 6x as deep, so the roomier replica is the
 slower one: a fleet the shipped policy's simulator prior gets wrong (its roomier GPUs were its faster ones).
+`--fleet deep-roomy` (DEEP_ROOMY_FLEET_ARGS) makes it 24x as deep: about 8x slower decode, like an L4 beside an H100.
 1. Segment A (earlier traffic) goes through the router with the shipped learned policy, the
    decision log on and a bounded exploration share (`ab_explore_share`, default 0.2: the router's
    answer to bandit feedback); `trainer finetune` fits on that log (its newest 20 % held out; the 0.9 quantile
@@ -44,12 +45,12 @@ sys.path.insert(0, str(REPO))
 from fleet.fidelity import interval95, p99_bootstrap, rotated  # noqa: E402
 from fleet.router_process import start_router  # noqa: E402
 from fleet.vllm import (  # noqa: E402
-    FLEET_ARGS, SERVED_MODEL_NAME, SLOW_ROOMY_FLEET_ARGS, SMALL, ensure_tiny_model, start_servers, stop_servers, vllm_python,
+    DEEP_ROOMY_FLEET_ARGS, FLEET_ARGS, SERVED_MODEL_NAME, SLOW_ROOMY_FLEET_ARGS, SMALL, ensure_tiny_model, start_servers, stop_servers, vllm_python,
 )
 from trainer.finetune import FinetuneConfig, finetune  # noqa: E402
 from trainer.fleet_cli import parse_quantile  # noqa: E402
 
-FLEETS = {"capacity": FLEET_ARGS, "slow-roomy": SLOW_ROOMY_FLEET_ARGS}
+FLEETS = {"capacity": FLEET_ARGS, "slow-roomy": SLOW_ROOMY_FLEET_ARGS, "deep-roomy": DEEP_ROOMY_FLEET_ARGS}
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
@@ -160,7 +161,8 @@ def main() -> int:
                          "repeats (default 1)")
     ap.add_argument("--fleet", choices=sorted(FLEETS), default="capacity",
                     help="capacity: SMALL (4 slots, 2 MB KV) and ROOMY (16, 16 MB); slow-roomy: the same, ROOMY running "
-                         "a 6x deeper model, so the roomier replica is the slower one (default capacity)")
+                         "a 6x deeper model, so the roomier replica is the slower one; deep-roomy: 24x deeper, ~8x slower decode "
+                         "(default capacity)")
     ap.add_argument("--also-quantile", default="off",
                     help="also fit a model with `trainer finetune --quantile` this value (a number, or none: the middle, "
                          "Huber) and replay it too (default off)")

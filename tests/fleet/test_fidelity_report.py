@@ -220,6 +220,12 @@ def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
     assert [r["order"] for r in reps] == [pols, pols[::-1]]
     assert reps[0]["ranking_by_ttft_p99"]["same"] and not reps[1]["ranking_by_ttft_p99"]["same"]
     assert reps[0]["learned_gain_ttft_p99"]["real"] > 0 > reps[1]["learned_gain_ttft_p99"]["real"]
+    # each repeat's own errors: the first is simulated exactly, the second's p99s are off in opposite directions
+    assert all(e == 0.0 for p in pols for m in reps[0]["errors"][p].values() for e in m.values())
+    p99 = {name: float(np.percentile([x.ttft_s for x in runs], 99)) for name, runs in (("fast", fast), ("slow", slow))}
+    assert reps[1]["errors"]["least-outstanding"]["ttft_s"]["p99"] == pytest.approx(p99["slow"] / p99["fast"] - 1)
+    assert reps[1]["errors"]["learned"]["ttft_s"]["p99"] == pytest.approx(p99["fast"] / p99["slow"] - 1)
+    assert reps[1]["errors"]["learned"]["ttft_s"]["p50"] == 0.0
 
 
 def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
@@ -323,3 +329,31 @@ def test_ttft_by_hop_weighs_each_hop_by_its_own_counts():
     hop = ttft_by_hop([a, b], _served([0.01, 0.02]))
     assert hop == pytest.approx({"client_s": 0.04, "router_s": 0.03, "servers_s": 0.11 / 4, "sim_s": 0.015})
     assert ttft_by_hop([Replay([], [], [], (0.0, 0), 0.0, {})], []) == {k: None for k in hop}
+
+
+def test_client_cpus_are_checked_before_anything_starts(monkeypatch, capsys):
+    from fleet import vllm
+    from fleet.cli import main
+
+    monkeypatch.setattr(vllm, "cpu_ids", lambda: [0, 1])
+    cases = {
+        ("--client-cpus", "x"): "--client-cpus: CPU list 'x': 'x' is not a CPU number or a range like 2-3",
+        ("--client-cpus", "7"): "--client-cpus 7: CPUs [7] are not available here (this process may use [0, 1])",
+        ("--client-cpus", "1", "--servers", "2"):
+            "--client-cpus 1: 2 servers need a CPU each besides those, and 1 are left ([0]); use --servers 1",
+        ("--client-cpus", "0-1", "--servers", "1"): "--client-cpus 0-1: no CPU left for the servers",
+    }
+    for extra, message in cases.items():
+        assert main(["fidelity", *extra, "--quiet"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (extra, err)
+
+
+def test_client_cpus_with_external_servers_need_no_cpu_left(monkeypatch):
+    from fleet import vllm
+    from fleet.fidelity import _split_cpus
+
+    monkeypatch.setattr(vllm, "cpu_ids", lambda: [0, 1, 2, 3])
+    assert _split_cpus(None, 2) == (None, None)
+    assert _split_cpus("2-3", 2) == ([2, 3], [0, 1])
+    assert _split_cpus("0-3", 0) == ([0, 1, 2, 3], [])  # --server URLs: only the client is confined

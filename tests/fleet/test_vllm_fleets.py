@@ -1,0 +1,71 @@
+"""The fleets of real vLLM CPU servers (fleet/vllm.py): the arguments each server gets and the cores it runs on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleet.vllm import (
+    DEEP_ROOMY_FLEET_ARGS, FLEET_ARGS, ROOMY, SLOW_ROOMY_FLEET_ARGS, SMALL, parse_cpu_list, slow_roomy_fleet_args,
+)
+
+
+def _override(args: list[str]) -> dict:
+    return json.loads(args[args.index("--hf-overrides") + 1])
+
+
+def _kv(args: list[str]) -> str:
+    return args[args.index("--kv-cache-memory-bytes") + 1]
+
+
+def test_the_12_layer_fleet_is_the_one_earlier_runs_measured():
+    assert SLOW_ROOMY_FLEET_ARGS == [
+        FLEET_ARGS[SMALL],
+        [*FLEET_ARGS[ROOMY], "--hf-overrides", json.dumps({"num_hidden_layers": 12})],
+    ]
+
+
+def test_a_deeper_roomy_server_gets_kv_bytes_for_the_same_tokens():
+    small, roomy = DEEP_ROOMY_FLEET_ARGS
+    assert small == FLEET_ARGS[SMALL]
+    assert _override(roomy) == {"num_hidden_layers": 48}
+    assert _kv(roomy) == "64M"  # 4x the layers of the 16 MiB 12-layer server
+    assert roomy[roomy.index("--max-num-seqs") + 1] == "16"
+    assert _kv(slow_roomy_fleet_args(3)[1]) == "4M"
+
+
+def test_a_depth_below_one_is_refused():
+    with pytest.raises(ValueError, match="layers must be >= 1, got 0"):
+        slow_roomy_fleet_args(0)
+
+
+def test_cpu_lists_parse_like_taskset():
+    assert parse_cpu_list("1") == [1]
+    assert parse_cpu_list("2-3,0") == [0, 2, 3]
+    assert parse_cpu_list(" 0 , 0-1") == [0, 1]
+    for bad in ("", "a", "3-1", "-1", "1-"):
+        with pytest.raises(ValueError, match="is not a CPU number or a range like 2-3"):
+            parse_cpu_list(bad)
+
+
+def test_servers_start_on_the_cores_given_one_each_in_turn(monkeypatch, tmp_path):
+    from fleet import vllm
+
+    started = []
+
+    class Started:
+        def wait_healthy(self, deadline):
+            pass
+
+    def fake_launch(python, model_dir, port, work, core, extra):
+        started.append(core)
+        return Started()
+
+    monkeypatch.setattr(vllm, "launch_server", fake_launch)
+    vllm.start_servers(3, tmp_path, "python", tmp_path, base_port=40000, cores=[2, 5])
+    assert started == [2, 5, 2]
+    started.clear()
+    monkeypatch.setattr(vllm, "cpu_ids", lambda: [0, 1])
+    vllm.start_servers(2, tmp_path, "python", tmp_path, base_port=40000)
+    assert started == [0, 1]
