@@ -36,10 +36,12 @@ class ExperimentError(ValueError):
 
 def resolve_scenarios(text: str) -> list[str]:
     """Scenario names/paths from a comma list, `all` (the default suite) or a group name of SCENARIO_GROUPS
-    (its scenarios; items may mix, e.g. `shapes,steady-chat`); each is parsed now, so a bad one fails before any run."""
-    names = []
-    for item in scenario_names() if text == ALL else [s.strip() for s in text.split(",") if s.strip()]:
-        names.extend(scenario_names(item) if item in SCENARIO_GROUPS else [item])
+    (its scenarios; items may mix, e.g. `shapes,steady-chat` or `all,shapes`); each is parsed now, so a bad one fails
+    before any run."""
+    names: list[str] = []
+    for item in [s.strip() for s in text.split(",") if s.strip()]:
+        group = scenario_names() if item == ALL else scenario_names(item) if item in SCENARIO_GROUPS else [item]
+        names.extend(n for n in group if n not in names)
     if not names:
         raise ExperimentError("no scenario given")
     for name in names:

@@ -377,7 +377,8 @@ def main() -> int:
                     "extension built or copied into DIR/router/policy), named <router>-baseline, side by side")
     ap.add_argument("--python-floor", action="store_true",
                     help="also measure a bare Python proxy (raw asyncio protocols, no routing): the latency floor "
-                    "of any Python router on this host (non-streaming only; left out of the wrk runs)")
+                    "of any Python router on this host, and its max requests/s (non-streaming only: it frames by "
+                    "Content-Length)")
     ap.add_argument("--no-wrk", action="store_true", help="skip (b), the wrk throughput runs")
     ap.add_argument("--stream-latency", action="store_true",
                     help="also (a'): the added time to first token of streamed completions at the same rate, the "
@@ -506,7 +507,8 @@ def main() -> int:
             results["rps"][key] = {
                 name: wrk(f"http://127.0.0.1:{port}/v1/completions", stream, args.wrk_duration, args.connections, tmp,
                           args.wrk_threads, load_pin)
-                for name, port in targets.items() if name != "python-floor"  # it frames by Content-Length only
+                for name, port in targets.items()
+                if name != "python-floor" or not stream  # it frames by Content-Length only: no chunked streams
             }
     finally:
         for p in reversed(procs):
@@ -551,8 +553,9 @@ def main() -> int:
     print(f"\n(b) max requests/s with wrk -t{args.wrk_threads} -c{args.connections} -d{args.wrk_duration}s (x nginx, "
           f"{args.nginx_workers} worker(s))")
     print(f"{'target':<{width}} " + " ".join(f"{key:>22}" for key in results["rps"]))
-    for name in (t for t in targets if t != "python-floor"):
-        cells = [f"{row[name]:9.0f} ({row[name] / row['nginx']:4.2f}x)" for row in results["rps"].values()]
+    for name in targets:
+        cells = [f"{row[name]:9.0f} ({row[name] / row['nginx']:4.2f}x)" if name in row else "-"
+                 for row in results["rps"].values()]
         print(f"{name:<{width}} " + " ".join(f"{c:>22}" for c in cells))
     return 0
 

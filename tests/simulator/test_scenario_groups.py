@@ -27,6 +27,9 @@ def test_shapes_are_a_group_outside_the_suite():
     assert not set(shapes) & SUITE
     assert resolve_scenarios("shapes") == shapes
     assert resolve_scenarios("shapes,steady-chat") == [*shapes, "steady-chat"]
+    # the suite and a group in one list (a model card's evaluation), each scenario once
+    assert resolve_scenarios("all,shapes") == [*scenario_names(), *shapes]
+    assert resolve_scenarios("steady-chat,all") == ["steady-chat", *(n for n in scenario_names() if n != "steady-chat")]
     assert all((SCENARIOS_DIR / "shapes" / f"{n}.yaml").is_file() for n in shapes)
 
 
