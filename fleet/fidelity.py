@@ -356,6 +356,20 @@ def per_repeat(runs_real: list[dict[str, list[Served]]], runs_sim: list[dict[str
     return out
 
 
+def repeat_lines(repeats: list[dict]) -> list[str]:
+    """One printed line per repeat of `per_repeat`: its order, rankings, learned gain and TTFT errors."""
+    lines = []
+    for rep, one in enumerate(repeats):
+        rk, g = one["ranking_by_ttft_p99"], one["learned_gain_ttft_p99"]
+        lines.append(
+            f"repeat {rep + 1} (replayed {', '.join(one['order'])}): real {' < '.join(rk['real'])}, "
+            f"sim {' < '.join(rk['sim'])}"
+            + (f"; learned gain real {_pct(g['real'])}, predicted {_pct(g['predicted'])}" if g else "")
+            + "; TTFT p50 / p99 error "
+            + ", ".join(f"{p} {_pct(e['ttft_s']['p50'])} / {_pct(e['ttft_s']['p99'])}" for p, e in one["errors"].items()))
+    return lines
+
+
 def compare(real: dict[str, list[Served]], sim: dict[str, list[Served]]) -> dict:
     policies = list(real)
     rows = {}
@@ -737,11 +751,11 @@ def _main(args: argparse.Namespace) -> int:
             servers = vllm.start_servers(len(fleet_args), model_dir, python, work / "fleet", extra_args=fleet_args,
                                          cores=server_cpus)
             urls = [s.base_url for s in servers]
+            known_seqs = [int(a[a.index("--max-num-seqs") + 1]) for a in fleet_args]
         if client_cpus:
             os.sched_setaffinity(0, client_cpus)  # the router started later inherits it
             log(f"fidelity: this command, the router and the load generator on CPUs {client_cpus}"
                 + (f", the servers on {server_cpus[:len(servers)]}" if servers else ""))
-            known_seqs = [int(a[a.index("--max-num-seqs") + 1]) for a in fleet_args]
         model = vllm_model(urls[0])
         base = PlanSpec(trace=args.trace, window=args.window, start_s=args.start, duration_s=args.duration,
                         token_scale=args.token_scale, max_tokens_cap=args.max_tokens_cap,
@@ -885,13 +899,8 @@ def _main(args: argparse.Namespace) -> int:
             print(json.dumps(report, indent=2))
         else:
             print(format_report(report))
-            for rep, one in enumerate(report.get("per_repeat", [])):
-                rk, g = one["ranking_by_ttft_p99"], one["learned_gain_ttft_p99"]
-                print(f"repeat {rep + 1} (replayed {', '.join(one['order'])}): real {' < '.join(rk['real'])}, "
-                      f"sim {' < '.join(rk['sim'])}"
-                      + (f"; learned gain real {_pct(g['real'])}, predicted {_pct(g['predicted'])}" if g else "")
-                      + "; TTFT p50 / p99 error " + ", ".join(f"{p} {_pct(e['ttft_s']['p50'])} / {_pct(e['ttft_s']['p99'])}"
-                                                            for p, e in one["errors"].items()))
+            for line in repeat_lines(report.get("per_repeat", [])):
+                print(line)
             for p, e in engine.items():
                 print(f"{p}: mean inter-token latency real {e['real_server_side_s'] * 1e3:.1f} ms in the engines "
                       f"({e['real_client_side_s'] * 1e3:.1f} ms at the client), simulated {e['sim_s'] * 1e3:.1f} ms; "

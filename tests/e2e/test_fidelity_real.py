@@ -8,6 +8,7 @@ produced and internally consistent. Accuracy figures are not asserted: they come
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -23,14 +24,18 @@ POLICIES = ("least-outstanding", "expected-wait")
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, capsys):
+    affinity = os.sched_getaffinity(0)
+    client = max(affinity)  # the router and the load generator confined to one CPU (the servers are the session's)
     args = ["fidelity", "--policies", ",".join(POLICIES), "--duration", "8", "--load", "0.5",
-            "--calibrate-budget", "90", "--warmup", "4", "--out", str(tmp_path), "--json", "--quiet"]
+            "--calibrate-budget", "90", "--warmup", "4", "--out", str(tmp_path), "--json", "--quiet",
+            "--client-cpus", str(client)]
     for url in vllm_servers:
         args += ["--server", url]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
 
     assert report["servers"] == vllm_servers
+    assert report["client_cpus"] == [client] and os.sched_getaffinity(0) == affinity  # given back on return
     assert len(report["speed_factors"]) == len(vllm_servers) and all(f > 0 for f in report["speed_factors"])
     assert report["extra_request_overhead_s"] >= 0 and report["warmup_engine_itl_s"] > 0
     # per policy and server, the line of median TTFT against its load, real and simulated

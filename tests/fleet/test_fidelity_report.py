@@ -210,7 +210,7 @@ def test_repeats_below_one_is_one_line(capsys):
 
 
 def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
-    from fleet.fidelity import per_repeat
+    from fleet.fidelity import per_repeat, repeat_lines
 
     pols = ["least-outstanding", "learned"]
     fast, slow = _served([0.1] * 99 + [0.5]), _served([0.1] * 99 + [1.0])
@@ -226,6 +226,10 @@ def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
     assert reps[1]["errors"]["least-outstanding"]["ttft_s"]["p99"] == pytest.approx(p99["slow"] / p99["fast"] - 1)
     assert reps[1]["errors"]["learned"]["ttft_s"]["p99"] == pytest.approx(p99["fast"] / p99["slow"] - 1)
     assert reps[1]["errors"]["learned"]["ttft_s"]["p50"] == 0.0
+    lines = repeat_lines(reps)
+    assert len(lines) == 2 and lines[0].startswith("repeat 1 (replayed least-outstanding, learned)")
+    assert lines[0].endswith("TTFT p50 / p99 error least-outstanding +0.0% / +0.0%, learned +0.0% / +0.0%")
+    assert f"least-outstanding +0.0% / {reps[1]['errors']['least-outstanding']['ttft_s']['p99'] * 100:+.1f}%" in lines[1]
 
 
 def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
