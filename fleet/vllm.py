@@ -54,9 +54,10 @@ SMALL, ROOMY = 0, 1
 # dummy-weight model directory), so the replica with more slots and KV is the slower one. No fleet the shipped policy
 # trained on was like this (its roomier GPUs were also its faster ones): a fleet its prior gets wrong, for the
 # learning-from-the-fleet bench (tests/bench/fleet_finetune.py --fleet slow-roomy|deep-roomy). Its KV bytes grow with
-# the depth from 16 MiB at 12 layers, so it holds the same ~2,700 tokens at any depth. Measured alone (batch 1, this
-# 2-core machine, a 40-word prompt): 2 layers prefill 5.4 ms / decode 1.5 ms per token; 12 layers 8.7 / 3.9;
-# 48 layers 17.3 / 11.8 (about the ~8x decode gap of an H100 beside an L4).
+# the depth from 16 MiB at 12 layers, so it holds the same ~2,700 tokens at any depth. Measured alone (a throwaway
+# probe, not kept: 12 sequential requests per server, a 40-word prompt, medians, this 2-core machine): 2 layers
+# prefill 5.4 ms / decode 1.5 ms per token; 12 layers 8.7 / 3.9; 48 layers 17.3 / 11.8 (about the ~8x decode gap of
+# an H100 beside an L4).
 def slow_roomy_fleet_args(layers: int = 12) -> list[list[str]]:
     if layers < 1:
         raise ValueError(f"slow_roomy_fleet_args: layers must be >= 1, got {layers}")

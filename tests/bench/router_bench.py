@@ -47,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fleet.vllm import parse_cpu_list
 from simulator.late_binding import split_late
 
 REPO = Path(__file__).resolve().parents[2]
@@ -326,15 +327,6 @@ async def open_loop(url: str, rate: float, duration: float, stream: bool = False
     return lat
 
 
-def _cpu_list(text: str) -> set[int]:
-    """CPUs of a taskset-style list: "0-3,8" -> {0, 1, 2, 3, 8}."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=1000)[int(q * 1000) - 1]
 
@@ -422,7 +414,7 @@ def main() -> int:
         nice = ["taskset", "-c", args.proxy_cpus, *nice]
     load_pin = ["taskset", "-c", args.load_cpus] if args.load_cpus else []
     if args.load_cpus:
-        os.sched_setaffinity(0, _cpu_list(args.load_cpus))
+        os.sched_setaffinity(0, parse_cpu_list(args.load_cpus))
     procs: list[subprocess.Popen] = []
     try:
         for _ in range(args.backend_procs):
