@@ -49,6 +49,7 @@ def replica_info(rep: Replica, now: float) -> dict[str, Any]:
         },
         "ttft_ema_s": _finite(t.ttft_ema_s),
         "tpot_ema_s": _finite(t.tpot_ema_s),
+        "tpot_floor_s": _finite(t.tpot_floor_s),
         "models": sorted(rep.models),
     }
 

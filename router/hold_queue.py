@@ -14,8 +14,9 @@ request go rather than hold it (`error`, logged).
 
 Limits per replica: `replica_limit(late_binding_max_num_seqs, scraped KV capacity, late_binding_max_batched_tokens,
 late_binding_tokens_per_request)`; vLLM does not export max_num_seqs, so it is a setting (one for every replica, or
-per replica: late_binding_replica_max_num_seqs, keyed by host:port), lowered per replica to
-what its scraped KV cache (vllm:cache_config_info) holds. With `--workers N` each worker holds its own queue;
+per replica: late_binding_replica_max_num_seqs, keyed by host:port), lowered per replica to what its scraped KV
+cache (vllm:cache_config_info) holds. The rule scales the awaiting-prefill limit by the replica's observed speed
+(`speed_scales`; late_binding_room_in_time). With `--workers N` each worker holds its own queue;
 the outstanding counts it compares with the limits are the host's (router.shared), and another worker's
 completions reach it through the worker-sync tick (0.1 s) or the next scrape.
 """
@@ -63,7 +64,7 @@ class _Held:
 
 def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
     return LateBindingConfig(settings.late_binding_timeout_s, settings.late_binding_queue_per_replica,
-                             settings.late_binding_tokens_per_request)
+                             settings.late_binding_tokens_per_request, settings.late_binding_room_in_time)
 
 
 class HoldQueue(Generic[R]):

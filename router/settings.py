@@ -160,6 +160,11 @@ class RouterSettings(BaseSettings):
         LateBindingConfig.tokens_per_request, ge=1, description="KV tokens one request is assumed to hold: the "
         "KV-derived limit is scraped capacity // this",
     )
+    late_binding_room_in_time: bool = Field(
+        LateBindingConfig.room_in_time, description="multiply each replica's awaiting-prefill limit by how many times "
+        "faster than the fleet's slowest replica it runs, by the router's TPOT averages (floored, so 1 on a uniform "
+        "fleet): room measured in time, not tokens; off: the same token limit for every replica",
+    )
 
     # serving extensions (shadow, A/B, decision log, hot reload), validated here and passed down
     shadow_policy: str | None = Field(None, description="a second policy that decides on every request without acting")

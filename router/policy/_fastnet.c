@@ -716,11 +716,12 @@ static PyObject *py_best(PyObject *self, PyObject *args)
 
 /* ReplicaSnapshot's fields, in order */
 enum { S_ID, S_HEALTHY, S_OUT, S_PROMPT, S_DECODE, S_WAITING, S_RUNNING, S_KV, S_KVCAP, S_AGE, S_DISPATCHED, S_MATCH,
-       S_TTFT, S_TPOT, S_AWAIT_N, S_AWAIT_TOK, N_SNAP };
+       S_TTFT, S_TPOT, S_AWAIT_N, S_AWAIT_TOK, S_TPOT_FLOOR, N_SNAP };
 static const char *SNAP_NAMES[N_SNAP] = {
     "replica_id", "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "waiting",
     "running", "kv_cache_usage", "kv_capacity_tokens", "stats_age_s", "dispatched_since_scrape",
-    "prefix_match_blocks", "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens"};
+    "prefix_match_blocks", "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens",
+    "tpot_floor_s"};
 static PyObject *snap_names[N_SNAP], *last_scrape_name;
 
 /* Where each field lives in an instance of the bound snapshot and tracker types (slots: one PyObject * per field at

@@ -9,8 +9,10 @@ once; a queue timeout (the head waited `timeout_s`) and a full queue dispatch th
 policy's pick over every healthy replica (until session 11 a timeout went to the least-loaded replica by
 outstanding count: on a fleet of mixed speeds that is the slowest one, and the policy's pick lowered p99 TTFT
 behind late binding by 0.1-0.3x of the best heuristic's on the code mixes, README); FIFO: a new arrival queues
-behind held requests; a replica has room while its outstanding count is below its concurrency limit (the
-policy picks among those); otherwise hold. Nothing is ever dropped. The timeout is checked when the head is
+behind held requests; a replica has room while its outstanding count is below its concurrency limit and the
+prompt tokens awaiting their first token there would clear in the time the slowest replica clears its limit
+(`speed_scales`; until session 19 the same token limit held for every replica, which on a ~8x speed mix sent
+requests to the slow replicas while the fast ones were far from full) (the policy picks among those); otherwise hold. Nothing is ever dropped. The timeout is checked when the head is
 offered (at first tokens and completions, live also on a timer), so a held request can overrun it by up to
 one inter-event gap in the simulator. Callers handle a view with no healthy replica themselves.
 """
@@ -33,6 +35,8 @@ class LateBindingConfig:
     timeout_s: float = 2.0  # a held request waits at most this long (checked at the next event)
     queue_per_replica: int = 32  # queue capacity = this x replicas
     tokens_per_request: int = 2048  # KV tokens one request is assumed to hold, for the KV-derived limit
+    room_in_time: bool = True  # scale each replica's awaiting-prefill limit by its observed speed (speed_scales)
+    max_speed_scale: int = 2  # the most that scaling may multiply a limit by (4: no better on the ~8x mixes, README)
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,20 @@ def replica_limit(
     return ReplicaLimit(max(1, limit), max(1, max_num_batched_tokens))
 
 
-def has_room(r: ReplicaSnapshot, limit: ReplicaLimit) -> bool:
-    return r.outstanding < limit.max_outstanding and r.awaiting_prompt_tokens < limit.max_prefill_tokens
+def has_room(r: ReplicaSnapshot, limit: ReplicaLimit, speed_scale: int = 1) -> bool:
+    return r.outstanding < limit.max_outstanding and r.awaiting_prompt_tokens < limit.max_prefill_tokens * speed_scale
+
+
+def speed_scales(view: ClusterView, cap: int) -> list[int]:
+    """Room in time, not tokens: how many times faster than the fleet's slowest healthy replica each one runs, by
+    the router's TPOT floors (`tpot_floor_s`: speed, where the TPOT average also moves with load), floored (1 on a
+    uniform fleet), 1 for a replica not yet measured, at most `cap`. A replica k times faster clears k times the
+    awaiting prompt tokens in the time the slowest clears its limit, so its limit is k times as many tokens."""
+    floors = [r.tpot_floor_s for r in view.replicas]
+    slowest = max((f for f, r in zip(floors, view.replicas) if f and r.healthy), default=None)
+    if slowest is None:
+        return [1] * len(floors)
+    return [min(cap, max(1, int(slowest / f))) if f else 1 for f in floors]
 
 
 @dataclass(frozen=True)
@@ -81,7 +97,8 @@ def decide(
         return Decision("full", healthy)
     if queued and not is_head:
         return Decision("hold", ())
-    room = tuple(i for i in healthy if has_room(view.replicas[i], limits[i]))
+    scales = speed_scales(view, config.max_speed_scale) if config.room_in_time else [1] * len(view.replicas)
+    room = tuple(i for i in healthy if has_room(view.replicas[i], limits[i], scales[i]))
     return Decision("room", room) if room else Decision("hold", ())
 
 

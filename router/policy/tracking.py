@@ -20,6 +20,10 @@ except ImportError:  # built without a C compiler: the Python snapshots below
 # Expected decode length when a request carries no max_tokens.
 DEFAULT_DECODE_TOKENS_EST = 256
 EMA_ALPHA = 0.2
+# tpot_floor_s: the lowest TPOT measured, rising by this fraction per completion (a replica that slows for good
+# is seen slow after ~100 completions), published after this many completions (one fast sample proves nothing)
+TPOT_FLOOR_RISE = 0.01
+TPOT_FLOOR_MIN_SAMPLES = 16
 _INF = math.inf
 
 
@@ -30,7 +34,8 @@ class ReplicaTracker:
     __slots__ = (
         "replica_id", "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens",
         "dispatched_since_scrape", "waiting", "running", "kv_cache_usage", "kv_capacity_tokens", "last_scrape_s",
-        "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens", "_inflight",
+        "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens", "tpot_floor_s", "_inflight",
+        "_tpot_low", "_tpot_samples",
     )  # fmt: skip
 
     def __init__(self, replica_id: str) -> None:
@@ -49,6 +54,9 @@ class ReplicaTracker:
         self.tpot_ema_s: float | None = None
         self.awaiting_first_token = 0
         self.awaiting_prompt_tokens = 0
+        self.tpot_floor_s: float | None = None
+        self._tpot_low = _INF
+        self._tpot_samples = 0
         # request id -> [prompt tokens, decode tokens, 1 while its first token has not come back]
         self._inflight: dict[str, list[int]] = {}
 
@@ -85,6 +93,11 @@ class ReplicaTracker:
             self.awaiting_prompt_tokens -= entry[0]
         if tpot_s is not None:
             self.tpot_ema_s = tpot_s if self.tpot_ema_s is None else self.tpot_ema_s + EMA_ALPHA * (tpot_s - self.tpot_ema_s)
+            if tpot_s > 0:
+                self._tpot_low = low = min(tpot_s, self._tpot_low * (1.0 + TPOT_FLOOR_RISE))
+                self._tpot_samples += 1
+                if self._tpot_samples >= TPOT_FLOOR_MIN_SAMPLES:
+                    self.tpot_floor_s = low
 
     def on_scrape(
         self,
@@ -131,6 +144,7 @@ class _Snapshot:
         self.tpot_ema_s = t.tpot_ema_s
         self.awaiting_first_token = t.awaiting_first_token
         self.awaiting_prompt_tokens = t.awaiting_prompt_tokens
+        self.tpot_floor_s = t.tpot_floor_s
         self.__class__ = ReplicaSnapshot  # type: ignore[assignment]
 
 

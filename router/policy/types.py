@@ -32,6 +32,7 @@ class ReplicaSnapshot:
     tpot_ema_s: float | None = None  # router-measured EMA of time per output token
     awaiting_first_token: int = 0  # in-flight requests whose first token has not come back yet
     awaiting_prompt_tokens: int = 0  # their prompt tokens: the prefill work still queued ahead
+    tpot_floor_s: float | None = None  # router-measured lowest TPOT (slowly rising): the replica's speed, not its load
 
     @property
     def has_stats(self) -> bool:
@@ -88,7 +89,7 @@ class _SnapshotTwin:
     def __init__(
         self, replica_id, healthy, outstanding, outstanding_prompt_tokens, outstanding_decode_tokens, waiting,
         running, kv_cache_usage, kv_capacity_tokens, stats_age_s, dispatched_since_scrape, prefix_match_blocks,
-        ttft_ema_s, tpot_ema_s, awaiting_first_token, awaiting_prompt_tokens,
+        ttft_ema_s, tpot_ema_s, awaiting_first_token, awaiting_prompt_tokens, tpot_floor_s=None,
     ) -> None:  # fmt: skip
         self.replica_id = replica_id
         self.healthy = healthy
@@ -106,6 +107,7 @@ class _SnapshotTwin:
         self.tpot_ema_s = tpot_ema_s
         self.awaiting_first_token = awaiting_first_token
         self.awaiting_prompt_tokens = awaiting_prompt_tokens
+        self.tpot_floor_s = tpot_floor_s
         self.__class__ = ReplicaSnapshot  # type: ignore[assignment]
 
 
@@ -138,7 +140,7 @@ def _check_twin(twin: type, frozen: type) -> None:
 for _twin, _frozen in ((_SnapshotTwin, ReplicaSnapshot), (_ViewTwin, ClusterView), (_RequestInfoTwin, RequestInfo)):
     _check_twin(_twin, _frozen)
 
-#: ReplicaSnapshot(...) with all 16 fields positional, in field order.
+#: ReplicaSnapshot(...) with its fields positional, in field order (the last, tpot_floor_s, optional).
 make_snapshot: Callable[..., ReplicaSnapshot] = _SnapshotTwin  # type: ignore[assignment]
 #: ClusterView(replicas).
 make_view: Callable[[tuple[ReplicaSnapshot, ...]], ClusterView] = _ViewTwin  # type: ignore[assignment]

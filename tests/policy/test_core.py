@@ -246,6 +246,29 @@ def test_tracker_counts_and_view():
     assert s.tpot_ema_s == 0.02
 
 
+def test_tpot_floor_is_the_lowest_tpot_published_after_enough_completions_and_rises_for_a_replica_that_slows():
+    from router.policy.tracking import TPOT_FLOOR_MIN_SAMPLES, TPOT_FLOOR_RISE
+
+    ct = ClusterTracker(["a"])
+    t = ct.trackers[0]
+
+    def complete(k: int, tpot: float | None) -> None:
+        ct.dispatch(0, RequestInfo(f"q{k}", 10, 10))
+        t.on_complete(f"q{k}", tpot)
+
+    complete(0, 0.01)
+    for k in range(1, TPOT_FLOOR_MIN_SAMPLES - 1):
+        complete(k, 0.02)
+    complete(99, None)  # no TPOT (a failure): not a sample
+    assert t.tpot_floor_s is None  # one fast completion proves nothing
+    complete(100, 0.02)
+    assert t.tpot_floor_s == pytest.approx(0.01 * (1 + TPOT_FLOOR_RISE) ** (TPOT_FLOOR_MIN_SAMPLES - 1))
+    assert ct.view(0.0, RequestInfo("v", 1)).replicas[0].tpot_floor_s == t.tpot_floor_s
+    for k in range(200, 400):  # slowed for good: 200 completions later the floor is the new speed
+        complete(k, 0.05)
+    assert t.tpot_floor_s == 0.05 and t.tpot_ema_s == pytest.approx(0.05)
+
+
 def test_tracker_counts_prompt_tokens_awaiting_their_first_token_once():
     ct = ClusterTracker(["a"])
     t = ct.trackers[0]

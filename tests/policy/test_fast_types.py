@@ -21,7 +21,7 @@ from router.policy.types import (
     make_view,
 )
 
-SNAP_ARGS = ("r1", True, 3, 300, 256, 2, 5, 0.25, 4096, 0.5, 1, 2, 0.12, 0.03, 1, 120)
+SNAP_ARGS = ("r1", True, 3, 300, 256, 2, 5, 0.25, 4096, 0.5, 1, 2, 0.12, 0.03, 1, 120, 0.011)
 
 
 def test_fast_snapshot_is_a_real_frozen_snapshot():
@@ -142,10 +142,11 @@ def test_compiled_views_equal_python_views_field_for_field_and_type_for_type(mon
             t.on_scrape(now, int(rng.integers(0, 5)), None if step % 3 else 2, 0.3 if step % 2 else None, 4096)
         if step % 3 == 0:
             ct.trackers[i].on_first_token(req.request_id, float(rng.uniform(0.01, 0.3)))
-        if step % 7 == 0:
+        if step % 7 == 0 or step > 200:  # late on, enough completions that trackers publish a TPOT floor
             ct.trackers[i].on_complete(req.request_id, float(rng.uniform(0.005, 0.05)))
         if step % 11 == 0:
             t.healthy = not t.healthy
+    assert any(t.tpot_floor_s is not None for t in ct.trackers)
 
 
 def test_compiled_view_reads_a_tracker_subclass_through_its_properties():

@@ -357,3 +357,38 @@ async def test_decision_latency_counts_the_view_the_hold_queue_built(fakes, rout
     client.app[ROUTER].release(route)
     status, _ = await post(client, "A")  # through the hold queue: counted once, and a view's worth of time
     assert status == 200 and 0 < total() - before - 0.5 < 0.5
+
+
+@pytest.mark.parametrize("room_in_time", [True, False])
+async def test_a_replica_measured_faster_takes_more_awaiting_prefill_when_room_is_time(fakes, router_client, monkeypatch,
+                                                                                      room_in_time):
+    """Room in time (late_binding_room_in_time, the rule's speed_scales): the router measures a 10x faster TPOT on
+    one replica, so that replica may hold more awaiting prompt tokens than the slow one (2x: the cap) before the
+    router holds."""
+    from router.policy import tracking
+
+    monkeypatch.setattr(tracking, "TPOT_FLOOR_MIN_SAMPLES", 2)
+    fast, slow = await fakes(2)
+    fast.token_delay_s, slow.token_delay_s = 0.004, 0.04
+    client = await router_client([fast.url, slow.url], **{**LATE, **QUIET, "late_binding_max_num_seqs": 100,
+                                 "late_binding_max_batched_tokens": 100, "late_binding_room_in_time": room_in_time,
+                                 "first_byte_timeout_s": 10.0})
+    for n in (2, 4):  # two rounds of one short request on each replica: the router measures both speeds
+        first = asyncio.create_task(post(client, "w", max_tokens=4))
+        await wait_for(lambda: fast.requests + slow.requests == n - 1)
+        await asyncio.gather(first, post(client, "w", max_tokens=4))
+    trackers = [client.app[REPLICAS].by_id[f.url.removeprefix("http://")].tracker for f in (fast, slow)]
+    assert [t.tpot_floor_s is not None for t in trackers] == [True, True]
+    assert trackers[1].tpot_floor_s > 5 * trackers[0].tpot_floor_s
+    for f in (fast, slow):  # now every request awaits its first token for 3 s
+        f.mode, f.first_byte_delay_s = "first_byte_delay", 3.0
+    long_prompt = "x" * 480  # ~120 estimated tokens, above the 100-token limit on its own
+    tasks = []
+    for i in range(6):
+        tasks.append(asyncio.create_task(post(client, long_prompt)))
+        await wait_for(lambda n=i + 1: fast.requests + slow.requests + held(client) == n + 4)
+    if room_in_time:  # the fast replica's limit is 2 x 100 tokens (the scale is capped at 2): two requests there
+        assert (fast.requests - 2, slow.requests - 2, held(client)) == (2, 1, 3)
+    else:  # 100 tokens each: one request apiece, the rest held
+        assert (fast.requests - 2, slow.requests - 2, held(client)) == (1, 1, 4)
+    assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 6

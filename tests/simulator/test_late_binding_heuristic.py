@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide
+from router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide, speed_scales
 from router.policy.registry import make_policy
 from router.policy.types import ClusterView, ReplicaSnapshot
 from simulator.cluster import simulate
@@ -106,3 +106,34 @@ def test_compare_adds_late_rows_against_the_best_per_request_heuristic():
     late = rows["expected-wait+late"]
     assert late["ttft_p99_vs_best_heuristic"] == late["ttft_p99_s"] / best
     assert late["metrics"]["held_share"] > 0  # bursty-code saturates its replicas: late binding holds
+
+
+def timed(floors: tuple[float | None, ...], awaiting: tuple[int, ...], healthy: tuple[bool, ...] | None = None) -> ClusterView:
+    healthy = healthy or (True,) * len(floors)
+    return ClusterView(tuple(
+        ReplicaSnapshot(f"r{i}", h, 1, a, awaiting_prompt_tokens=a, tpot_floor_s=t)
+        for i, (t, a, h) in enumerate(zip(floors, awaiting, healthy))
+    ))
+
+
+def test_speed_scales_are_floored_ratios_of_tpot_floors_to_the_slowest_healthy_replica():
+    assert speed_scales(timed((0.010, 0.012, 0.011), (0, 0, 0)), 16) == [1, 1, 1]  # uniform, noisy: unchanged
+    assert speed_scales(timed((0.010, 0.070, 0.035), (0, 0, 0)), 16) == [7, 1, 2]
+    assert speed_scales(timed((0.010, None), (0, 0)), 16) == [1, 1]  # one measured replica is its own slowest
+    assert speed_scales(timed((None, None), (0, 0)), 16) == [1, 1]
+    assert speed_scales(timed((0.001, 0.070), (0, 0)), 16) == [16, 1]  # capped
+    assert speed_scales(timed((0.010, 0.070), (0, 0)), LateBindingConfig().max_speed_scale) == [2, 1]
+    # an unhealthy replica's speed is no yardstick
+    assert speed_scales(timed((0.010, 0.070), (0, 0), healthy=(True, False)), 16) == [1, 1]
+
+
+def test_room_in_time_lets_a_fast_replica_take_more_awaiting_prefill_than_a_slow_one():
+    limit = ReplicaLimit(max_outstanding=100, max_prefill_tokens=8192)
+    v = timed((0.010, 0.070), (12_000, 9_000))  # both above the token limit; the fast one 7x faster, scaled by 2
+    assert decide(v, [limit] * 2, 0, False, 0.0, LateBindingConfig()).candidates == (0,)
+    assert decide(v, [limit] * 2, 0, False, 0.0, LateBindingConfig(room_in_time=False)).reason == "hold"
+    v = timed((0.010, 0.070), (17_000, 9_000))  # beyond 2 x 8192
+    assert decide(v, [limit] * 2, 0, False, 0.0, LateBindingConfig()).reason == "hold"
+    v = timed((0.010, 0.070), (30_000, 9_000))  # a higher cap lets it go further
+    assert decide(v, [limit] * 2, 0, False, 0.0, LateBindingConfig(max_speed_scale=7)).candidates == (0,)
+    assert decide(v, [limit] * 2, 0, False, 0.0, LateBindingConfig()).reason == "hold"
