@@ -97,9 +97,20 @@ def decide(
         return Decision("full", healthy)
     if queued and not is_head:
         return Decision("hold", ())
-    scales = speed_scales(view, config.max_speed_scale) if config.room_in_time else [1] * len(view.replicas)
-    room = tuple(i for i in healthy if has_room(view.replicas[i], limits[i], scales[i]))
-    return Decision("room", room) if room else Decision("hold", ())
+    reps = view.replicas
+    room: list[int] = []
+    over: list[int] = []  # below their request limit, over their token limit alone: room in time may take them
+    for i in healthy:
+        r, lim = reps[i], limits[i]
+        if r.outstanding < lim.max_outstanding:
+            if r.awaiting_prompt_tokens < lim.max_prefill_tokens:
+                room.append(i)
+            else:
+                over.append(i)
+    if over and config.room_in_time:  # the scales only when they can matter: most decisions have no such replica
+        scales = speed_scales(view, config.max_speed_scale)
+        room = sorted(room + [i for i in over if has_room(reps[i], limits[i], scales[i])])
+    return Decision("room", tuple(room)) if room else Decision("hold", ())
 
 
 def restrict(view: ClusterView, candidates: Sequence[int]) -> ClusterView:
