@@ -137,3 +137,28 @@ def test_room_in_time_lets_a_fast_replica_take_more_awaiting_prefill_than_a_slow
     v = timed((0.010, 0.070), (30_000, 9_000))  # a higher cap lets it go further
     assert decide(v, [limit] * 2, 0, False, 0.0, LateBindingConfig(max_speed_scale=7)).candidates == (0,)
     assert decide(v, [limit] * 2, 0, False, 0.0, LateBindingConfig()).reason == "hold"
+
+
+def test_room_in_time_only_adds_replicas_under_their_request_limit_and_equals_tokens_on_a_uniform_fleet():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    limit = ReplicaLimit(max_outstanding=4, max_prefill_tokens=1000)
+    widened = 0
+    for _ in range(3000):
+        n = int(rng.integers(1, 6))
+        uniform = rng.random() < 0.3
+        v = ClusterView(tuple(
+            ReplicaSnapshot(f"r{i}", bool(rng.random() < 0.9), int(rng.integers(1, 6)), 0,
+                            awaiting_prompt_tokens=int(rng.integers(0, 3000)),
+                            tpot_floor_s=None if rng.random() < 0.1 else (0.01 if uniform else float(rng.uniform(0.005, 0.08))))
+            for i in range(n)
+        ))
+        tokens = decide(v, [limit] * n, 0, False, 0.0, LateBindingConfig(room_in_time=False))
+        time_ = decide(v, [limit] * n, 0, False, 0.0, LateBindingConfig())
+        assert set(tokens.candidates) <= set(time_.candidates)
+        assert all(v.replicas[i].healthy and v.replicas[i].outstanding < 4 for i in time_.candidates)
+        if uniform:
+            assert time_ == tokens
+        widened += len(time_.candidates) > len(tokens.candidates)
+    assert widened > 50  # the cases where speed opened room do occur
