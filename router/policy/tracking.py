@@ -20,9 +20,13 @@ except ImportError:  # built without a C compiler: the Python snapshots below
 # Expected decode length when a request carries no max_tokens.
 DEFAULT_DECODE_TOKENS_EST = 256
 EMA_ALPHA = 0.2
-# tpot_floor_s: the lowest TPOT measured, rising by this fraction per completion (a replica that slows for good
-# is seen slow after ~100 completions), published after this many completions (one fast sample proves nothing)
+# tpot_floor_s: a low percentile of the TPOTs measured, tracked without a window: it rises by TPOT_FLOOR_RISE per
+# completion above it and drops by at most TPOT_FLOOR_DROP per completion below (never past the sample), so it
+# settles where about RISE / (RISE + DROP) = 10 % of the samples lie below: one burst of tokens that arrived in
+# a single read (a TPOT near zero: live streams do that) moves it 9 %, not to zero; a replica that slows for good
+# is seen slow after ~100 completions. Published after TPOT_FLOOR_MIN_SAMPLES completions.
 TPOT_FLOOR_RISE = 0.01
+TPOT_FLOOR_DROP = 0.09
 TPOT_FLOOR_MIN_SAMPLES = 16
 _INF = math.inf
 
@@ -94,7 +98,14 @@ class ReplicaTracker:
         if tpot_s is not None:
             self.tpot_ema_s = tpot_s if self.tpot_ema_s is None else self.tpot_ema_s + EMA_ALPHA * (tpot_s - self.tpot_ema_s)
             if tpot_s > 0:
-                self._tpot_low = low = min(tpot_s, self._tpot_low * (1.0 + TPOT_FLOOR_RISE))
+                low = self._tpot_low
+                if low == _INF:
+                    low = tpot_s
+                elif tpot_s > low:
+                    low = min(tpot_s, low * (1.0 + TPOT_FLOOR_RISE))
+                else:
+                    low = max(tpot_s, low * (1.0 - TPOT_FLOOR_DROP))
+                self._tpot_low = low
                 self._tpot_samples += 1
                 if self._tpot_samples >= TPOT_FLOOR_MIN_SAMPLES:
                     self.tpot_floor_s = low

@@ -32,7 +32,7 @@ class ReplicaSnapshot:
     tpot_ema_s: float | None = None  # router-measured EMA of time per output token
     awaiting_first_token: int = 0  # in-flight requests whose first token has not come back yet
     awaiting_prompt_tokens: int = 0  # their prompt tokens: the prefill work still queued ahead
-    tpot_floor_s: float | None = None  # router-measured lowest TPOT (slowly rising): the replica's speed, not its load
+    tpot_floor_s: float | None = None  # router-measured low percentile of TPOT: the replica's speed more than its load
 
     @property
     def has_stats(self) -> bool:

@@ -246,8 +246,8 @@ def test_tracker_counts_and_view():
     assert s.tpot_ema_s == 0.02
 
 
-def test_tpot_floor_is_the_lowest_tpot_published_after_enough_completions_and_rises_for_a_replica_that_slows():
-    from router.policy.tracking import TPOT_FLOOR_MIN_SAMPLES, TPOT_FLOOR_RISE
+def test_tpot_floor_is_a_low_percentile_published_after_enough_completions_robust_to_bursts_and_slowdowns():
+    from router.policy.tracking import TPOT_FLOOR_DROP, TPOT_FLOOR_MIN_SAMPLES, TPOT_FLOOR_RISE
 
     ct = ClusterTracker(["a"])
     t = ct.trackers[0]
@@ -267,6 +267,12 @@ def test_tpot_floor_is_the_lowest_tpot_published_after_enough_completions_and_ri
     for k in range(200, 400):  # slowed for good: 200 completions later the floor is the new speed
         complete(k, 0.05)
     assert t.tpot_floor_s == 0.05 and t.tpot_ema_s == pytest.approx(0.05)
+    complete(400, 1e-6)  # a stream whose tokens all came in one read: a TPOT near zero moves the floor 9 %
+    assert t.tpot_floor_s == pytest.approx(0.05 * (1 - TPOT_FLOOR_DROP))
+    rng = np.random.default_rng(0)
+    for k, x in enumerate(rng.uniform(0.01, 0.03, 3000)):  # it settles near the 10th percentile
+        complete(1000 + k, float(x))
+    assert 0.011 < t.tpot_floor_s < 0.014
 
 
 def test_tracker_counts_prompt_tokens_awaiting_their_first_token_once():
