@@ -92,6 +92,9 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--late-timeout", type=float, metavar="S",
                    help="with --late-binding: a held request waits at most S seconds (the router's "
                    "--late-binding-timeout; default 2)")
+    p.add_argument("--late-room", choices=["time", "tokens"],
+                   help="with --late-binding: the awaiting-prefill limit in time (each replica's scaled by its speed, "
+                   "the router's default late_binding_room_in_time) or in tokens (the same for every replica)")
     p.add_argument("--swap-profile", action="append", default=[], metavar="OLD=NEW",
                    help="run the replicas of profile OLD on profile NEW (a name or a YAML path, e.g. one measured on your "
                         "GPU): the same arrivals on other hardware; repeatable")
@@ -126,12 +129,15 @@ def _compare(args: argparse.Namespace) -> int:
             raise UsageError(f"--swap-profile {old}=...: no chosen scenario has replicas on profile {old!r} "
                              f"(they use: {', '.join(sorted(used))})")
     late: bool | LateBindingConfig = args.late_binding
-    if args.late_timeout is not None:
-        if not args.late_binding:
-            raise UsageError("--late-timeout applies to --late-binding runs: add --late-binding")
-        if not args.late_timeout >= 0:
-            raise UsageError(f"--late-timeout must be >= 0 seconds, got {args.late_timeout}")
-        late = LateBindingConfig(timeout_s=args.late_timeout)
+    for flag, value in (("--late-timeout", args.late_timeout), ("--late-room", args.late_room)):
+        if value is not None and not args.late_binding:
+            raise UsageError(f"{flag} applies to --late-binding runs: add --late-binding")
+    if args.late_timeout is not None and not args.late_timeout >= 0:
+        raise UsageError(f"--late-timeout must be >= 0 seconds, got {args.late_timeout}")
+    if args.late_timeout is not None or args.late_room is not None:
+        default = LateBindingConfig()
+        late = LateBindingConfig(timeout_s=default.timeout_s if args.late_timeout is None else args.late_timeout,
+                                 room_in_time=args.late_room != "tokens")
     start = time.perf_counter()
     doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers, late_binding=late,
                   profile_swap=swap)

@@ -6,6 +6,8 @@ The library behind `simulator run|compare` and `trainer evaluate`; names are che
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import sys
@@ -188,6 +190,9 @@ def compare(
             r["ttft_p99_vs_best_heuristic"] = r["ttft_p99_s"] / best if best and best > 0 else math.nan
         results.extend(rows)
     doc = {"split": split, "seeds": seed_list, "results": results}
+    if late_binding:  # the rule's settings the `+late` rows ran under
+        doc["late_binding"] = dataclasses.asdict(late_binding if isinstance(late_binding, LateBindingConfig)
+                                                 else LateBindingConfig())
     if swap:
         doc["profile_swap"] = dict(swap)
     return doc

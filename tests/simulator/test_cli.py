@@ -162,3 +162,19 @@ def test_compare_late_timeout_sets_the_held_requests_wait_and_is_checked(capsys)
                          (["--late-binding", "--late-timeout", "-1"], "--late-timeout must be >= 0")):
         assert main(["compare", "--scenario", "bursty-code", "--policies", "least-outstanding", "--seeds", "1", *flags]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_compare_late_room_runs_the_rule_in_tokens_or_time_and_says_which(capsys):
+    """--late-room tokens: the awaiting-prefill limit the same for every replica (the rule before session 19);
+    on the ~8x conversation mix least-outstanding+late routes differently; per-request rows are untouched."""
+    docs = {}
+    for room in ("time", "tokens"):
+        assert main(["compare", "--scenario", "shape-conv-mix8x", "--policies", "least-outstanding", "--seeds", "1",
+                     "--late-binding", "--late-room", room, "--json"]) == 0
+        docs[room] = json.loads(capsys.readouterr().out)
+    rows = {room: {r["policy"]: r for r in doc["results"]} for room, doc in docs.items()}
+    assert rows["time"]["least-outstanding"]["ttft_p50_s"] == rows["tokens"]["least-outstanding"]["ttft_p50_s"]
+    assert rows["time"]["least-outstanding+late"]["ttft_p50_s"] != rows["tokens"]["least-outstanding+late"]["ttft_p50_s"]
+    assert [docs[room]["late_binding"]["room_in_time"] for room in ("time", "tokens")] == [True, False]
+    assert main(["compare", "--scenario", "bursty-code", "--seeds", "1", "--late-room", "tokens"]) == 2
+    assert "--late-room applies to --late-binding runs: add --late-binding" in capsys.readouterr().err
