@@ -103,10 +103,10 @@ class PolicyRunner:
         self._set_info(info)
         self.last_error = None
 
-    def decide(self, view: ClusterView, request: RequestInfo) -> Decision:
+    def decide(self, view: ClusterView, request: RequestInfo, context: ClusterView | None = None) -> Decision:
         policy = self.policy
         trips = policy.trips
-        d = policy.decide(view, request)
+        d = policy.decide(view, request, context)
         if policy.trips != trips and (trip := policy.last_trip) is not None:
             log.warning(
                 "policy %s (%s arm): %d of its last %d decisions overran the %.2f ms decision budget (slowest %.2f ms); "
@@ -249,11 +249,12 @@ class Router:
             view = ClusterView(tuple(
                 dataclasses.replace(r, healthy=False) if r.replica_id in exclude else r for r in view.replicas
             ))
+        context = None
         if only is not None:
-            view = restrict(view, only)
+            context, view = view, restrict(view, only)
         if not any(r.healthy for r in view.replicas):
             raise NoHealthyReplica("no healthy replica")
-        decision = runner.decide(view, request)
+        decision = runner.decide(view, request, context)
         replica = self.replicas.ordered[decision.index]
         self.replicas.cluster.dispatch(decision.index, request)
         latency_s = time.perf_counter() - t0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from router.policy.fallback import FallbackPolicy
 from router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
 
 
@@ -50,6 +51,8 @@ def simulate_late(config, requests, policy, seed: int | None = None, late: LateB
             sim.hold()
         elif len(dec.candidates) == 1:
             sim.dispatch(dec.candidates[0])
+        elif isinstance(policy, FallbackPolicy):  # as the router: a learned primary scores the whole fleet
+            sim.dispatch(policy.decide(restrict(view, dec.candidates), info, view).index)
         else:
             sim.dispatch(policy.choose(restrict(view, dec.candidates), info))
     records = sim.finish()

@@ -119,19 +119,21 @@ class FallbackPolicy(Policy):
     def describe(self) -> dict:
         return {"name": self.primary.name, "fallback": self.fallback.name, "primary": self.primary.describe()}
 
-    def _primary_pick(self, view: ClusterView, request: RequestInfo) -> tuple[int | None, str | None, str | None]:
-        """(pick, fallback_reason, error)."""
+    def _primary_pick(self, view: ClusterView, request: RequestInfo,
+                      context: ClusterView | None = None) -> tuple[int | None, str | None, str | None]:
+        """(pick, fallback_reason, error). With `context` a scoring primary scores it and picks among `view`'s
+        healthy replicas."""
         primary = self.primary
         scores_fn = getattr(primary, "scores", None)
         # a primary's own best() is best_of(scores) in fewer steps; the confidence guard needs the scores
-        best_fn = getattr(primary, "best", None) if self.min_confidence is None else None
+        best_fn = getattr(primary, "best", None) if self.min_confidence is None and context is None else None
         try:
             if best_fn is not None:
                 pick, finite = best_fn(view, request)
                 return (pick, None, None) if finite else (None, "nan", "scores not finite")
             if scores_fn is None:
                 return int(primary.choose(view, request)), None, None
-            scores = np.asarray(scores_fn(view, request), dtype=np.float64)
+            scores = np.asarray(scores_fn(view if context is None else context, request), dtype=np.float64)
         except PolicyUnavailable as exc:
             return None, exc.reason, str(exc)
         except Exception as exc:  # noqa: BLE001 - any primary failure must fall back, never fail a request
@@ -150,7 +152,10 @@ class FallbackPolicy(Policy):
                 return pick, "low_confidence", None
         return pick, None, None
 
-    def decide(self, view: ClusterView, request: RequestInfo) -> Decision:
+    def decide(self, view: ClusterView, request: RequestInfo, context: ClusterView | None = None) -> Decision:
+        """`context`: the whole fleet when `view` restricts it (late binding marks the replicas without room
+        unhealthy, router.policy.late_binding.restrict): a scoring primary (the learned one) scores the fleet it
+        was trained on and picks among `view`'s healthy replicas; heuristics and the fallback decide on `view`."""
         reps = view.replicas
         reason: str | None = None
         if self.max_stats_age_s is not None:
@@ -169,7 +174,7 @@ class FallbackPolicy(Policy):
             reason = "over_budget"
         elif reason is None:
             t0 = self.clock() if self.clock is not None else None
-            pick, reason, error = self._primary_pick(view, request)
+            pick, reason, error = self._primary_pick(view, request, context)
             if t0 is not None:
                 elapsed = self.clock() - t0  # type: ignore[misc]
             elif self.cost is not None:

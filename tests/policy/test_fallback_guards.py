@@ -122,3 +122,32 @@ def test_a_primary_best_decides_exactly_as_its_scores_do():
         assert (a.index, a.primary_index, a.fallback_reason) == (b.index, b.primary_index, b.fallback_reason), step
         reasons.add(a.fallback_reason)
     assert {None, "stale_stats", "overload_guard"} <= reasons, reasons
+
+
+def test_with_a_context_a_scoring_primary_scores_the_whole_fleet_and_picks_among_the_views_healthy():
+    """Late binding restricts the view (replicas without room marked unhealthy) and passes the fleet as `context`:
+    the learned policy scores the fleet it was trained on, but may only pick a replica the view leaves healthy."""
+    seen = []
+
+    class Recording(Scores):
+        def scores(self, view, request):
+            seen.append(view)
+            return super().scores(view, request)
+
+    fleet = ClusterView((snap(0, 3), snap(1, 1), snap(2, 2)))
+    restricted = ClusterView((snap(0, 3), snap(1, 1, healthy=False), snap(2, 2)))
+    policy = FallbackPolicy(Recording([0.5, 9.0, 1.0]), LeastOutstanding(seed=0))
+    d = policy.decide(restricted, REQ, fleet)
+    assert seen == [fleet]  # scored on the fleet as it is ...
+    assert (d.index, d.fallback_reason) == (2, None)  # ... but replica 1, the best score, has no room
+    assert policy.decide(restricted, REQ).index == 2 and seen[-1] == restricted  # no context: the view itself
+
+    class Heuristic(Policy):  # a primary without scores decides on the view, context or not
+        name = "heuristic"
+
+        def choose(self, view, request):
+            seen.append(view)
+            return 0
+
+    assert FallbackPolicy(Heuristic(), LeastOutstanding(seed=0)).decide(restricted, REQ, fleet).index == 0
+    assert seen[-1] == restricted
