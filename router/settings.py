@@ -162,8 +162,8 @@ class RouterSettings(BaseSettings):
     )
     late_binding_room_in_time: bool = Field(
         LateBindingConfig.room_in_time, description="multiply each replica's awaiting-prefill limit by how many times "
-        "faster than the fleet's slowest replica it runs, by the router's TPOT averages (floored, so 1 on a uniform "
-        "fleet): room measured in time, not tokens; off: the same token limit for every replica",
+        "faster than the fleet's slowest replica it runs, by the router's TPOT floors (floored, at most 2, so 1 on a "
+        "uniform fleet): room measured in time, not tokens; off: the same token limit for every replica",
     )
 
     # serving extensions (shadow, A/B, decision log, hot reload), validated here and passed down

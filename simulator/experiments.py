@@ -7,7 +7,6 @@ The library behind `simulator run|compare` and `trainer evaluate`; names are che
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import sys

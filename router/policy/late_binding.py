@@ -12,11 +12,11 @@ behind late binding by 0.1-0.3x of the best heuristic's on the code mixes, READM
 behind held requests; a replica has room while its outstanding count is below its concurrency limit and the
 prompt tokens awaiting their first token there would clear in the time the slowest replica clears its limit
 (`speed_scales`; until session 19 the same token limit held for every replica, which on a ~8x speed mix sent
-requests to the slow replicas while the fast ones were far from full) (the policy picks among those: callers
+requests to the slow replicas while the fast ones were far from full); the policy picks among those (callers
 pass it `restrict(view, candidates)`, and a scoring policy behind FallbackPolicy also the whole view as its
-context, so a learned policy scores the fleet it was trained on); otherwise hold. Nothing is ever dropped. The timeout is checked when the head is
-offered (at first tokens and completions, live also on a timer), so a held request can overrun it by up to
-one inter-event gap in the simulator. Callers handle a view with no healthy replica themselves.
+context, so a learned policy scores the fleet it was trained on); otherwise hold. Nothing is ever dropped. The
+timeout is checked when the head is offered (at first tokens and completions, live also on a timer), so a held
+request can overrun it by up to one inter-event gap in the simulator. Callers handle a view with no healthy replica themselves.
 """
 
 from __future__ import annotations
