@@ -14,6 +14,14 @@ seconds:
 Requests are never dropped. The last step runs the cluster to completion and adds the rest of both
 integrals, so the undiscounted return is exactly -(sum of TTFT + slo_penalty * sum of TTFT beyond the
 SLO) (Little's law).
+
+With `late_binding` (a LateBindingConfig) the cluster runs behind the router's late-binding rule
+(router.policy.late_binding.decide, as simulator.late_binding.simulate_late and the live hold queue run it):
+requests the rule holds are held, and a request it lets go to a single replica is dispatched there, without
+a step. A step is a dispatch with a choice: the observation is still the whole fleet (a scoring policy behind
+late binding scores the fleet, router.policy.fallback), the mask only the replicas the rule allows, and
+`decision()` gives the view restricted to them, which is what a heuristic decides on behind late binding.
+Holding time counts in TTFT, so the reward is the same integral.
 """
 
 from __future__ import annotations
@@ -21,16 +29,22 @@ from __future__ import annotations
 import numpy as np
 
 from router.policy.features import N_FEATURES, action_mask, build_features
+from router.policy.late_binding import LateBindingConfig, decide, restrict
 from router.policy.types import ClusterView, RequestInfo
 from simulator.cluster import ClusterSim
 from simulator.config import ClusterConfig
+from simulator.late_binding import sim_limits
 from simulator.types import RequestRecord, SimRequest
 
 
 class DecisionEnv:
-    def __init__(self, max_replicas: int = 16, slo_penalty: float = 1.0) -> None:
+    def __init__(self, max_replicas: int = 16, slo_penalty: float = 1.0,
+                 late_binding: LateBindingConfig | None = None) -> None:
         self.max_replicas = max_replicas
         self.slo_penalty = slo_penalty
+        self.late_binding = late_binding
+        self._limits: list = []
+        self._candidates: tuple[int, ...] | None = None  # behind late binding: the replicas the rule allows now
         self.ttft_slo_s = 0.0
         self.sim: ClusterSim | None = None
         self._decision: tuple[ClusterView, RequestInfo] | None = None
@@ -48,7 +62,32 @@ class DecisionEnv:
     def _observe(self) -> tuple[np.ndarray, np.ndarray]:
         assert self._decision is not None
         view, request = self._decision
-        return build_features(view, request, pad_to=self.max_replicas), action_mask(view, self.max_replicas).astype(np.float32)
+        mask = action_mask(view, self.max_replicas).astype(np.float32)
+        if self._candidates is not None:
+            allowed = np.zeros_like(mask)
+            allowed[list(self._candidates)] = 1.0
+            mask *= allowed
+        return build_features(view, request, pad_to=self.max_replicas), mask
+
+    def _next_decision(self) -> tuple[ClusterView, RequestInfo] | None:
+        """The next decision with a choice; behind late binding, holds and single-replica dispatches run here."""
+        sim = self.sim
+        assert sim is not None
+        late = self.late_binding
+        while (d := sim.next_decision()) is not None:
+            if late is None:
+                return d
+            view = d[0]
+            idx = sim._pending[0]  # type: ignore[index]
+            dec = decide(view, self._limits, sim.held, idx == sim._offered, sim.now_s - sim.requests[idx].arrival_s, late)
+            if dec.reason == "hold":
+                sim.hold()
+            elif len(dec.candidates) == 1:
+                sim.dispatch(dec.candidates[0])
+            else:
+                self._candidates = dec.candidates
+                return d
+        return None
 
     def reset(
         self, cluster: ClusterConfig, requests: list[SimRequest], seed: int, ttft_slo_s: float, name: str = "scenario"
@@ -61,7 +100,10 @@ class DecisionEnv:
         self.ttft_slo_s = ttft_slo_s
         self.sim = ClusterSim(cluster, requests, seed=seed)
         self._records = None
-        self._decision = self.sim.next_decision()
+        self._candidates = None
+        if self.late_binding is not None:
+            self._limits = sim_limits(self.sim, self.late_binding)
+        self._decision = self._next_decision()
         if self._decision is None:
             raise ValueError(f"{name}: no routing decision")
         self.cost = self._total_cost()
@@ -72,8 +114,10 @@ class DecisionEnv:
         """Route the current request to replica `action`; the next decision's (obs, mask), reward, done, info."""
         if self.sim is None or self._decision is None:
             raise RuntimeError("call reset() before step()")
+        if self._candidates is not None and int(action) not in self._candidates:
+            raise ValueError(f"action {action}: late binding allows only replicas {list(self._candidates)} now")
         self.sim.dispatch(int(action))
-        self._decision = self.sim.next_decision()
+        self._decision = self._next_decision()
         if self._decision is None:
             self._records = self.sim.finish()
             cost = self._total_cost()
@@ -99,8 +143,12 @@ class DecisionEnv:
         return len(self.sim.replica_ids)
 
     def decision(self) -> tuple[ClusterView, RequestInfo]:
-        """The pending decision's cluster view and request (None after the last step)."""
+        """The pending decision's cluster view and request; behind late binding the view is restricted to the
+        replicas the rule allows (a heuristic picks among them)."""
         assert self._decision is not None
+        if self._candidates is not None:
+            view, request = self._decision
+            return restrict(view, self._candidates), request
         return self._decision
 
     def records(self) -> list[RequestRecord] | None:

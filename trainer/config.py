@@ -81,6 +81,11 @@ class EnvConfig(_Strict):
         1500, ge=10, description="requests per TRAIN-window instance used to pick heuristics and checkpoints (null = whole)"
     )
     slo_penalty: float = Field(1.0, ge=0, description="weight of the SLO-excess integral in the reward")
+    late_binding: bool = Field(
+        False, description="train behind the router's late binding (router.policy.late_binding, default settings): "
+        "held requests wait in the router-side queue and a step is a dispatch among the replicas the rule allows "
+        "(simulator.env); heuristic baselines and checkpoint selection run behind it too, so like is compared with like",
+    )
     randomise: bool = Field(True, description="apply domain randomisation (see `randomisation`)")
     randomisation: RandomisationConfig = RandomisationConfig()
     curriculum: CurriculumConfig = CurriculumConfig()

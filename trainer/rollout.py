@@ -20,6 +20,7 @@ from router.policy.fallback import FallbackPolicy
 from router.policy.registry import LEARNED
 from router.policy.served import served_policy
 from router.policy.features import N_FEATURES, action_mask, build_features
+from router.policy.late_binding import LateBindingConfig
 from router.policy.registry import make_policy
 from router.policy.types import ClusterView, RequestInfo
 from simulator.env import DecisionEnv
@@ -81,7 +82,8 @@ class SpecEnv(DecisionEnv):
     """The simulator's routing environment (`simulator.env.DecisionEnv`) on instances named by InstanceSpec."""
 
     def __init__(self, cfg: TrainConfig, builder: InstanceBuilder) -> None:
-        super().__init__(cfg.env.max_replicas, cfg.env.slo_penalty)
+        super().__init__(cfg.env.max_replicas, cfg.env.slo_penalty,
+                         LateBindingConfig() if cfg.env.late_binding else None)
         self.builder = builder
 
     def reset_to(self, spec: InstanceSpec) -> tuple[np.ndarray, np.ndarray, dict]:

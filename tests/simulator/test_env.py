@@ -130,3 +130,45 @@ def test_crash_requests_come_back_as_decisions_and_all_finish():
     records = info["episode_records"]
     assert len(rewards) > len(records)  # more decisions than requests: re-dispatches
     assert np.all(np.isfinite(info["episode_ttft"]))
+
+
+def few_slots_factory(rng: np.random.Generator):
+    """A fleet with 4 batch slots per replica under a burst: late binding holds and dispatches."""
+    n = 160
+    arr = np.cumsum(rng.exponential(1 / 60.0, n))
+    reqs = [SimRequest(i, float(arr[i]), int(rng.integers(200, 3000)), int(rng.integers(20, 200))) for i in range(n)]
+    return ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-h100", count=1, max_num_seqs=4),
+                                   ReplicaGroup(profile="llama3-8b-a100", count=2, max_num_seqs=4)]), reqs
+
+
+def test_behind_late_binding_the_env_runs_the_routers_rule():
+    """Stepped by a heuristic on the view `decision()` gives, the env behind late binding serves every request
+    as simulate_late does (the rule the live hold queue runs); a step is a dispatch with a choice, its mask the
+    replicas the rule allows, the observation still the whole fleet; the return is still minus the total TTFT."""
+    from router.policy.late_binding import LateBindingConfig
+    from router.policy.registry import make_policy
+    from simulator.late_binding import simulate_late
+
+    cluster, requests = few_slots_factory(np.random.default_rng(4))
+    late = LateBindingConfig()
+    env = DecisionEnv(max_replicas=8, slo_penalty=0.0, late_binding=late)
+    obs, mask, _ = env.reset(cluster, requests, 0, 2.0)
+    policy = make_policy("expected-wait", seed=0)
+    rewards, narrowed, done = [], 0, False
+    while not done:
+        view, request = env.decision()
+        allowed = [i for i, r in enumerate(view.replicas) if r.healthy]
+        assert np.flatnonzero(mask).tolist() == allowed and len(allowed) > 1
+        narrowed += len(allowed) < 3
+        assert np.count_nonzero(obs.any(axis=1)) == 3  # features of the whole fleet, not only the allowed
+        refused = next((i for i in range(3) if i not in allowed), 7)  # a replica without room, or a padding row
+        with pytest.raises(ValueError, match="late binding allows only"):
+            env.step(refused)
+        obs, mask, r, done, _ = env.step(policy.choose(view, request))
+        rewards.append(r)
+    records, reasons = simulate_late(cluster, requests, make_policy("expected-wait", seed=0), seed=0, late=late)
+    assert reasons["held_requests"] > 0 and narrowed > 0
+    assert len(rewards) < len(requests)  # dispatches without a choice are not steps
+    got = sorted((r.request_id, r.replica_id, r.first_token_s) for r in env.records())
+    assert got == sorted((r.request_id, r.replica_id, r.first_token_s) for r in records)
+    assert sum(rewards) == pytest.approx(-sum(r.ttft_s for r in records), rel=1e-9)
