@@ -94,6 +94,9 @@ def _evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they re-simulate the first seed)")
     p.add_argument("--json", action="store_true", help="print the same JSON document as `simulator compare --json`")
     p.add_argument("--card", help="also merge the evaluation table into this model-card JSON (e.g. router/policy/models/default.json)")
+    p.add_argument("--late-binding", action="store_true",
+                   help="also run every policy behind the router's late binding (rows NAME+late, default settings) and "
+                   "report the learned policy behind it against the best heuristic behind it and the best per request")
     _ray_argument(p, "each (scenario, seed) is a Ray task (--workers is then ignored)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -120,7 +123,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     onnx_path = ev.learned_onnx(policy, out_dir) if policy else None
     seeds = list(range(args.seeds))
     start = time.perf_counter()
-    doc = ev.run_comparison(onnx_path, scenarios, seeds, baselines, args.split, args.workers, not args.no_progress, ray=args.ray)
+    doc = ev.run_comparison(onnx_path, scenarios, seeds, baselines, args.split, args.workers, not args.no_progress,
+                            ray=args.ray, late_binding=args.late_binding)
     wall = time.perf_counter() - start
     if args.json:
         print(to_json(doc))
@@ -133,8 +137,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         if onnx_path is not None:
             print("\nlearned vs best heuristic per scenario:")
             for s in ev.learned_summary(doc, onnx_path):
-                print(f"  {s['scenario']:18s} p99 ratio {s['ttft_p99_ratio']:.3f} (best: {s['best_heuristic']}), "
-                      f"goodput {s['learned_goodput']:.3f} vs {s['best_heuristic_goodput']:.3f}")  # fmt: skip
+                print(ev.summary_line(s))
     if not args.no_plots:
         files = ev.plot(doc, onnx_path, scenarios, seeds[0], args.split, out_dir, not args.no_progress)
         print("plots: " + ", ".join(str(f) for f in files), file=sys.stderr if args.json else sys.stdout)
@@ -147,6 +150,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             "command": "trainer evaluate " + " ".join(sys.argv[2:]),
             "split": args.split,
             "seeds": seeds,
+            "late_binding": doc.get("late_binding"),
             "wall_s": round(wall, 1),
             "vs_best_heuristic": ev.learned_summary(doc, onnx_path),
             "results": [

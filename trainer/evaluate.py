@@ -44,19 +44,22 @@ def run_comparison(
     workers: int,
     progress: bool,
     ray: str | None = None,
+    late_binding: bool = False,
 ) -> dict:
-    """`simulator.experiments.compare` of the baselines and the learned ONNX; on the Ray cluster at `ray` when given
-    (trainer/ray_backend.py: the ONNX file travels with each task)."""
+    """`simulator.experiments.compare` of the baselines and the learned ONNX (with `late_binding`, each also behind
+    the router's late binding, as `NAME+late`); on the Ray cluster at `ray` when given (trainer/ray_backend.py: the
+    ONNX file travels with each task)."""
     from simulator.experiments import compare
 
     policies = list(baselines) + ([str(onnx_path)] if onnx_path is not None else [])
     if ray is None:
-        return compare(scenarios, policies, seeds, split=split, workers=workers, progress=progress)
+        return compare(scenarios, policies, seeds, split=split, workers=workers, progress=progress, late_binding=late_binding)
     from trainer.ray_backend import RayExecutor, connect
 
     with connect(ray, num_cpus=max(1, workers)) as ray_module:
         executor = RayExecutor(ray_module, files=[onnx_path] if onnx_path is not None else [])
-        return compare(scenarios, policies, seeds, split=split, progress=progress, executor=executor)
+        return compare(scenarios, policies, seeds, split=split, progress=progress, executor=executor,
+                       late_binding=late_binding)
 
 
 def _fmt(v: float, ci: float, unit: str) -> str:
@@ -70,7 +73,9 @@ def _fmt(v: float, ci: float, unit: str) -> str:
 
 
 def label(policy: str, onnx_path: Path | None) -> str:
-    return LEARNED_LABEL if onnx_path is not None and policy == str(onnx_path) else policy
+    if onnx_path is not None and policy.startswith(str(onnx_path)):
+        return LEARNED_LABEL + policy[len(str(onnx_path)):]  # "learned", "learned+late"
+    return policy
 
 
 def format_table(doc: dict, onnx_path: Path | None) -> str:
@@ -94,31 +99,61 @@ def format_table(doc: dict, onnx_path: Path | None) -> str:
 
 
 def learned_summary(doc: dict, onnx_path: Path) -> list[dict]:
-    """Per scenario: the learned policy vs the best heuristic (p99 ratio, goodput difference)."""
+    """Per scenario: the learned policy vs the best heuristic (p99 ratio, goodput difference). In a late-binding
+    document (`NAME+late` rows) also the learned policy behind late binding vs the best heuristic behind it (like
+    with like) and vs the best per-request heuristic, with goodput against the best heuristic row of either kind."""
+    from simulator.late_binding import LATE_SUFFIX
+
     out = []
-    by_sc: dict[str, list[dict]] = {}
+    by_sc: dict[str, dict[str, dict]] = {}
     for r in doc["results"]:
-        by_sc.setdefault(r["scenario"], []).append(r)
+        by_sc.setdefault(r["scenario"], {})[r["policy"]] = r
+    learned = str(onnx_path)
+
+    def best_of(rows: dict[str, dict], suffix: str) -> dict | None:
+        heur = [rows[b + suffix] for b in BASELINES if b + suffix in rows and not math.isnan(rows[b + suffix]["ttft_p99_s"])]
+        return min(heur, key=lambda r: r["ttft_p99_s"]) if heur else None
+
     for sc, rows in by_sc.items():
-        heur = [r for r in rows if r["policy"] in BASELINES and not math.isnan(r["ttft_p99_s"])]
-        mine = [r for r in rows if r["policy"] == str(onnx_path)]
-        if not heur or not mine:
+        best, mine = best_of(rows, ""), rows.get(learned)
+        if best is None or mine is None:
             continue
-        best = min(heur, key=lambda r: r["ttft_p99_s"])
-        best_goodput = max(r["goodput"] for r in heur)
-        out.append(
-            {
-                "scenario": sc,
-                "best_heuristic": best["policy"],
-                "best_heuristic_ttft_p99_s": best["ttft_p99_s"],
-                "learned_ttft_p99_s": mine[0]["ttft_p99_s"],
-                "ttft_p99_ratio": mine[0]["ttft_p99_vs_best_heuristic"],
-                "learned_goodput": mine[0]["goodput"],
-                "best_heuristic_goodput": best_goodput,
-                "goodput_minus_best": mine[0]["goodput"] - best_goodput,
+        heur_goodput = [r["goodput"] for p, r in rows.items() if p.removesuffix(LATE_SUFFIX) in BASELINES]
+        best_goodput = max(r["goodput"] for p, r in rows.items() if p in BASELINES)
+        entry = {
+            "scenario": sc,
+            "best_heuristic": best["policy"],
+            "best_heuristic_ttft_p99_s": best["ttft_p99_s"],
+            "learned_ttft_p99_s": mine["ttft_p99_s"],
+            "ttft_p99_ratio": mine["ttft_p99_vs_best_heuristic"],
+            "learned_goodput": mine["goodput"],
+            "best_heuristic_goodput": best_goodput,
+            "goodput_minus_best": mine["goodput"] - best_goodput,
+        }
+        best_late, mine_late = best_of(rows, LATE_SUFFIX), rows.get(learned + LATE_SUFFIX)
+        if best_late is not None and mine_late is not None:
+            entry |= {
+                "best_late_heuristic": best_late["policy"],
+                "best_late_heuristic_ttft_p99_s": best_late["ttft_p99_s"],
+                "learned_late_ttft_p99_s": mine_late["ttft_p99_s"],
+                "late_ttft_p99_ratio": mine_late["ttft_p99_s"] / best_late["ttft_p99_s"],
+                "late_vs_best_per_request": mine_late["ttft_p99_s"] / best["ttft_p99_s"],
+                "learned_late_goodput": mine_late["goodput"],
+                "late_goodput_minus_best": mine_late["goodput"] - max(heur_goodput),
             }
-        )
+        out.append(entry)
     return out
+
+
+def summary_line(s: dict) -> str:
+    """One scenario of learned_summary, for the terminal."""
+    line = (f"  {s['scenario']:20s} p99 ratio {s['ttft_p99_ratio']:.3f} (best: {s['best_heuristic']}), "
+            f"goodput {s['learned_goodput']:.3f} vs {s['best_heuristic_goodput']:.3f}")
+    if "late_ttft_p99_ratio" in s:
+        line += (f"; +late {s['late_ttft_p99_ratio']:.3f} of the best late heuristic ({s['best_late_heuristic']}), "
+                 f"{s['late_vs_best_per_request']:.3f} of the best per request, goodput {s['learned_late_goodput']:.3f} "
+                 f"({s['late_goodput_minus_best']:+.3f} vs the best heuristic row)")
+    return line
 
 
 def plot(doc: dict, onnx_path: Path | None, scenarios: list[str], seed: int, split: str, out_dir: Path, progress: bool) -> list[Path]:
@@ -131,11 +166,12 @@ def plot(doc: dict, onnx_path: Path | None, scenarios: list[str], seed: int, spl
 
     from router.policy.served import served_policy
     from simulator.cluster import simulate
+    from simulator.late_binding import simulate_late, split_late
     from simulator.scenario import load_scenario
 
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
-    policies = sorted({r["policy"] for r in doc["results"]}, key=lambda p: (p == str(onnx_path), p))
+    policies = sorted({r["policy"] for r in doc["results"]}, key=lambda p: (p.startswith(str(onnx_path)), p))
     n = len(scenarios)
     cols = min(3, n)
     rows = math.ceil(n / cols)
@@ -145,11 +181,13 @@ def plot(doc: dict, onnx_path: Path | None, scenarios: list[str], seed: int, spl
         sc = load_scenario(sc_name, split=split)
         cluster, requests = sc.build(np.random.default_rng(seed))
         for p in policies:
-            recs = simulate(cluster, requests, served_policy(p, seed=seed), seed=seed)
+            name, late = split_late(p)
+            policy = served_policy(name, seed=seed)
+            recs = simulate_late(cluster, requests, policy, seed=seed)[0] if late else simulate(cluster, requests, policy, seed=seed)
             ttft = np.sort([r.ttft_s for r in recs if r.tenant != "warmup" and math.isfinite(r.ttft_s)])
             y = np.arange(1, len(ttft) + 1) / max(1, len(ttft))
             lab = label(p, onnx_path)
-            ax.plot(ttft, y, label=lab, lw=2.2 if lab == LEARNED_LABEL else 1.0)
+            ax.plot(ttft, y, label=lab, lw=2.2 if lab.startswith(LEARNED_LABEL) else 1.0)
             bar.update(1)
         ax.set_xscale("log")
         ax.set_ylim(0.9, 1.0)
@@ -173,7 +211,7 @@ def plot(doc: dict, onnx_path: Path | None, scenarios: list[str], seed: int, spl
         names = [label(r["policy"], onnx_path) for r in rs]
         vals = [r["ttft_p99_s"] for r in rs]
         errs = [r["ttft_p99_s_ci95"] if r["ttft_p99_s_ci95"] is not None and not math.isnan(r["ttft_p99_s_ci95"]) else 0 for r in rs]
-        colors = ["tab:red" if nm == LEARNED_LABEL else "tab:blue" for nm in names]
+        colors = ["tab:red" if nm.startswith(LEARNED_LABEL) else "tab:blue" for nm in names]
         ax.bar(range(len(rs)), vals, yerr=errs, color=colors)
         ax.set_xticks(range(len(rs)), names, rotation=60, ha="right", fontsize=7)
         ax.set_title(sc_name)

@@ -59,3 +59,30 @@ def test_workers_are_not_capped_at_this_machines_cores():
 
     assert RunConfig().workers == os.cpu_count()
     assert RunConfig(workers=64, torch_threads=8).workers == 64
+
+
+def test_evaluate_late_binding_compares_like_with_like_and_writes_the_card(capsys, tmp_path):
+    """--late-binding: every policy also behind late binding; the summary puts the learned policy behind it
+    against the best heuristic behind it and against the best per request, and the card records the rule."""
+    from router.policy.registry import DEFAULT_MODEL_PATH
+
+    card = tmp_path / "card.json"
+    rc = trainer_main(["evaluate", "--policy", "learned", "--scenario", "shape-conv-slots8", "--seeds", "1", "--baselines",
+                       "least-outstanding,expected-wait", "--late-binding", "--no-plots", "--workers", "1", "--no-progress",
+                       "--out", str(tmp_path), "--card", str(card)])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "learned+late" in out and "of the best late heuristic" in out
+    doc = json.loads(card.read_text())["evaluation"]
+    assert doc["late_binding"]["timeout_s"] == 2.0
+    rows = {r["policy"]: r for r in doc["results"]}
+    assert {"least-outstanding+late", "expected-wait+late", "learned", "learned+late"} <= rows.keys()
+    [s] = doc["vs_best_heuristic"]
+    best_late = min(("least-outstanding+late", "expected-wait+late"), key=lambda p: rows[p]["ttft_p99_s"])
+    best = min(("least-outstanding", "expected-wait"), key=lambda p: rows[p]["ttft_p99_s"])
+    assert s["best_late_heuristic"] == best_late and s["best_heuristic"] == best
+    assert math.isclose(s["late_ttft_p99_ratio"], rows["learned+late"]["ttft_p99_s"] / rows[best_late]["ttft_p99_s"])
+    assert math.isclose(s["late_vs_best_per_request"], rows["learned+late"]["ttft_p99_s"] / rows[best]["ttft_p99_s"])
+    goodputs = [rows[p]["goodput"] for p in rows if not p.startswith("learned")]
+    assert math.isclose(s["late_goodput_minus_best"], rows["learned+late"]["goodput"] - max(goodputs))
+    assert str(DEFAULT_MODEL_PATH) not in rows  # labelled "learned" in the card
