@@ -218,6 +218,12 @@ class RunConfig(_Strict):
         "on each of those instances; 0 = off (the suite's own fleets only)",
     )
     torch_threads: int = Field(1, ge=1, description="torch threads per process (1: the workers use the cores)")
+    init: str | None = Field(
+        None,
+        description="a fine-tune: start from this training checkpoint's network (e.g. runs/any-fleet/best.pt; the same "
+        "`network` settings) instead of a warm start, which is skipped; it is also PPO's KL reference. Heuristics are "
+        "chosen and checkpoints selected afresh under this configuration (e.g. env.late_binding)",
+    )
     ray: str | None = Field(
         None,
         description="run rollouts and evaluation episodes as `workers` Ray actors on this cluster instead of local processes: "

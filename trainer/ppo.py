@@ -565,6 +565,11 @@ def _start(cfg: TrainConfig, run_dir: Path, resume: str | Path | None) -> tuple[
         if doc.get("optimizer"):
             optimizer.load_state_dict(doc["optimizer"])
         state = TrainState.from_dict(doc["progress"])
+    elif cfg.run.init is not None:  # a fine-tune: the checkpoint's network, a fresh run around it
+        net, init_cfg, _ = load_network(cfg.run.init)
+        if init_cfg.network != cfg.network:
+            raise ValueError(f"run.init {cfg.run.init}: its network {init_cfg.network} differs from this run's {cfg.network}")
+        optimizer = torch.optim.Adam(net.parameters(), lr=cfg.ppo.lr, eps=1e-5)
     rng = np.random.default_rng(cfg.run.seed)
     if state.rng_state is not None:
         rng.bit_generator.state = state.rng_state
@@ -583,12 +588,12 @@ def _select_phase(run: _Run, pool: WorkerPool) -> None:
 def _warm_start_phase(run: _Run, pool: WorkerPool, progress: bool) -> None:
     cfg, state = run.cfg, run.state
     t0 = time.time()
-    if cfg.warm_start.episodes_per_scenario and cfg.warm_start.epochs:
+    if cfg.warm_start.episodes_per_scenario and cfg.warm_start.epochs and cfg.run.init is None:
         for i, st in enumerate(warm_start(pool, cfg, run.net, state.best_heuristic, run.rng, progress)):
             run.logger.log("warm-start", i, run.elapsed(), st)
     ev = evaluate_on_train(pool, cfg, run.net, state.best_heuristic, state.heuristic_runs)
     run.logger.log("warm-start-eval", 0, run.elapsed(), ev)
-    print(f"warm start ({cfg.warm_start.target}) done in {time.time() - t0:.0f}s; TRAIN p99 ratio geomean {ev['eval/score']:.3f}, "
+    print(f"warm start ({'run.init ' + cfg.run.init if cfg.run.init else cfg.warm_start.target}) done in {time.time() - t0:.0f}s; TRAIN p99 ratio geomean {ev['eval/score']:.3f}, "
           f"worst {ev['eval/worst_ratio']:.3f}", flush=True)  # fmt: skip
     state.phase = Phase.PPO
     run.consider(ev, "warm-start")

@@ -57,6 +57,25 @@ def test_resume_continues_from_last_checkpoint(run: Path, tmp_path: Path):
     assert [r.split(",")[:2] for r in rows if r.startswith("ppo")] == [["ppo", "1"], ["ppo", "2"], ["ppo", "3"]]
 
 
+def test_init_fine_tunes_a_checkpoint_behind_late_binding(run: Path, tmp_path: Path):
+    """run.init: no warm start; the checkpoint's network is the starting point and PPO's KL reference, and the
+    run (heuristics, selection) is under its own configuration, here behind late binding."""
+    init = run / "best.pt"
+    cfg = load_config(ROOT / "trainer/configs/smoke.yaml", [f"run.run_dir={tmp_path / 'ft'}", f"run.init={init}",
+                                                             "env.late_binding=true", "ppo.updates=1"])
+    summary = train(cfg, progress=False)
+    assert summary["updates"] == 1
+    rows = (tmp_path / "ft" / "metrics.csv").read_text().splitlines()
+    assert not [r for r in rows if r.startswith("warm-start,")]  # no fitting, only the evaluation of the start
+    start = load_network(tmp_path / "ft" / "warm_start.pt")[0].state_dict()
+    assert all(torch.equal(v, start[k]) for k, v in load_network(init)[0].state_dict().items())
+    assert read_checkpoint(tmp_path / "ft" / "last.pt")["config"]["env"]["late_binding"] is True
+    wider = load_config(ROOT / "trainer/configs/smoke.yaml", [f"run.run_dir={tmp_path / 'x'}", f"run.init={init}",
+                                                               "network.hidden=32"])
+    with pytest.raises(ValueError, match="differs from this run's"):
+        train(wider, progress=False)
+
+
 def test_a_run_from_before_the_rename_resumes_with_its_bc_checkpoint_as_kl_reference(run: Path, tmp_path: Path):
     """Run directories written before the warm start was renamed hold `bc.pt`; PPO's KL reference is read from it."""
     from types import SimpleNamespace
