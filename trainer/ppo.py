@@ -566,6 +566,9 @@ def _start(cfg: TrainConfig, run_dir: Path, resume: str | Path | None) -> tuple[
             optimizer.load_state_dict(doc["optimizer"])
         state = TrainState.from_dict(doc["progress"])
     elif cfg.run.init is not None:  # a fine-tune: the checkpoint's network, a fresh run around it
+        if Path(cfg.run.init).resolve().parent == run_dir.resolve():
+            raise ValueError(f"run.init {cfg.run.init} is inside the run directory {run_dir}, whose checkpoints this "
+                             "run writes: give the fine-tune its own run.run_dir (--run-dir)")
         net, init_cfg, _ = load_network(cfg.run.init)
         if init_cfg.network != cfg.network:
             raise ValueError(f"run.init {cfg.run.init}: its network {init_cfg.network} differs from this run's {cfg.network}")

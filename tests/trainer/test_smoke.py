@@ -74,6 +74,9 @@ def test_init_fine_tunes_a_checkpoint_behind_late_binding(run: Path, tmp_path: P
                                                                "network.hidden=32"])
     with pytest.raises(ValueError, match="differs from this run's"):
         train(wider, progress=False)
+    same_dir = load_config(ROOT / "trainer/configs/smoke.yaml", [f"run.run_dir={run}", f"run.init={init}"])
+    with pytest.raises(ValueError, match="its own run.run_dir"):
+        train(same_dir, progress=False)
 
 
 def test_a_run_from_before_the_rename_resumes_with_its_bc_checkpoint_as_kl_reference(run: Path, tmp_path: Path):
