@@ -29,11 +29,11 @@ from __future__ import annotations
 import numpy as np
 
 from router.policy.features import N_FEATURES, action_mask, build_features
-from router.policy.late_binding import LateBindingConfig, decide, restrict
+from router.policy.late_binding import LateBindingConfig, restrict
 from router.policy.types import ClusterView, RequestInfo
 from simulator.cluster import ClusterSim
 from simulator.config import ClusterConfig
-from simulator.late_binding import sim_limits
+from simulator.late_binding import next_choice, sim_limits
 from simulator.types import RequestRecord, SimRequest
 
 
@@ -70,24 +70,15 @@ class DecisionEnv:
         return build_features(view, request, pad_to=self.max_replicas), mask
 
     def _next_decision(self) -> tuple[ClusterView, RequestInfo] | None:
-        """The next decision with a choice; behind late binding, holds and single-replica dispatches run here."""
-        sim = self.sim
-        assert sim is not None
-        late = self.late_binding
-        while (d := sim.next_decision()) is not None:
-            if late is None:
-                return d
-            view = d[0]
-            idx = sim._pending[0]  # type: ignore[index]
-            dec = decide(view, self._limits, sim.held, idx == sim._offered, sim.now_s - sim.requests[idx].arrival_s, late)
-            if dec.reason == "hold":
-                sim.hold()
-            elif len(dec.candidates) == 1:
-                sim.dispatch(dec.candidates[0])
-            else:
-                self._candidates = dec.candidates
-                return d
-        return None
+        """The next decision; behind late binding the next with a choice (holds and single-replica dispatches run)."""
+        assert self.sim is not None
+        if self.late_binding is None:
+            return self.sim.next_decision()
+        d = next_choice(self.sim, self._limits, self.late_binding)
+        if d is None:
+            return None
+        view, request, self._candidates = d
+        return view, request
 
     def reset(
         self, cluster: ClusterConfig, requests: list[SimRequest], seed: int, ttft_slo_s: float, name: str = "scenario"

@@ -28,6 +28,25 @@ def sim_limits(sim, config: LateBindingConfig) -> list[ReplicaLimit]:
     ]
 
 
+def next_choice(sim, limits: list[ReplicaLimit], late: LateBindingConfig, reasons: Counter[str] | None = None):
+    """Runs `sim` up to its next decision with a choice behind late binding: requests the rule holds are held, one
+    it lets go to a single replica is dispatched there. Returns (view, request, the replicas the rule allows), or
+    None when the run is over; counts each decision's reason in `reasons`."""
+    while (d := sim.next_decision()) is not None:
+        view, info = d
+        idx = sim._pending[0]
+        dec = decide(view, limits, sim.held, idx == sim._offered, sim.now_s - sim.requests[idx].arrival_s, late)
+        if reasons is not None:
+            reasons[dec.reason] += 1
+        if dec.reason == "hold":
+            sim.hold()
+        elif len(dec.candidates) == 1:
+            sim.dispatch(dec.candidates[0])
+        else:
+            return view, info, dec.candidates
+    return None
+
+
 def simulate_late(config, requests, policy, seed: int | None = None, late: LateBindingConfig | None = None):
     """`simulator.cluster.simulate` with late binding; returns (records, Counter of decision reasons).
     `reasons["hold"]` counts hold decisions (a head offered and held again counts again); `sim.n_holds`
@@ -41,20 +60,12 @@ def simulate_late(config, requests, policy, seed: int | None = None, late: LateB
         sim.on_complete_hook = policy.on_complete
     limits = sim_limits(sim, late)
     reasons: Counter[str] = Counter()
-    while (d := sim.next_decision()) is not None:
-        view, info = d
-        idx = sim._pending[0]
-        is_head = idx == sim._offered
-        dec = decide(view, limits, sim.held, is_head, sim.now_s - sim.requests[idx].arrival_s, late)
-        reasons[dec.reason] += 1
-        if dec.reason == "hold":
-            sim.hold()
-        elif len(dec.candidates) == 1:
-            sim.dispatch(dec.candidates[0])
-        elif isinstance(policy, FallbackPolicy):  # as the router: a learned primary scores the whole fleet
-            sim.dispatch(policy.decide(restrict(view, dec.candidates), info, view).index)
+    while (d := next_choice(sim, limits, late, reasons)) is not None:
+        view, info, candidates = d
+        if isinstance(policy, FallbackPolicy):  # as the router: a learned primary scores the whole fleet
+            sim.dispatch(policy.decide(restrict(view, candidates), info, view).index)
         else:
-            sim.dispatch(policy.choose(restrict(view, dec.candidates), info))
+            sim.dispatch(policy.choose(restrict(view, candidates), info))
     records = sim.finish()
     reasons["held_requests"] = sim.n_holds
     return records, reasons
