@@ -1,4 +1,5 @@
-"""The second shipped model (issue 16): its card names the configuration that trained it, and that file still says so."""
+"""The second and third shipped models (issue 16): each card names the configuration that trained it, and that file
+still says so."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from trainer.config import TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ANY_FLEET = DEFAULT_MODEL_PATH.parent / "any-fleet.onnx"
+LATE_FLEET = DEFAULT_MODEL_PATH.parent / "late-fleet.onnx"
 
 
 def test_any_fleet_card_was_trained_by_its_config_file():
@@ -22,3 +24,15 @@ def test_any_fleet_card_was_trained_by_its_config_file():
     selected = card["training"]["selected_checkpoint"]
     assert card["policy_version"] == f"any-fleet-{selected}"
     assert OnnxPolicy(ANY_FLEET).describe()["version"] == card["policy_version"]
+
+
+def test_late_fleet_card_was_trained_behind_late_binding_by_its_config_file():
+    card = json.loads(LATE_FLEET.with_suffix(".json").read_text())
+    config = load_config(ROOT / "trainer/configs/late-fleet.yaml").model_dump(mode="json")
+    assert TrainConfig.model_validate(card["training"]["config"]).model_dump(mode="json") == config
+    assert config["env"]["late_binding"] is True
+    assert card["policy_version"] == f"late-fleet-{card['training']['selected_checkpoint']}"
+    assert OnnxPolicy(LATE_FLEET).describe()["version"] == card["policy_version"]
+    evaluation = card["evaluation"]  # evaluated as it is meant to run: behind late binding, like with like
+    assert evaluation["late_binding"] is not None
+    assert all("late_ttft_p99_ratio" in s for s in evaluation["vs_best_heuristic"])
