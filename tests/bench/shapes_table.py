@@ -4,6 +4,9 @@
     python tests/bench/shapes_table.py shapes.json
     python tests/bench/shapes_table.py suite.json --learned runs/fleets/candidate.onnx   # a candidate model's row
     python tests/bench/shapes_table.py suite.json shapes.json --models learned,runs/a.onnx,runs/b.onnx   # side by side
+    # models behind late binding, each over the best heuristic behind it; the heuristics' rows may come from
+    # another document of the same seeds and split (a model-only compare run beside an earlier full one)
+    python tests/bench/shapes_table.py heuristics.json models.json --models runs/a.onnx,runs/b.onnx --late
 
 Per scenario: the best per-request heuristic by mean p99 TTFT over seeds (and its ±95 % CI half-width), the
 learned policy's p99 and their ratio; the best late-binding heuristic (`<name>+late` rows, when present) and
@@ -85,22 +88,41 @@ def markdown(doc: dict, learned_name: str = LEARNED) -> str:
     return "\n".join(lines)
 
 
-def side_by_side(docs: list[dict], models: list[str]) -> str:
+def merged(docs: list[dict]) -> dict:
+    """One document from several of the same seeds and split (rows of a later one replace an earlier one's)."""
+    first = docs[0]
+    for d in docs[1:]:
+        if d["seeds"] != first["seeds"] or d["split"] != first["split"]:
+            raise SystemExit(f"documents differ: seeds {first['seeds']} / {d['seeds']}, split {first['split']} / {d['split']}")
+    by_key = {(r["scenario"], r["policy"]): r for d in docs for r in d["results"]}
+    return {"seeds": first["seeds"], "split": first["split"], "results": list(by_key.values())}
+
+
+def side_by_side(docs: list[dict], models: list[str], late: bool = False) -> str:
     """Per scenario, each model's p99 TTFT over the best per-request heuristic's (the same arrivals), then the
-    geometric mean and the worst ratio over the scenarios every model ran."""
+    geometric mean and the worst ratio over the scenarios every model ran. With `late`: each model behind late
+    binding over the best heuristic behind it, and how many scenarios it has at or below 0.75x the best per-request
+    heuristic."""
+    doc = merged(docs)
     ratios: dict[str, dict[str, float]] = {}
-    for doc in docs:
-        for m in models:
-            for r in rows(doc, m):
+    at_075: dict[str, int] = {m: 0 for m in models}
+    for m in models:
+        for r in rows(doc, m):
+            if not late:
                 ratios.setdefault(r["scenario"], {})[m] = r["learned"]["ttft_p99_s"] / r["best"]["ttft_p99_s"]
+            elif r["learned_late"] is not None and r["best_late"] is not None:
+                ratios.setdefault(r["scenario"], {})[m] = r["learned_late"]["ttft_p99_s"] / r["best_late"]["ttft_p99_s"]
+                at_075[m] += r["learned_late"]["ttft_p99_s"] <= 0.75 * r["best"]["ttft_p99_s"]
     full = {sc: by for sc, by in ratios.items() if all(m in by for m in models)}
     if not full:
-        raise SystemExit(f"no scenario has a row for every one of {', '.join(models)}")
+        raise SystemExit(f"no scenario has a row for every one of {', '.join(models)}" + (" behind late binding" if late else ""))
     lines = ["| scenario | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
     lines += [f"| {sc} | " + " | ".join(f"{by[m]:.2f}" for m in models) + " |" for sc, by in full.items()]
     geo = [math.exp(sum(math.log(by[m]) for by in full.values()) / len(full)) for m in models]
     lines.append(f"| geometric mean ({len(full)}) | " + " | ".join(f"{g:.3f}" for g in geo) + " |")
     lines.append("| worst | " + " | ".join(f"{max(by[m] for by in full.values()):.2f}" for m in models) + " |")
+    if late:
+        lines.append("| at or below 0.75x the best per request | " + " | ".join(str(at_075[m]) for m in models) + " |")
     return "\n".join(lines)
 
 
@@ -113,13 +135,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", help="comma-separated learned policies as compare names them: instead of the table, "
                                       "each one's p99 over the best per-request heuristic side by side, with the "
                                       "geometric mean and the worst scenario")
+    ap.add_argument("--late", action="store_true",
+                    help="with --models: each model behind late binding (its `+late` row) over the best heuristic "
+                         "behind it, and its count of scenarios at or below 0.75x the best per-request heuristic")
     args = ap.parse_args(argv)
     docs = []
     for path in args.compare_json:
         with open(path) as f:
             docs.append(json.load(f))
     if args.models:
-        print(side_by_side(docs, args.models.split(",")))
+        print(side_by_side(docs, args.models.split(","), late=args.late))
         return
     if len(docs) > 1:
         ap.error("several compare documents need --models")

@@ -35,3 +35,29 @@ def test_side_by_side_divides_by_the_best_heuristic_per_scenario_and_summarises(
     assert "| worst | 1.20 | 1.50 |" in out
     with pytest.raises(SystemExit, match="no scenario has a row for every one of learned, x.onnx"):
         shapes_table.main([*map(str, paths), "--models", "learned,x.onnx"])
+
+
+def test_late_side_by_side_merges_a_model_only_document_and_counts_the_075_scenarios(tmp_path, capsys):
+    """--late: a model behind late binding over the best heuristic behind it; the heuristics' rows may come from
+    another document of the same seeds and split; documents of other seeds are refused."""
+    heuristics = {"seeds": [0, 1], "split": "eval", "results": [
+        _row("a", "expected-wait", 2.0), _row("a", "expected-wait+late", 1.6),
+        _row("a", "least-token-load", 3.0), _row("a", "least-token-load+late", 1.0),
+        _row("b", "expected-wait", 1.0), _row("b", "expected-wait+late", 1.0),
+    ]}
+    models = {"seeds": [0, 1], "split": "eval", "results": [
+        _row("a", "m.onnx", 2.2), _row("a", "m.onnx+late", 1.5), _row("b", "m.onnx", 1.0), _row("b", "m.onnx+late", 1.1),
+    ]}
+    paths = []
+    for name, doc in (("h", heuristics), ("m", models)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(doc))
+    shapes_table.main([*map(str, paths), "--models", "m.onnx", "--late"])
+    out = capsys.readouterr().out
+    assert "| a | 1.50 |" in out and "| b | 1.10 |" in out  # over least-token-load+late's 1.0 and expected-wait+late's
+    assert f"| geometric mean (2) | {math.sqrt(1.5 * 1.1):.3f} |" in out and "| worst | 1.50 |" in out
+    assert "| at or below 0.75x the best per request | 1 |" in out  # a: 1.5 <= 0.75 x 2.0; b: 1.1 > 0.75
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(models | {"seeds": [0, 1, 2]}))
+    with pytest.raises(SystemExit, match="documents differ"):
+        shapes_table.main([str(paths[0]), str(other), "--models", "m.onnx", "--late"])
