@@ -10,10 +10,15 @@ seconds:
 
     -(increase of the integral of requests waiting for their first token)
     - slo_penalty * (increase of the integral of requests waiting longer than ttft_slo_s)
+    - tpot_penalty * (seconds of decoding beyond the TPOT SLO's pace of the requests completed in between)
+    - miss_penalty * (requests that became certain SLO misses in between, as goodput counts them)
 
 Requests are never dropped. The last step runs the cluster to completion and adds the rest of both
 integrals, so the undiscounted return is exactly -(sum of TTFT + slo_penalty * sum of TTFT beyond the
-SLO) (Little's law).
+SLO) (Little's law), minus tpot_penalty * the sum over requests of max(0, decode time - (output tokens - 1) *
+tpot_slo_s): the decode a request spent beyond its TPOT SLO, charged when it completes, and minus miss_penalty *
+the requests goodput misses, each charged once, when its wait passes the TTFT SLO or it completes too slowly
+(both off by default).
 
 With `late_binding` (a LateBindingConfig) the cluster runs behind the router's late-binding rule
 (router.policy.late_binding.decide, as simulator.late_binding.simulate_late and the live hold queue run it):
@@ -39,9 +44,13 @@ from simulator.types import RequestRecord, SimRequest
 
 class DecisionEnv:
     def __init__(self, max_replicas: int = 16, slo_penalty: float = 1.0,
-                 late_binding: LateBindingConfig | None = None) -> None:
+                 late_binding: LateBindingConfig | None = None, tpot_penalty: float = 0.0,
+                 miss_penalty: float = 0.0) -> None:
         self.max_replicas = max_replicas
         self.slo_penalty = slo_penalty
+        self.tpot_penalty = tpot_penalty
+        self.miss_penalty = miss_penalty
+        self.tpot_slo_s = 0.0
         self.late_binding = late_binding
         self._limits: list = []
         self._candidates: tuple[int, ...] | None = None  # behind late binding: the replicas the rule allows now
@@ -57,6 +66,10 @@ class DecisionEnv:
         cost = sim.first_token_wait_integral()
         if self.slo_penalty:
             cost += self.slo_penalty * sim.slo_excess_integral(self.ttft_slo_s)
+        if self.tpot_penalty:
+            cost += self.tpot_penalty * sim.decode_excess(self.tpot_slo_s)
+        if self.miss_penalty:
+            cost += self.miss_penalty * sim.slo_misses(self.ttft_slo_s, self.tpot_slo_s)
         return cost
 
     def _observe(self) -> tuple[np.ndarray, np.ndarray]:
@@ -81,14 +94,20 @@ class DecisionEnv:
         return view, request
 
     def reset(
-        self, cluster: ClusterConfig, requests: list[SimRequest], seed: int, ttft_slo_s: float, name: str = "scenario"
+        self, cluster: ClusterConfig, requests: list[SimRequest], seed: int, ttft_slo_s: float, name: str = "scenario",
+        tpot_slo_s: float = 0.0,
     ) -> tuple[np.ndarray, np.ndarray, dict]:
-        """Start an episode on (cluster, requests); `name` labels the errors."""
+        """Start an episode on (cluster, requests); `name` labels the errors. `tpot_slo_s` is needed (> 0) only
+        with a tpot_penalty or a miss_penalty."""
+        for term in ("tpot_penalty", "miss_penalty"):
+            if getattr(self, term) and tpot_slo_s <= 0:
+                raise ValueError(f"{name}: {term}={getattr(self, term)} needs a TPOT SLO > 0, got {tpot_slo_s}")
         if cluster.replica_count() > self.max_replicas:
             raise ValueError(f"{name}: {cluster.replica_count()} replicas exceed max_replicas={self.max_replicas}")
         if not requests:
             raise ValueError(f"{name}: no requests")
         self.ttft_slo_s = ttft_slo_s
+        self.tpot_slo_s = tpot_slo_s
         self.sim = ClusterSim(cluster, requests, seed=seed)
         self._records = None
         self._candidates = None

@@ -81,6 +81,14 @@ class EnvConfig(_Strict):
         1500, ge=10, description="requests per TRAIN-window instance used to pick heuristics and checkpoints (null = whole)"
     )
     slo_penalty: float = Field(1.0, ge=0, description="weight of the SLO-excess integral in the reward")
+    tpot_penalty: float = Field(
+        0.0, ge=0, description="weight of the decode time beyond the scenario's TPOT SLO (seconds per request, "
+        "charged at completion) in the reward; 0 = the reward sees TTFT only (trainer/REWARD.md)",
+    )
+    miss_penalty: float = Field(
+        0.0, ge=0, description="seconds charged per request that misses its SLO as goodput counts it (TTFT or TPOT), "
+        "when the miss becomes certain; 0 = off (trainer/REWARD.md)",
+    )
     late_binding: bool = Field(
         False, description="train behind the router's late binding (router.policy.late_binding, default settings): "
         "held requests wait in the router-side queue and a step is a dispatch among the replicas the rule allows "

@@ -83,13 +83,15 @@ class SpecEnv(DecisionEnv):
 
     def __init__(self, cfg: TrainConfig, builder: InstanceBuilder) -> None:
         super().__init__(cfg.env.max_replicas, cfg.env.slo_penalty,
-                         LateBindingConfig() if cfg.env.late_binding else None)
+                         LateBindingConfig() if cfg.env.late_binding else None, cfg.env.tpot_penalty,
+                         cfg.env.miss_penalty)
         self.builder = builder
 
     def reset_to(self, spec: InstanceSpec) -> tuple[np.ndarray, np.ndarray, dict]:
         cluster, requests = self.builder.build(spec)
-        slo = self.builder.scenario(spec.scenario).slo.ttft_s
-        return self.reset(cluster, requests, spec.seed, slo, name=f"{spec.scenario} (seed {spec.seed})")
+        slo = self.builder.scenario(spec.scenario).slo
+        return self.reset(cluster, requests, spec.seed, slo.ttft_s, name=f"{spec.scenario} (seed {spec.seed})",
+                          tpot_slo_s=slo.tpot_s)
 
 
 def heuristic_episode(env: SpecEnv, spec: InstanceSpec, policy_name: str, record: bool) -> dict:

@@ -12,6 +12,7 @@ from gymnasium.utils.env_checker import check_env
 from router.policy.features import N_FEATURES
 from simulator.config import ClusterConfig, FaultConfig, ReplicaGroup
 from simulator.env import DecisionEnv
+from simulator.metrics import Slo, summarize
 from simulator.gym_env import RoutingEnv
 from simulator.types import SimRequest
 
@@ -69,11 +70,12 @@ def test_same_seed_identical_episodes():
     assert o1.shape != o3.shape or not np.array_equal(o1, o3)
 
 
-def decision_rollout(env: DecisionEnv, seed: int, ttft_slo_s: float = 2.0, crash: bool = False):
+def decision_rollout(env: DecisionEnv, seed: int, ttft_slo_s: float = 2.0, crash: bool = False,
+                     tpot_slo_s: float = 0.0):
     """An episode of the env training uses, random healthy actions; (rewards, records)."""
     rng = np.random.default_rng(seed)
     cluster, requests = factory(rng, crash=crash)
-    _obs, mask, _ = env.reset(cluster, requests, seed, ttft_slo_s)
+    _obs, mask, _ = env.reset(cluster, requests, seed, ttft_slo_s, tpot_slo_s=tpot_slo_s)
     rewards, done = [], False
     while not done:
         _obs, mask_next, r, done, info = env.step(random_valid(mask, rng))
@@ -95,6 +97,38 @@ def test_slo_penalty_adds_the_excess_beyond_the_slo():
     ttft = np.array([r.ttft_s for r in records])
     expected = -(ttft.sum() + pen * np.maximum(ttft - slo, 0).sum())
     assert rewards.sum() == pytest.approx(expected, rel=1e-9)
+
+
+def test_tpot_penalty_adds_the_decode_beyond_the_tpot_slo():
+    slo, tpot_slo, pen = 0.05, 0.02, 0.5
+    env = DecisionEnv(max_replicas=8, slo_penalty=1.0, tpot_penalty=pen)
+    rewards, records = decision_rollout(env, 2, ttft_slo_s=slo, tpot_slo_s=tpot_slo)
+    ttft = np.array([r.ttft_s for r in records])
+    decode_over = np.array([
+        max(0.0, r.finish_s - r.first_token_s - (r.output_tokens - 1) * tpot_slo) for r in records if r.output_tokens > 1
+    ])
+    assert (decode_over > 0).sum() > 5  # the term is exercised: some requests decode slower than the SLO
+    expected = -(ttft.sum() + np.maximum(ttft - slo, 0).sum() + pen * decode_over.sum())
+    assert rewards.sum() == pytest.approx(expected, rel=1e-9)
+    # the same episode without the term differs by exactly that sum
+    plain, _ = decision_rollout(DecisionEnv(max_replicas=8, slo_penalty=1.0), 2, ttft_slo_s=slo)
+    assert rewards.sum() - plain.sum() == pytest.approx(-pen * decode_over.sum(), rel=1e-9)
+    with pytest.raises(ValueError, match="tpot_penalty=0.5 needs a TPOT SLO > 0, got 0"):
+        decision_rollout(env, 2, ttft_slo_s=slo)
+
+
+def test_miss_penalty_charges_each_request_goodput_misses_once():
+    slo, tpot_slo, pen = 0.05, 0.02, 3.0
+    env = DecisionEnv(max_replicas=8, slo_penalty=0.0, miss_penalty=pen)
+    rewards, records = decision_rollout(env, 3, ttft_slo_s=slo, tpot_slo_s=tpot_slo)
+    ttft = np.array([r.ttft_s for r in records])
+    tpot = np.array([r.tpot_s for r in records])
+    misses = int(((ttft > slo) | (tpot > tpot_slo)).sum())
+    assert 5 < misses < len(records)  # both kinds of request are in the episode
+    summary = summarize(records, Slo(ttft_s=slo, tpot_s=tpot_slo))
+    assert misses == round((1 - summary["goodput"]) * len(records))  # the count goodput scores
+    assert rewards.sum() == pytest.approx(-(ttft.sum() + pen * misses), rel=1e-9)
+    assert np.all(rewards <= 0)
 
 
 def test_the_gymnasium_adapter_scales_the_same_rewards():

@@ -160,3 +160,28 @@ def test_the_training_env_return_is_minus_ttft_and_slo_excess():
     ttft = np.array([r.ttft_s for r in env.records()])
     slo = env.ttft_slo_s
     assert total == pytest.approx(-(ttft.sum() + env.slo_penalty * np.maximum(ttft - slo, 0).sum()), rel=1e-9)
+
+
+def test_the_training_env_charges_goodput_terms_at_the_scenarios_slo():
+    """env.tpot_penalty / env.miss_penalty reach the environment with the scenario's own TPOT and TTFT SLO."""
+    spec = InstanceSpec("heterogeneous", 1, 1.6, False, 80)
+    costs = {}
+    for term in ("plain", "tpot_penalty", "miss_penalty"):
+        cfg = config_from_dict({"env": ENV | ({term: 2.0} if term != "plain" else {})})
+        env = SpecEnv(cfg, InstanceBuilder(cfg.env))
+        env.reset_to(spec)
+        done = False
+        while not done:
+            _o, _m, _r, done, info = env.step(0)  # everything to one replica: slow decodes, late first tokens
+        costs[term] = info["cost"]
+        slo = env.builder.scenario("heterogeneous").slo
+        assert (env.ttft_slo_s, env.tpot_slo_s) == (slo.ttft_s, slo.tpot_s)
+    records = env.records()
+    misses = sum(1 for r in records if r.ttft_s > slo.ttft_s or r.tpot_s > slo.tpot_s)
+    decode_over = sum(max(0.0, r.finish_s - r.first_token_s - (r.output_tokens - 1) * slo.tpot_s)
+                      for r in records if r.output_tokens > 1)
+    assert misses > 0 and decode_over > 0
+    assert costs["miss_penalty"] - costs["plain"] == pytest.approx(2.0 * misses, rel=1e-9)
+    assert costs["tpot_penalty"] - costs["plain"] == pytest.approx(2.0 * decode_over, rel=1e-9)
+    with pytest.raises(ConfigError, match="miss_penalty"):
+        config_from_dict({"env": ENV | {"miss_penalty": -1}})
