@@ -100,18 +100,23 @@ def merged(docs: list[dict]) -> dict:
 
 def side_by_side(docs: list[dict], models: list[str], late: bool = False) -> str:
     """Per scenario, each model's p99 TTFT over the best per-request heuristic's (the same arrivals), then the
-    geometric mean and the worst ratio over the scenarios every model ran. With `late`: each model behind late
+    geometric mean and the worst ratio over the scenarios every model ran, and each model's largest goodput deficit
+    to the best goodput of any heuristic row, per request or behind late binding (and where). With `late`: each model behind late
     binding over the best heuristic behind it, and how many scenarios it has at or below 0.75x the best per-request
     heuristic."""
     doc = merged(docs)
     ratios: dict[str, dict[str, float]] = {}
+    deficits: dict[str, dict[str, float]] = {}  # best goodput of any heuristic row minus the model's row's
     at_075: dict[str, int] = {m: 0 for m in models}
     for m in models:
         for r in rows(doc, m):
+            best_goodput = max(r["best_goodput"], r["best_late_goodput"] or 0.0)
             if not late:
                 ratios.setdefault(r["scenario"], {})[m] = r["learned"]["ttft_p99_s"] / r["best"]["ttft_p99_s"]
+                deficits.setdefault(r["scenario"], {})[m] = best_goodput - r["learned"]["goodput"]
             elif r["learned_late"] is not None and r["best_late"] is not None:
                 ratios.setdefault(r["scenario"], {})[m] = r["learned_late"]["ttft_p99_s"] / r["best_late"]["ttft_p99_s"]
+                deficits.setdefault(r["scenario"], {})[m] = best_goodput - r["learned_late"]["goodput"]
                 at_075[m] += r["learned_late"]["ttft_p99_s"] <= 0.75 * r["best"]["ttft_p99_s"]
     full = {sc: by for sc, by in ratios.items() if all(m in by for m in models)}
     if not full:
@@ -123,6 +128,9 @@ def side_by_side(docs: list[dict], models: list[str], late: bool = False) -> str
     lines.append("| worst | " + " | ".join(f"{max(by[m] for by in full.values()):.2f}" for m in models) + " |")
     if late:
         lines.append("| at or below 0.75x the best per request | " + " | ".join(str(at_075[m]) for m in models) + " |")
+    worst_gp = [max(full, key=lambda sc: deficits[sc][m]) for m in models]
+    lines.append("| largest goodput deficit to the best heuristic row | "
+                 + " | ".join(f"{deficits[sc][m]:.3f} ({sc})" for m, sc in zip(models, worst_gp)) + " |")
     return "\n".join(lines)
 
 
