@@ -285,12 +285,16 @@ async def test_decision_log_holds_the_model_input_of_each_decision(tmp_path, fak
 async def test_stale_stats_hand_learned_decisions_to_lor(tmp_path, fakes, router_client):
     a, b = await fakes(2)
     model = prefer_replica_model(tmp_path / "prefer1.onnx", 1)
-    client = await router_client([a.url, b.url], policy=str(model), max_stats_age_s=0.5, **EXACT)
+    # the fakes answer on this test's event loop, so under load the default 50 ms scrapes can time out for long
+    # enough to make the stats stale before the test means them to be: longer scrapes, a longer age limit
+    client = await router_client([a.url, b.url], policy=str(model), max_stats_age_s=1.0, scrape_interval_s=0.2,
+                                 scrape_timeout_s=0.2, **EXACT)
     fresh = await load(client, 10)
-    assert {r.headers["x-routewise-replica"] for r in fresh} == {b.url[7:]}
+    assert {r.headers["x-routewise-replica"] for r in fresh} == {b.url[7:]}, {
+        k: v for k, v in (await metrics(client)).items() if k[0] == "llm_router_fallbacks_total" and v}
     for f in (a, b):
         f.metrics_mode = "http_500"  # scrapes fail from now on: the last stats age
-    await asyncio.sleep(0.8)
+    await asyncio.sleep(1.5)
     stale = await load(client, 10)
     assert [r.status for r in stale] == [200] * 10
     m = await metrics(client)
