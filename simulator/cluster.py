@@ -128,7 +128,7 @@ class ClusterSim:
         self._waiting_arrivals: dict[int, float] = {}
         self._ft_pairs: list[tuple[float, float]] = []
         self._slo_cache: dict[float, list[float]] = {}
-        self._decodes: list[tuple[float, float, float, int]] = []  # (arrival, first token, finish, output tokens)
+        self._completed: list[RequestRecord] = []  # in completion order, for the goodput terms of the reward
         self._decode_cache: dict[float, list[float]] = {}
         self._miss_cache: dict[tuple[float, float], list[int]] = {}
 
@@ -327,13 +327,12 @@ class ClusterSim:
         """Seconds of decoding beyond the TPOT SLO's pace, summed over the requests completed so far: for each,
         max(0, finish - first token - (output tokens - 1) * tpot_slo_s), the same TPOT goodput scores."""
         acc = self._decode_cache.setdefault(tpot_slo_s, [0, 0.0])
-        done = self._decodes
+        done = self._completed
         total = acc[1]
-        for _a, ft, f, out in done[int(acc[0]) :]:
-            if out > 1:
-                over = f - ft - (out - 1) * tpot_slo_s
-                if over > 0:
-                    total += over
+        for rec in done[int(acc[0]) :]:
+            over = rec.tpot_s - tpot_slo_s
+            if over > 0:
+                total += over * (rec.output_tokens - 1)
         acc[0], acc[1] = len(done), total
         return total
 
@@ -342,14 +341,14 @@ class ClusterSim:
         for their first token, or completed within it but at a TPOT above `tpot_slo_s`. Counted at the moment the
         miss becomes certain, so at the end it is the count goodput misses among finished requests."""
         acc = self._miss_cache.setdefault((ttft_slo_s, tpot_slo_s), [0, 0, 0, 0])  # pairs, late, decodes, slow
-        pairs, done = self._ft_pairs, self._decodes
+        pairs, done = self._ft_pairs, self._completed
         late_first = acc[1]
         for a, f in pairs[int(acc[0]) :]:
             if f - a > ttft_slo_s:
                 late_first += 1
         slow_decode = acc[3]
-        for a, ft, f, out in done[int(acc[2]) :]:
-            if ft - a <= ttft_slo_s and out > 1 and (f - ft) / (out - 1) > tpot_slo_s:
+        for rec in done[int(acc[2]) :]:
+            if rec.ttft_s <= ttft_slo_s and rec.tpot_s > tpot_slo_s:
                 slow_decode += 1
         acc[:] = [len(pairs), late_first, len(done), slow_decode]
         cutoff = self.now_s - ttft_slo_s
@@ -426,7 +425,7 @@ class ClusterSim:
                 out = st.output
                 if out < rec.output_tokens:
                     rec.output_tokens = out  # what was generated: max_model_len cut it short
-                self._decodes.append((rec.arrival_s, rec.first_token_s, t, out))
+                self._completed.append(rec)
                 info = self._infos[idx]
                 tracker.on_complete(info.request_id, (t - st.first_token_s) / (out - 1) if out > 1 else None)  # type: ignore[union-attr]
                 self.n_completed += 1
