@@ -133,7 +133,7 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     async def heap_ctx(app: web.Application) -> AsyncIterator[None]:
         # What start-up built lives as long as the process: keep it out of the cyclic GC, whose full collections
         # of it took ~30 ms of CPU on the router's heap (62k objects) at random requests: that request's latency,
-        # and a decision timed over the budget (two in a window cool a policy down for 1,000 decisions)
+        # and a decision timed over the budget (51 in 100 cool a policy down for 1,000 decisions)
         gc.collect()
         gc.freeze()
         yield

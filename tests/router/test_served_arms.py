@@ -51,19 +51,21 @@ def test_a_budget_cooldown_is_logged_once_with_its_figures(caplog):
     """An operator sees why the policy stopped deciding: one warning when a cool-down starts, not one per decision."""
     import logging
 
-    from router.policy.fallback import BUDGET_MIN_SAMPLES
+    from router.policy.fallback import BUDGET_TRIP
     from router.policy.types import RequestInfo
 
     r = router(policy="expected-wait", decision_budget_s=0.0005)
     runner = r.main
-    times = iter([0.0, 0.001] * 2 + [0.0, 0.0] * BUDGET_MIN_SAMPLES + [0.0, 0.0] * 50)
-    runner.policy.clock = lambda: next(times)  # two slow decisions, then fast ones
+    # two slow decisions (what once cooled a policy down on a busy host), fast ones, then a policy slow for good
+    times = iter([0.0, 0.001] * 2 + [0.0, 0.0] * 150 + [0.0, 0.0015] * BUDGET_TRIP + [0.0, 0.0] * 50)
+    runner.policy.clock = lambda: next(times)
     caplog.set_level(logging.WARNING, logger="router.routing")
     for t in r.replicas.cluster.trackers:
         t.healthy = True
     view = r.replicas.cluster.view(0.0, RequestInfo("q", 10, 5))
-    reasons = [runner.decide(view, RequestInfo(f"q{i}", 10, 5)).fallback_reason for i in range(BUDGET_MIN_SAMPLES + 20)]
-    assert reasons[BUDGET_MIN_SAMPLES - 1] is None and reasons[BUDGET_MIN_SAMPLES] == "over_budget"
+    reasons = [runner.decide(view, RequestInfo(f"q{i}", 10, 5)).fallback_reason for i in range(152 + BUDGET_TRIP + 20)]
+    assert set(reasons[:152 + BUDGET_TRIP]) == {None} and set(reasons[152 + BUDGET_TRIP:]) == {"over_budget"}
     warnings = [rec.getMessage() for rec in caplog.records if "decision budget" in rec.getMessage()]
     assert len(warnings) == 1, warnings
-    assert "expected-wait" in warnings[0] and "2 of its last 100 decisions" in warnings[0] and "slowest 1.00 ms" in warnings[0]
+    assert "expected-wait" in warnings[0] and "51 of its last 100 decisions" in warnings[0], warnings[0]
+    assert "slowest 1.50 ms" in warnings[0]

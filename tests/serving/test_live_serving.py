@@ -69,7 +69,7 @@ async def test_faulty_model_never_fails_a_request(tmp_path, fakes, router_client
     a, b = await fakes(2)
     path = build(tmp_path / "model.onnx")
     client = await router_client([a.url, b.url], policy=str(path))
-    # a slow model's answers are used until its rolling p99 is known to be over budget, then it is skipped
+    # a slow model's answers are used until most of its recent decisions overran the budget, then it is skipped
     n = 24 + (BUDGET_MIN_SAMPLES if reason == "over_budget" else 0)
     responses = await load(client, n)
     assert [r.status for r in responses] == [200] * n

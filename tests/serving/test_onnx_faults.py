@@ -64,7 +64,7 @@ def test_faulty_model_falls_back_to_lor(tmp_path, build, reason):
         assert view.replicas[d.index].healthy
 
 
-def test_slow_model_answers_are_used_until_its_rolling_p99_is_over_budget_then_it_is_skipped(tmp_path):
+def test_slow_model_answers_are_used_until_most_recent_decisions_are_over_budget_then_it_is_skipped(tmp_path):
     primary = OnnxPolicy(slow_model(tmp_path / "slow.onnx"))
     policy = guarded(primary, budget_s=1e-6)
     calls = []
