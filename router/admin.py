@@ -62,8 +62,11 @@ def admin_routes(proxy: Proxy, token: str, started_at: float,
 
     def guarded(handler: Handler) -> Handler:
         async def wrapper(request: web.Request) -> web.StreamResponse:
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
+            got = request.headers.getall("Authorization", [])
+            # aiohttp keeps undecodable header bytes as surrogates: encode them back to the bytes sent (never
+            # a UnicodeEncodeError), and refuse more than one header rather than judge only the first
+            sent = got[0].encode("utf-8", "surrogateescape") if len(got) == 1 else b""
+            if not hmac.compare_digest(sent, expected):
                 return error_response(401, "missing or wrong admin bearer token", "authentication_error",
                                       headers={"WWW-Authenticate": "Bearer"})
             return await handler(request)
