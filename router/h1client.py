@@ -33,6 +33,11 @@ class MalformedResponse(aiohttp.ClientError):
     """The replica's answer is not HTTP/1.x this client can read (classified as `other`)."""
 
 
+class ReaderTimeoutError(aiohttp.ServerTimeoutError):
+    """The router did not take a paused response's data within the read timeout: its reader (say, a client that
+    stopped reading a stream) is to blame, not the replica."""
+
+
 class Body:
     """One response body as it arrives: the part of aiohttp's StreamReader the proxy reads. As there, a failure
     is raised by the next read even if data is waiting (the stream is broken either way)."""
@@ -99,14 +104,17 @@ class Body:
         return self._take() if self._chunks else b""
 
     async def read(self) -> bytes:
-        """The whole body."""
-        while not self._eof:
+        """The whole body. Each piece is taken as it arrives, so a paused connection resumes (a body above
+        HIGH_WATER read by waiting for its end with the data left in the buffer would pause for ever)."""
+        parts: list[bytes] = []
+        while True:
             if self._exc is not None:
                 raise self._exc
+            if self._chunks:
+                parts.append(self._take())
+            if self._eof:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             await self._wait()
-        if self._exc is not None:
-            raise self._exc
-        return self._take() if self._chunks else b""
 
     def is_eof(self) -> bool:
         return self._eof
@@ -184,9 +192,12 @@ class H1Connection(asyncio.Protocol):
             self.transport.close()
 
     def pause(self) -> None:
+        """Stops reading the replica while the router holds HIGH_WATER bytes it has not taken. The read timer
+        stays armed: no byte arrives while paused, so the deadline the last arrival set (the moment of the pause)
+        becomes the reader's, who must take within read_timeout (`resume` then restarts it for the replica). A
+        reader that never takes is cut with ServerTimeoutError; the timer is never off while data is unread."""
         if not self._paused and self.transport is not None:
             self._paused = True
-            self._disarm()  # a slow reader is not the replica's silence
             self.transport.pause_reading()
 
     def resume(self) -> None:
@@ -201,7 +212,7 @@ class H1Connection(asyncio.Protocol):
     def _arm(self) -> None:
         """The replica must send something within read_timeout of now. One timer per response: a read only moves
         the deadline, and the timer, when it fires early, waits out the rest."""
-        if self._read_timeout is not None and not self._paused:
+        if self._read_timeout is not None:
             self._deadline = self.loop.time() + self._read_timeout
             if self._timer is None:
                 self._timer = self.loop.call_at(self._deadline, self._check_deadline)
@@ -216,7 +227,8 @@ class H1Connection(asyncio.Protocol):
         if self.loop.time() < self._deadline:
             self._timer = self.loop.call_at(self._deadline, self._check_deadline)
             return
-        self._fail(aiohttp.ServerTimeoutError("Timeout on reading data from socket"))
+        self._fail(ReaderTimeoutError(f"response body not taken by the router within {self._read_timeout:g} s")
+                   if self._paused else aiohttp.ServerTimeoutError("Timeout on reading data from socket"))
 
     def _fail(self, exc: BaseException) -> None:
         state, self._state = self._state, _IDLE
