@@ -7,6 +7,7 @@ Times are passed in by the caller (this package never reads a clock).
 
 from __future__ import annotations
 
+import logging
 import math
 
 from router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
@@ -222,5 +223,25 @@ class ClusterTracker:
         return t
 
 
-if _compiled is not None and not (_compiled.bind_snapshot(ReplicaSnapshot) and _compiled.bind_tracker(ReplicaTracker)):
-    _compiled = None  # pragma: no cover - the fields and the slots went out of sync: Python builds the views
+def bind_compiled(compiled, snapshot_cls: type = ReplicaSnapshot, tracker_cls: type = ReplicaTracker) -> str | None:
+    """Bind the C view builder to read `snapshot_cls` and `tracker_cls` by slot; None if bound, else why not.
+
+    Not bound means a field of _fastnet.c's table is not a plain slot of the class: the extension was built from
+    an older or newer _fastnet.c than the Python fields (rebuild: pip install -e .), or a field was renamed on one
+    side only. Either is a bug, not a missing compiler: the suite fails on it (tests/policy/test_fast_types.py). A
+    class that does not bind leaves the earlier binding of its kind in place."""
+    for kind, cls, bind in (("snapshot", snapshot_cls, compiled.bind_snapshot),
+                            ("tracker", tracker_cls, compiled.bind_tracker)):
+        if not bind(cls):
+            return (f"router.policy._fastnet cannot bind {cls.__qualname__} as its {kind} type: a field of its table "
+                    f"is not a plain slot of the class (extension built from another _fastnet.c? pip install -e .)")
+    return None
+
+
+# Why the C extension is built but does not build the views (None: it does, or it is not built at all).
+COMPILED_UNBOUND: str | None = None
+if _compiled is not None:
+    COMPILED_UNBOUND = bind_compiled(_compiled)
+    if COMPILED_UNBOUND is not None:
+        logging.getLogger(__name__).error("%s; ClusterTracker.view builds the views in Python", COMPILED_UNBOUND)
+        _compiled = None

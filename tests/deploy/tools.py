@@ -5,15 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 
-import pytest
-
-IN_CI = os.environ.get("CI", "").lower() == "true"
+from tests.ci import skip_or_fail
 
 
 def require_tool(name: str) -> str:
     path = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else None)
     if path:
         return path
-    if IN_CI:
-        pytest.fail(f"{name} not found; CI installs Debian's prometheus package (.ci/run -> scripts/test.sh)")
-    pytest.skip(f"{name} not installed (apt-get install prometheus); required in CI")
+    skip_or_fail(f"{name} not installed (apt-get install prometheus; .ci/run -> scripts/test.sh installs it)")

@@ -35,13 +35,10 @@ from fleet.vllm import (
     stop_servers,
     vllm_python,
 )
+from tests.ci import skip_or_fail
 
 # Two servers start in 40-55 s on an idle 2-core machine and took 150 s with a dozen other jobs running.
 STARTUP_TIMEOUT_S = float(os.environ.get("ROUTEWISE_VLLM_STARTUP_TIMEOUT_S", "300"))
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
 @pytest.fixture(scope="session")
@@ -52,9 +49,7 @@ def vllm_python_path() -> Path:
             f"no vLLM venv: set {VLLM_PYTHON_ENV} or run scripts/install-vllm.sh "
             "(creates .venv-vllm in the repo root)"
         )
-        if _in_ci():
-            pytest.fail(f"CI=true but {reason}", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail(reason)
     return python
 
 

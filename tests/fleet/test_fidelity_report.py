@@ -163,7 +163,6 @@ def test_gain_interval_brackets_the_gain_and_is_reproducible():
 
 
 def test_plot_draws_a_png_of_the_report(tmp_path):
-    pytest.importorskip("matplotlib")
     from fleet.fidelity_plot import plot_fidelity
 
     rng = np.random.default_rng(5)

@@ -20,6 +20,7 @@ from router.policy.types import (
     make_snapshot,
     make_view,
 )
+from tests.ci import require_compiled_views
 
 SNAP_ARGS = ("r1", True, 3, 300, 256, 2, 5, 0.25, 4096, 0.5, 1, 2, 0.12, 0.03, 1, 120, 0.011)
 
@@ -116,9 +117,7 @@ def test_compiled_views_equal_python_views_field_for_field_and_type_for_type(mon
     reference: same values and the same Python types in every field (an int stays an int, None stays None)."""
     from router.policy import tracking
 
-    if tracking._compiled is None:
-        pytest.skip("the C extension is not built (tests/policy/test_fastnet.py requires it in CI)")
-    compiled = tracking._compiled
+    compiled = require_compiled_views()
     rng = np.random.default_rng(4)
     ct = ClusterTracker([f"r{i}" for i in range(12)], prefix_block_tokens=16)
     for step in range(400):
@@ -153,8 +152,7 @@ def test_compiled_view_reads_a_tracker_subclass_through_its_properties():
     """A subclass whose fields are properties (router/shared.py's SharedReplicaTracker) is read with getattr."""
     from router.policy import tracking
 
-    if tracking._compiled is None:
-        pytest.skip("the C extension is not built")
+    require_compiled_views()
 
     class Doubled(tracking.ReplicaTracker):
         @property
@@ -171,3 +169,37 @@ def test_compiled_view_reads_a_tracker_subclass_through_its_properties():
     assert ct.view(1.0, RequestInfo("q", 10)).replicas[0].outstanding == 6
     assert tracking._compiled.bind_tracker(object) is False  # no slots: nothing bound, stays as was
     assert ct.view(1.0, RequestInfo("q", 10)).replicas[0].outstanding == 6
+
+
+def test_the_compiled_views_are_bound_wherever_the_extension_is_built():
+    """Built means bound: a drift between _fastnet.c's field table and the slots fails here, it does not skip."""
+    from router.policy import tracking
+
+    require_compiled_views()
+    assert tracking.COMPILED_UNBOUND is None and tracking.bind_compiled(tracking._compiled) is None
+
+
+def test_a_drifted_binding_is_named_and_fails_the_bound_check(monkeypatch):
+    """Planted drift: a snapshot type and a tracker type each missing one slot the C table reads. Binding them
+    fails with a reason naming the type, the working binding stays, and a tracker module left unbound that way
+    fails require_compiled_views (what the compiled-view tests above call) instead of skipping."""
+    from router.policy import tracking
+
+    compiled = require_compiled_views()
+    fields = [(f.name, object, f) for f in dataclasses.fields(ReplicaSnapshot) if f.name != "tpot_floor_s"]
+    DriftedSnapshot = dataclasses.make_dataclass("DriftedSnapshot", fields, frozen=True, slots=True)
+    DriftedTracker = type("DriftedTracker", (), {"__slots__": tuple(n for n in tracking.ReplicaTracker.__slots__
+                                                                    if n != "awaiting_prompt_tokens")})
+    snap_reason = tracking.bind_compiled(compiled, snapshot_cls=DriftedSnapshot)
+    assert snap_reason is not None and "DriftedSnapshot as its snapshot type" in snap_reason
+    tracker_reason = tracking.bind_compiled(compiled, tracker_cls=DriftedTracker)
+    assert tracker_reason is not None and "DriftedTracker as its tracker type" in tracker_reason
+    # the real types are still the bound ones: views come out of C as ReplicaSnapshots with every field
+    view = ClusterTracker(["a"]).view(1.0, RequestInfo("q", 10))
+    assert type(view.replicas[0]) is ReplicaSnapshot and view.replicas[0].tpot_floor_s is None
+    assert tracking.bind_compiled(compiled) is None
+    # what tracking does at import with such a reason: log it and build views in Python; the check then fails
+    monkeypatch.setattr(tracking, "_compiled", None)
+    monkeypatch.setattr(tracking, "COMPILED_UNBOUND", snap_reason)
+    with pytest.raises(AssertionError, match="DriftedSnapshot as its snapshot type"):
+        require_compiled_views()

@@ -25,6 +25,7 @@ from router.policy.features import (
 )
 from router.policy.tracking import ClusterTracker
 from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+from tests.ci import require_compiled_views
 
 # ---- frozen reference (do not edit) ------------------------------------------------------------
 
@@ -158,15 +159,17 @@ def random_view(rng: np.random.Generator) -> ClusterView:
     return ClusterView(tuple(reps))
 
 
-@pytest.mark.parametrize("rowwise_max", [None, 0, 10**9], ids=["default", "all-columnwise", "all-rowwise"])
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+# the compiled path has one way through any view; the numpy path's row-wise / column-wise switch is forced both ways
+PATHS = [pytest.param(True, None, id="compiled"), pytest.param(False, None, id="numpy-default"),
+         pytest.param(False, 0, id="numpy-all-columnwise"), pytest.param(False, 10**9, id="numpy-all-rowwise")]
+
+
+@pytest.mark.parametrize("compiled,rowwise_max", PATHS)
 @pytest.mark.parametrize("seed", range(12))
 def test_build_features_is_bit_identical_to_the_per_replica_reference(seed, compiled, rowwise_max, monkeypatch):
-    if compiled and features._compiled is None:
-        pytest.skip("the C extension is not built (tests/policy/test_fastnet.py requires it in CI)")
-    if compiled and rowwise_max is not None:
-        pytest.skip("the compiled path has one way through any view")
-    if not compiled:  # the numpy path, which serves where no C compiler was available
+    if compiled:
+        require_compiled_views()
+    else:  # the numpy path, which serves where no C compiler was available
         monkeypatch.setattr(features, "_compiled", None)
     if rowwise_max is not None:  # small views take the row-wise path by default: check the column-wise one on them too
         monkeypatch.setattr(features, "_ROWWISE_MAX_REPLICAS", rowwise_max)
@@ -229,8 +232,7 @@ class _DuckSnapshot:
 
 
 def test_compiled_rows_read_by_slot_and_by_getattr_give_the_same_bytes():
-    if features._compiled is None:
-        pytest.skip("the C extension is not built (tests/policy/test_fastnet.py requires it in CI)")
+    require_compiled_views()
     assert features._compiled.bind_snapshot(ReplicaSnapshot) is True
     assert features._compiled.bind_snapshot(_DuckSnapshot) is False  # no slots: the binding stays as it was
     rng = np.random.default_rng(3)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from simulator import costmodel
 from simulator.cli import COMMANDS, main
 from simulator.experiments import resolve_policies
 
@@ -73,7 +74,6 @@ def test_all_policies_are_the_baselines_plus_learned_when_shipped():
 
 
 def test_calibrate_recovers_a_known_overhead(tmp_path):
-    costmodel = pytest.importorskip("simulator.costmodel")
     truth = dataclasses.replace(costmodel.load_profile("llama3-8b-h100"), overhead_s=0.005)
     lines = ["prefill_tokens,decode_seqs,context_tokens,seconds"]
     for prefill, decode, context in [(0, 8, 4000), (0, 64, 30000), (0, 128, 90000), (2048, 0, 0), (4096, 16, 8000),
@@ -90,7 +90,6 @@ def test_calibrate_recovers_a_known_overhead(tmp_path):
 
 
 def test_calibrate_bad_row_names_line_field_value(tmp_path, capsys):
-    pytest.importorskip("simulator.costmodel")
     csv = tmp_path / "m.csv"
     csv.write_text("prefill_tokens,decode_seqs,context_tokens,seconds\n1,2,3,0.01\n1,2,x,0.01\n")
     assert main(["calibrate", "--measurements", str(csv), "--profile", "llama3-8b-h100", "-o", str(tmp_path / "o.yaml")]) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
@@ -43,11 +44,30 @@ def random_valid(mask, rng):
     return int(rng.choice(np.flatnonzero(mask)))
 
 
-def test_check_env_passes():
-    env = RoutingEnv(factory, max_replicas=8)
+def strict_check_env(env: gym.Env) -> None:
+    """Gymnasium's check_env with every warning it reports raised as an error (most of its checks only warn),
+    except the one about alternative render modes, which it cannot test on an env made without gym.make."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "no spec" render-mode warning only
-        check_env(env.unwrapped)
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=".*Not able to test alternative render modes")
+        check_env(env)
+
+
+def test_check_env_passes():
+    strict_check_env(RoutingEnv(factory, max_replicas=8))
+
+
+class _OutOfSpace(RoutingEnv):
+    """Planted defect: step() returns float64 observations of 1e30 (declared: float32 in [0, 1000])."""
+
+    def step(self, action):
+        obs, reward, done, trunc, info = super().step(action)
+        return np.full(obs.shape, 1e30, dtype=np.float64), reward, done, trunc, info
+
+
+def test_check_env_fails_on_observations_outside_the_space():
+    with pytest.raises(UserWarning, match="float32|not within the observation space"):
+        strict_check_env(_OutOfSpace(factory, max_replicas=8))
 
 
 def test_spaces_and_info():

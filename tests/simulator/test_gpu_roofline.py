@@ -7,12 +7,11 @@ import dataclasses
 import json
 
 import pytest
+import torch
 import yaml
 
-torch = pytest.importorskip("torch")
-
-from simulator.costmodel import PROFILES_DIR, fit, known_profiles, load_profile, profile_from_file  # noqa: E402
-from tests.bench import gpu_roofline  # noqa: E402
+from simulator.costmodel import PROFILES_DIR, fit, known_profiles, load_profile, profile_from_file
+from tests.bench import gpu_roofline
 
 MEASURED = PROFILES_DIR / "measured" / "llama3-8b-h100-measured.yaml"
 

@@ -55,7 +55,6 @@ def test_unknown_profile_and_fault_out_of_range(tmp_path):
     text = (DATA / "scenario_good.yaml").read_text()
     bad_profile = tmp_path / "p.yaml"
     bad_profile.write_text(text.replace("llama3-8b-h100", "llama9-h900"))
-    pytest.importorskip("simulator.costmodel")
     with pytest.raises(ScenarioError, match=r"p\.yaml: field 'cluster.replicas.0.profile':.*llama9-h900"):
         load_scenario(bad_profile)
     bad_fault = tmp_path / "f.yaml"
