@@ -51,7 +51,8 @@ class ServingMetrics:
             "llm_router_decision_log_records", "Decision records written to the decision log.", registry=r,
         )
         self.decision_log_dropped = Counter(
-            "llm_router_decision_log_dropped", "Decision records dropped (queue full or write error); requests never wait.",
+            "llm_router_decision_log_dropped", "Decision records not written, by reason (queue_full, not_running, encode_error, no_space, "
+            "write_error); requests never wait.",
             ["reason"], registry=r,
         )
         self.policy_reloads = Counter(
