@@ -13,6 +13,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router.policy.registry import policy_names
+from router.serving.decision_log import DecisionLogError
 from router.settings import RouterSettings, build_settings
 
 
@@ -82,7 +83,11 @@ async def serve(settings: RouterSettings, socks: list[socket.socket] | None = No
     access_log = logging.getLogger("router.access") if settings.access_log else None
     runner = RouterRunner(app, settings=settings, proxy=app[PROXY], handle_signals=False, access_log=access_log,
                           handler_cancellation=True, shutdown_timeout=settings.drain_timeout_s)
-    await runner.setup()
+    try:
+        await runner.setup()
+    except DecisionLogError:
+        await app.cleanup()  # close what started before the log failed to open (client sessions, tasks)
+        raise
     if socks is None:
         site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_address=True)
     else:
@@ -147,7 +152,11 @@ def serve_worker(settings: RouterSettings, socks: list[socket.socket] | None = N
     except ImportError:
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as r:
-        r.run(serve(settings, socks, shared))
+        try:
+            r.run(serve(settings, socks, shared))
+        except DecisionLogError as exc:  # an unwritable --decision-log directory: one line, not a traceback
+            print(f"router: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 
