@@ -8,6 +8,9 @@
                     | stall_mid_stream (2 chunks, then nothing) | first_byte_delay (first_byte_delay_s before anything)
 `metrics_mode`:     ok | legacy (gpu_cache_usage_perc) | garbage | missing (no kv usage) | http_500 | hang
 `health_ok`:        False makes GET /health answer 500.
+Gates, for tests that order events instead of timing them: `token_gate` (an asyncio.Semaphore) makes every token
+wait for one release; `hold(prompt)` makes a request with that prompt wait before its last token until the
+returned asyncio.Event is set (it holds its slot meanwhile, whatever the host's load).
 Whatever the mode, like real vLLM on input it chokes on: a request still carrying `Content-Encoding` or whose
 prompt contains POISON gets a 500 (a failure the request causes, not the replica).
 """
@@ -38,6 +41,8 @@ class FakeVllm:
         self.completed = 0
         self.generation_tokens = 0  # exported as vllm:generation_tokens_total
         self.bodies: list[dict] = []
+        self.token_gate: asyncio.Semaphore | None = None
+        self.gates: dict[str, asyncio.Event] = {}
         self.headers: list[dict[str, str]] = []
         self.metrics_scrapes = 0
         self._runner: web.AppRunner | None = None
@@ -150,6 +155,17 @@ class FakeVllm:
         data = {"id": "cmpl-fake", "object": obj, "created": int(time.time()), "model": self.model, "choices": [choice]}
         return b"data: " + json.dumps(data).encode() + b"\n\n"
 
+    def hold(self, prompt: str) -> asyncio.Event:
+        """Requests with this prompt wait before their last token until the event is set."""
+        return self.gates.setdefault(prompt, asyncio.Event())
+
+    async def _gate(self, body: dict, last: bool) -> None:
+        if self.token_gate is not None:
+            await self.token_gate.acquire()
+        gate = self.gates.get(body.get("prompt")) if last and isinstance(body.get("prompt"), str) else None
+        if gate is not None:
+            await gate.wait()
+
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         self.requests += 1
         self.active += 1
@@ -187,15 +203,17 @@ class FakeVllm:
                         return resp
                     if self.token_delay_s:
                         await asyncio.sleep(self.token_delay_s)
+                    await self._gate(body, last=i == n - 1)
                     self.generation_tokens += 1
                     await resp.write(self._chunk(i, chat, "length" if i == n - 1 else None))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 self.completed += 1
                 return resp
-            for _ in range(n):  # generating: the counter moves, the client sees nothing until the end
+            for i in range(n):  # generating: the counter moves, the client sees nothing until the end
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
+                await self._gate(body, last=i == n - 1)
                 self.generation_tokens += 1
             text = "".join(f" tok{i}" for i in range(n))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}

@@ -70,16 +70,27 @@ async def test_streaming_passthrough_measures_ttft(fakes, router_client):
 
 
 async def test_stream_chunks_are_forwarded_as_they_arrive(fakes, router_client):
-    (a,) = await fakes(1, token_delay_s=0.2)
+    """Each chunk reaches the client while the replica has not produced the next one yet: the replica makes one
+    token per release of its gate, so a router that buffered would never deliver it (order, not timing)."""
+    (a,) = await fakes(1)
+    a.token_gate = asyncio.Semaphore(1)  # the first token at once (the router waits for it before answering)
     client = await router_client([a.url])
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True})
-    first = await resp.content.readany()
-    assert first.startswith(b"data: ") and b"tok0" in first
-    assert loop.time() - t0 < 0.6  # the first token arrives long before the last (4 x 0.2 s)
-    rest = await resp.read()
-    assert rest.rstrip().endswith(b"data: [DONE]")
+    got = b""
+    for i in range(4):
+        async def until_chunk(i=i) -> bytes:
+            data = b""
+            while f"tok{i}".encode() not in data:
+                more = await resp.content.readany()
+                assert more, f"the stream ended before tok{i}: {got + data!r}"
+                data += more
+            return data
+        got += await asyncio.wait_for(until_chunk(), 20)
+        assert a.generation_tokens == i + 1  # tok{i} arrived and the replica has not made tok{i+1}
+        assert got.startswith(b"data: ") and f"tok{i + 1}".encode() not in got
+        a.token_gate.release()
+    got += await resp.read()
+    assert got.rstrip().endswith(b"data: [DONE]")
 
 
 @pytest.mark.parametrize("payload,status,param", [
