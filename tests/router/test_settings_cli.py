@@ -91,39 +91,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+async def _until(what: str, check, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Poll `check()` (async) until true; fail naming `what` if the process exits first or after timeout_s."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        assert proc.poll() is None, f"router exited ({proc.returncode}) before {what}: {proc.stdout.read().decode()}"
+        assert asyncio.get_running_loop().time() < deadline, f"no {what} after {timeout_s} s"
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.asyncio
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 async def test_sigterm_drains_inflight_stream_then_exits(fakes):
-    (a,) = await fakes(1, token_delay_s=0.05)
+    """Order, not timing: after SIGTERM the listener closes while a stream is still in flight (the fake replica
+    makes its tokens only when the test releases them), the stream then completes, and the process exits 0."""
+    (a,) = await fakes(1)
+    a.token_gate = asyncio.Semaphore(1)  # tok0 at once; every later token waits for the test
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port), "--replica", a.url,
          "--policy", "least-outstanding", "--log-level", "warning"],
-        cwd=REPO, env={**os.environ, "ROUTEWISE_DRAIN_TIMEOUT_S": "10"}, start_new_session=True,
+        cwd=REPO, env={**os.environ, "ROUTEWISE_DRAIN_TIMEOUT_S": "60"}, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
+    url = f"http://127.0.0.1:{port}"
+
+    async def answers(path: str) -> bool:
+        try:
+            async with aiohttp.ClientSession() as s2, s2.get(f"{url}{path}") as r:
+                return r.status == 200
+        except aiohttp.ClientConnectionError:
+            return False
+
+    async def refused() -> bool:
+        try:
+            async with aiohttp.ClientSession() as s2, s2.get(f"{url}/health"):
+                return False
+        except aiohttp.ClientConnectionError:
+            return True
+
     try:
-        url = f"http://127.0.0.1:{port}"
+        await _until("/ready", lambda: answers("/ready"), proc, timeout_s=60)
         async with aiohttp.ClientSession() as s:
-            for _ in range(200):
-                try:
-                    async with s.get(f"{url}/ready") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
             resp = await s.post(f"{url}/v1/completions",
                                 json={"model": "tiny", "prompt": "x", "max_tokens": 20, "stream": True})
             assert b"tok0" in await resp.content.readany()
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)
-            with pytest.raises(aiohttp.ClientConnectionError):  # the listener is closed
-                async with aiohttp.ClientSession() as s2:
-                    await s2.get(f"{url}/health")
-            rest = await resp.read()  # the in-flight stream still finishes
+            await _until("a closed listener", refused, proc)  # closed while tok1..tok19 are still to come
+            assert a.generation_tokens == 1 and proc.poll() is None
+            for _ in range(19):
+                a.token_gate.release()
+            rest = await asyncio.wait_for(resp.read(), 30)  # the in-flight stream still finishes
             assert b"tok19" in rest and rest.rstrip().endswith(b"[DONE]")
-        rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 20)
+        rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
         assert rc == 0, proc.stdout.read().decode()
     finally:
         if proc.poll() is None:
