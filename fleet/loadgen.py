@@ -370,7 +370,7 @@ def format_side_by_side(summary: dict[str, dict], groups: list[str] | None = Non
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the router or vLLM server")
     p.add_argument("--trace", default="azure-conv", choices=TRACE_CHOICES, help="trace to replay, or 'poisson'")
-    p.add_argument("--window", default="train", choices=["train", "eval"], help="trace window (README: train/eval)")
+    p.add_argument("--window", default="train", choices=["train", "eval"], help="trace window (simulator/data/traces/README.md: train/eval)")
     p.add_argument("--start", type=float, default=0.0, help="offset into the window, trace seconds")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace speed-up: arrival times are divided by it")
     p.add_argument("--rate", type=float, default=None, help="poisson: req/s; trace: pick the time scale for this mean rate")

@@ -468,7 +468,7 @@ def evaluate_on_train(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, best:
 def selection_key(ev: dict[str, float]) -> float:
     """What `best.pt` minimises: the geometric-mean p99 ratio, with a heavy penalty for any
     scenario worse than 1.03x or any goodput loss (targets: never above 1.03x, goodput >= best);
-    with `run.validation_fleets`, times the random fleets' geometric mean (README: "Which seed")."""
+    with `run.validation_fleets`, times the random fleets' geometric mean (docs/model-card.md)."""
     worst = ev["eval/worst_ratio"]
     key = ev["eval/score"] + 2.0 * max(0.0, worst - 1.03) + 5.0 * max(0.0, -ev["eval/min_goodput_gap"] - 0.002)
     return key * ev.get("eval/fleets_score", 1.0)

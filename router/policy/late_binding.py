@@ -8,7 +8,7 @@ Rule, in order: with nothing in flight anywhere (no completion could release the
 once; a queue timeout (the head waited `timeout_s`) and a full queue dispatch the request at once, to the
 policy's pick over every healthy replica (until session 11 a timeout went to the least-loaded replica by
 outstanding count: on a fleet of mixed speeds that is the slowest one, and the policy's pick lowered p99 TTFT
-behind late binding by 0.1-0.3x of the best heuristic's on the code mixes, README); FIFO: a new arrival queues
+behind late binding by 0.1-0.3x of the best heuristic's on the code mixes, docs/model-card.md); FIFO: a new arrival queues
 behind held requests; a replica has room while its outstanding count is below its concurrency limit and the
 prompt tokens awaiting their first token there would clear in the time the slowest replica clears its limit
 (`speed_scales`; until session 19 the same token limit held for every replica, which on a ~8x speed mix sent
@@ -38,7 +38,7 @@ class LateBindingConfig:
     queue_per_replica: int = 32  # queue capacity = this x replicas
     tokens_per_request: int = 2048  # KV tokens one request is assumed to hold, for the KV-derived limit
     room_in_time: bool = True  # scale each replica's awaiting-prefill limit by its observed speed (speed_scales)
-    max_speed_scale: int = 2  # the most that scaling may multiply a limit by (4: no better on the ~8x mixes, README)
+    max_speed_scale: int = 2  # the most that scaling may multiply a limit by (4: no better on the ~8x mixes)
 
 
 @dataclass(frozen=True)
