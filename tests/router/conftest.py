@@ -30,7 +30,8 @@ FAST = dict(
 )
 
 
-async def wait_for(cond: Callable[[], bool], timeout: float = 3.0) -> None:
+async def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Poll until `cond()`; the timeout is an outer bound for a busy host, never what a test asserts."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():
         if asyncio.get_running_loop().time() > deadline:

@@ -207,15 +207,17 @@ async def test_drain_finishes_a_request_in_progress(fakes, router_client) -> Non
 
 
 async def test_client_gone_while_waiting_cancels_the_request(fakes, router_client) -> None:
-    (f,) = await fakes(1, tokens=200, token_delay_s=0.02)  # a 4 s answer
+    (f,) = await fakes(1, token_delay_s=0.02)
     f.mode = "slow"
+    f.hold("hello")  # the answer never completes: only the cancellation can end it
     client = await router_client([f.url])
     reader, writer = await connect(client)
     writer.write(post())
     await wait_for(lambda: f.active == 1)
     tracker = client.app[REPLICAS].ordered[0].tracker
     writer.close()
-    await wait_for(lambda: tracker.outstanding == 0 and f.cancelled == 1, timeout=1.0)
+    await wait_for(lambda: tracker.outstanding == 0 and f.cancelled == 1)
+    assert f.completed == 0
 
 
 async def test_a_pipelined_request_that_is_not_plain_is_handed_over_after_the_lean_one(fakes, router_client) -> None:
@@ -270,6 +272,7 @@ async def test_the_start_runs_in_data_received_and_a_client_gone_at_once_leaves_
     assert (await read_response(reader))[0] == 200  # leaves a kept-alive connection to the replica in the pool
     writer.close()
     f.mode = "slow"
+    f.hold("hello")  # from now on an answer never completes: only the cancellation can end it
     tracker, proxy = client.app[REPLICAS].ordered[0].tracker, client.app[PROXY]
     conn, transport = client.server.runner.server(), _Transport()
     conn.connection_made(transport)
@@ -277,5 +280,6 @@ async def test_the_start_runs_in_data_received_and_a_client_gone_at_once_leaves_
     assert tracker.outstanding == 1 and proxy.inflight == 1  # decided with no await in between
     conn.connection_lost(None)
     await wait_for(lambda: f.active == 1 or f.cancelled == 1)  # the request reached the replica
-    await wait_for(lambda: tracker.outstanding == 0 and proxy.inflight == 0 and f.cancelled == 1, timeout=2.0)
+    await wait_for(lambda: tracker.outstanding == 0 and proxy.inflight == 0 and f.cancelled == 1)
+    assert f.completed == 1  # the first request only
     assert transport.out == b""
