@@ -48,29 +48,35 @@ class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ROUTEWISE_", extra="forbid", validate_default=True)
 
     # listener
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=0, le=65535)
-    log_level: LogLevel = "info"
-    access_log: bool = False
+    host: str = Field("0.0.0.0", description="listen address of the OpenAI API; 127.0.0.1 keeps it local")
+    port: int = Field(8000, ge=0, le=65535, description="listen port of the OpenAI API (and of /metrics and /admin/* "
+                      "without ops_port)")
+    log_level: LogLevel = Field("info", description="level of the router's own log lines")
+    access_log: bool = Field(False, description="one log line per request (aiohttp's access log); turns the lean "
+                             "listener off")
 
     # replicas
     replicas: Annotated[list[str], NoDecode] = Field(default_factory=list, description="vLLM base URLs, e.g. http://10.0.0.5:8000")
     discover: str | None = Field(None, description="host:port of a headless service; A records resolved periodically")
-    discover_interval_s: float = Field(10.0, gt=0)
-    health_interval_s: float = Field(2.0, gt=0)
-    health_timeout_s: float = Field(1.0, gt=0)
-    health_failure_threshold: int = Field(3, ge=1)
-    health_success_threshold: int = Field(1, ge=1)
-    breaker_failure_threshold: int = Field(5, ge=1)
-    breaker_cooldown_s: float = Field(10.0, gt=0)
-    models_refresh_interval_s: float = Field(30.0, gt=0)
+    discover_interval_s: float = Field(10.0, gt=0, description="seconds between DNS resolutions of discover")
+    health_interval_s: float = Field(2.0, gt=0, description="seconds between health probes of each replica")
+    health_timeout_s: float = Field(1.0, gt=0, description="a health probe unanswered this long fails")
+    health_failure_threshold: int = Field(3, ge=1, description="failed probes in a row that take a replica out")
+    health_success_threshold: int = Field(1, ge=1, description="good probes in a row that bring it back")
+    breaker_failure_threshold: int = Field(5, ge=1, description="failed requests in a row that eject a replica "
+                                           "(reason consecutive_failures)")
+    breaker_cooldown_s: float = Field(10.0, gt=0, description="an ejected replica gets one trial request after this "
+                                      "long; a success brings it back")
+    models_refresh_interval_s: float = Field(30.0, gt=0, description="seconds between reads of each replica's "
+                                             "/v1/models (router/models.py)")
 
     # upstream requests
-    connect_timeout_s: float = Field(2.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0, description="connecting to a replica longer than this fails the attempt")
     first_byte_timeout_s: float = Field(120.0, gt=0, description="until response headers and the first body chunk")
     idle_timeout_s: float | None = Field(300.0, gt=0, description="between body chunks; no total timeout")
-    max_retries: int = Field(2, ge=0)
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_retries: int = Field(2, ge=0, description="a failed attempt is retried on another healthy replica at most this "
+                             "many times")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest request body accepted")
     max_connections: int = Field(0, ge=0, description="upstream connection pool size; 0 = unlimited")
     passthrough_paths: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_PASSTHROUGH_PATHS),
@@ -114,22 +120,27 @@ class RouterSettings(BaseSettings):
     )
 
     # metrics scraping
-    scrape_interval_s: float = Field(1.0, gt=0)
+    scrape_interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of each replica's /metrics")
     scrape_timeout_s: float = Field(0.8, gt=0, description="default: min(0.8, scrape_interval_s)")
 
     # routing
     policy: str = LEARNED
-    seed: int | None = None
-    decision_budget_s: float | None = Field(0.0005, gt=0)
+    seed: int | None = Field(None, description="seed of policies that draw at random (random, power-of-two, "
+                             "exploration); unset: from the OS")
+    decision_budget_s: float | None = Field(0.0005, gt=0, description="time budget of one decision (the deciding "
+                                            "thread's CPU time): a policy over it on most of its recent decisions is "
+                                            "skipped for a cool-down (docs/decision-budget.md); unset: no budget")
     max_stats_age_s: float | None = Field(None, gt=0, description="unset: 30 for learned policies, off for baselines (per arm); set: every arm")
     overload_margin: int | None = Field(None, ge=0, description="unset: 32 for learned policies, off for baselines (per arm); set: every arm")
     overload_ratio: float | None = Field(
         None, ge=0, description="the overload guard's reference is max(least, ratio x the other replicas' mean outstanding); "
         "default 8 for learned policies, 0 (the least-loaded replica only) otherwise"
     )
-    min_confidence: float | None = Field(None, ge=0, le=1)
-    chars_per_token: float = Field(4.0, gt=0)
-    prefix_capacity_blocks: int = Field(4096, ge=1)
+    min_confidence: float | None = Field(None, ge=0, le=1, description="a learned pick whose softmax probability is "
+                                         "below this falls back (reason low_confidence); unset: off")
+    chars_per_token: float = Field(4.0, gt=0, description="characters per token when estimating a prompt's tokens")
+    prefix_capacity_blocks: int = Field(4096, ge=1, description="prompt-prefix blocks the router's approximate "
+                                        "prefix index remembers")
 
     # late binding (router/hold_queue.py): hold requests in a router-side queue while no replica has room
     late_binding: bool = Field(
@@ -192,7 +203,8 @@ class RouterSettings(BaseSettings):
     # admin and lifecycle
     admin_token: SecretStr | None = None
     admin_token_file: Path | None = Field(None, description="read admin_token from this file (not visible in ps)")
-    drain_timeout_s: float = Field(30.0, ge=0)
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may take "
+                                   "before the router exits")
     workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port and the host's in-flight "
                          "load (router.workers); 1 = a single process")
 
