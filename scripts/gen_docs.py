@@ -97,7 +97,9 @@ def serve_flags() -> dict[str, tuple[list[str], str]]:
     out: dict[str, tuple[list[str], str]] = {}
     for action in serve._actions:
         if action.option_strings and action.dest not in ("help",):
-            out[action.dest] = (list(action.option_strings), action.help or "")
+            # generated flags end their help with "(env ROUTEWISE_<FIELD>...)": the table has its own column for that
+            text = re.sub(r"\s*\(env [A-Z_]+[^)]*\)$", "", (action.help or "").replace("%%", "%"))
+            out[action.dest] = (list(action.option_strings), text)
     return out
 
 
@@ -120,8 +122,9 @@ def settings_markdown() -> str:
         "- a YAML or JSON file given with `--config FILE`, a mapping of field names to values;",
         "- a flag of `router serve`, where the *flag* column names one.",
         "",
-        "Booleans in the environment are `1`/`0`, `true`/`false`. A bad value stops the router with a line naming "
-        "the field and the value.",
+        "Booleans in the environment are `1`/`0`, `true`/`false`; `none` unsets an optional setting. A bad value "
+        "stops the router with one line naming the field and the value. `router serve --print-config` prints the "
+        "effective settings, secrets redacted.",
         "",
     ]
     fields = RouterSettings.model_fields
