@@ -27,7 +27,7 @@ from router.scraper import Scraper
 from router.settings import RouterSettings
 from router.shared import SharedClusterTracker, SharedLoad
 from router.worker_sync import WorkerSync
-from router.telemetry import RouterMetrics
+from router.telemetry import BATCH_LIMIT, RouterMetrics
 from router.h1client import H1Client
 from router.upstream import make_h1_client, make_session
 
@@ -66,6 +66,7 @@ def replica_rows(replicas: ReplicaSet):
                 "llm_router_replica_running_requests": t.running,
                 "llm_router_replica_kv_cache_usage_ratio": t.kv_cache_usage,
                 "llm_router_scrape_age_seconds": None if t.last_scrape_s is None else now - t.last_scrape_s,
+                BATCH_LIMIT: replicas.batch_limit(rep.id),
             }
 
     return rows

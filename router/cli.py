@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -14,17 +15,39 @@ from pydantic import ValidationError
 
 from router.policy.registry import policy_names
 from router.serving.decision_log import DecisionLogError
-from router.settings import RouterSettings, build_settings
+from router.settings import RouterSettings, build_settings, redacted
+
+# Fields with a flag of their own name below; every other field gets --<field-name> (ALL_FLAGS)
+_OPTIONAL_NONE = "none"  # a flag's value that sets an optional field to None (unset), as ROUTEWISE_<FIELD>=none
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    lines = []
+    """One line: every invalid field with why and the value given."""
+    parts = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "settings"
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"  {field}: {err['msg'].removeprefix('Value error, ')}{shown}")
-    return "invalid router settings:\n" + "\n".join(lines)
+        parts.append(f"{field}: {' '.join(err['msg'].removeprefix('Value error, ').split())}{shown}")
+    return "invalid settings: " + "; ".join(parts)
+
+
+def _field_flags(group: argparse._ArgumentGroup, taken: set[str]) -> None:
+    """--<field-name> for every RouterSettings field no hand-written flag sets: each setting has a flag, an
+    environment variable (ROUTEWISE_<FIELD>) and a config-file key."""
+    for name, field in RouterSettings.model_fields.items():
+        if name in taken:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = str(field.annotation)
+        env = f"ROUTEWISE_{name.upper()}"
+        doc = " ".join((field.description or "").split())
+        if field.annotation in (bool, bool | None):
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{doc} (env {env})".replace("%", "%%"))
+        else:
+            none = f"; {_OPTIONAL_NONE!r} unsets it" if "None" in kind else ""
+            group.add_argument(flag, dest=name, metavar="VALUE", help=f"{doc} (env {env}{none})".replace("%", "%%"))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,12 +60,16 @@ def _parser() -> argparse.ArgumentParser:
         "environment, then the file). See router/settings.py for all fields.",
     )
     s.add_argument("--config", help="YAML or JSON file of settings (field names as in RouterSettings)")
+    s.add_argument("--print-config", action="store_true", default=None,
+                   help="print the effective settings (flags over environment over --config file over defaults) as "
+                   "JSON, the admin token redacted, and exit")
     s.add_argument("--host", help="listen address (default 0.0.0.0; 127.0.0.1 keeps it local)")
     s.add_argument("--port", type=int, help="listen port (default 8000)")
     s.add_argument("--replica", action="append", dest="replicas", metavar="URL",
                    help="vLLM base URL, e.g. http://10.0.0.5:8000 (repeatable)")
     s.add_argument("--discover", metavar="HOST:PORT", help="resolve HOST's A records periodically (headless service)")
-    s.add_argument("--policy", help=f"one of {', '.join(policy_names())}, or a path to an .onnx file (default learned)")
+    s.add_argument("--policy", help=f"one of {', '.join(policy_names())}, or a path to an .onnx file (default "
+                   "learned: the recommended shipped model, late-fleet, with late binding)")
     s.add_argument("--shadow-policy", help="a second policy (name or .onnx path) that decides on every request "
                    "without acting; agreement is exported as llm_router_shadow_decisions_total")
     s.add_argument("--ab-treatment", help="A/B: the treatment policy (name or .onnx path); control is --policy")
@@ -56,21 +83,39 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ops-port", type=int, help="serve /metrics and /admin/* on this port only, not on --port")
     s.add_argument("--ops-host", help="listen address of --ops-port (default: --host)")
     s.add_argument("--scrape-interval", type=float, dest="scrape_interval_s", help="seconds between /metrics scrapes")
-    s.add_argument("--late-binding", action="store_true", default=None,
+    s.add_argument("--late-binding", action=argparse.BooleanOptionalAction, default=None,
                    help="hold requests in a router-side queue while every replica is at its limit and dispatch each "
-                   "to the first replica with room (router/hold_queue.py; default off)")
+                   "to the first replica with room (router/hold_queue.py; default: on for a policy trained behind it, "
+                   "as learned, else off)")
     s.add_argument("--late-binding-timeout", type=float, dest="late_binding_timeout_s", metavar="S",
                    help="longest a request is held before the policy sends it to any healthy replica, room or not (default 2)")
     s.add_argument("--late-binding-max-num-seqs", type=int, dest="late_binding_max_num_seqs", metavar="N",
-                   help="a replica has room below N requests in flight: pass your vLLM servers' --max-num-seqs, which "
-                   "vLLM does not export (default 256, lowered per replica to what its KV cache holds)")
+                   help="a replica has room below N requests in flight: your vLLM servers' --max-num-seqs (default: "
+                   "inferred per replica from its /metrics; lowered per replica to what its KV cache holds)")
     s.add_argument("--replica-max-num-seqs", action="append", dest="late_binding_replica_max_num_seqs",
                    metavar="HOST:PORT=N", help="late binding's limit for one replica whose --max-num-seqs differs from "
                    "--late-binding-max-num-seqs (repeatable)")
     s.add_argument("--workers", type=int, help="worker processes sharing the port and one view of the in-flight "
                    "load (default 1; on a dedicated host, its core count)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])
+    _field_flags(s.add_argument_group("every other setting (flag, ROUTEWISE_<FIELD>, or --config key)"),
+                 {a.dest for a in s._actions})
     return p
+
+
+def policy_load_error(settings: RouterSettings) -> str | None:
+    """One line naming the first policy (main, A/B treatment, shadow) that does not load or cannot score, if any."""
+    from router.policy.registry import is_learned, make_policy
+    from router.serving.reload import check_policy
+
+    for field in ("policy", "ab_treatment", "shadow_policy"):
+        name = getattr(settings, field)
+        if name is None or not is_learned(name):
+            continue
+        failed = check_policy(make_policy(name, seed=settings.seed))
+        if failed is not None:
+            return f"{field} {name!r} does not load: {' '.join(failed[1].split())}"
+    return None
 
 
 async def serve(settings: RouterSettings, socks: list[socket.socket] | None = None, shared=None) -> None:
@@ -122,26 +167,39 @@ async def serve(settings: RouterSettings, socks: list[socket.socket] | None = No
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "print_config")}
+    nones = [k for k, v in overrides.items() if isinstance(v, str) and v.lower() == _OPTIONAL_NONE
+             and "None" in str(RouterSettings.model_fields[k].annotation)]
+    overrides = {k: v for k, v in overrides.items() if k not in nones}
     try:
-        settings = build_settings(args.config, **overrides)
+        settings = build_settings(args.config, explicit_none=nones, **overrides)
     except ValidationError as exc:
         print(f"router: {format_validation_error(exc)}", file=sys.stderr)
         return 2
-    except ValueError as exc:
-        print(f"router: {exc}", file=sys.stderr)
+    except ValueError as exc:  # the config file, or an environment variable pydantic-settings could not decode
+        print(f"router: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(json.dumps(redacted(settings), indent=2))
+        return 0
+    error = policy_load_error(settings)
+    if error is not None:
+        if not settings.allow_fallback_start:
+            print(f"router: {error} (allow_fallback_start=true serves least-outstanding instead)", file=sys.stderr)
+            return 2
+        print(f"router: {error}; starting on the fallback, least-outstanding (allow_fallback_start)", file=sys.stderr)
     pid = " %(process)d" if settings.workers > 1 else ""
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s")
-    if settings.workers > 1:
-        from router.workers import run_workers
+    from router.workers import ListenError, listeners, run_workers
 
-        try:
+    try:
+        if settings.workers > 1:
             return run_workers(settings, serve_worker)
-        except OSError as exc:
-            print(f"router: {exc.strerror}", file=sys.stderr)
-            return 2
-    return serve_worker(settings)
+        socks, _ = listeners(settings)  # bound before the event loop starts: a busy port is one line, as with workers
+    except OSError as exc:
+        print(f"router: {exc.strerror if isinstance(exc, ListenError) else exc}", file=sys.stderr)
+        return 2
+    return serve_worker(settings, socks[0])
 
 
 def serve_worker(settings: RouterSettings, socks: list[socket.socket] | None = None, shared=None) -> int:

@@ -12,10 +12,11 @@ cancelled); with no healthy replica a held request is answered at once as withou
 shutdown every held request is dispatched (`shutdown`); if the rule itself fails, the queue lets every held
 request go rather than hold it (`error`, logged).
 
-Limits per replica: `replica_limit(late_binding_max_num_seqs, scraped KV capacity, late_binding_max_batched_tokens,
-late_binding_tokens_per_request)`; vLLM does not export max_num_seqs, so it is a setting (one for every replica, or
-per replica: late_binding_replica_max_num_seqs, keyed by host:port), lowered per replica to what its scraped KV
-cache (vllm:cache_config_info) holds. The rule scales the awaiting-prefill limit by the replica's observed speed
+Limits per replica: `replica_limit(batch limit, scraped KV capacity, late_binding_max_batched_tokens,
+late_binding_tokens_per_request)`; vLLM does not export max_num_seqs, so the batch limit is the operator's
+(late_binding_max_num_seqs for every replica, or per replica: late_binding_replica_max_num_seqs, keyed by
+host:port), else inferred from the replica's /metrics (router.batch_limit; until then no count limit), lowered
+per replica to what its scraped KV cache (vllm:cache_config_info) holds. The rule scales the awaiting-prefill limit by the replica's observed speed
 (`speed_scales`; late_binding_room_in_time). With `--workers N` each worker holds its own queue;
 the outstanding counts it compares with the limits are the host's (router.shared), and another worker's
 completions reach it through the worker-sync tick (0.1 s) or the next scrape.
@@ -31,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from router.batch_limit import UNKNOWN_LIMIT
 from router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, decide, replica_limit
 from router.policy.types import ClusterView, NoHealthyReplica, RequestInfo
 from router.replicas import ReplicaSet
@@ -79,8 +81,6 @@ class HoldQueue(Generic[R]):
         release: Callable[[R], None],
     ) -> None:
         self.config = late_binding_config(settings)
-        self._max_seqs = settings.late_binding_max_num_seqs
-        self._max_seqs_of = settings.late_binding_replica_max_num_seqs  # by replica id (host:port)
         self._max_batched = settings.late_binding_max_batched_tokens
         self.replicas = replicas
         self._dispatch = dispatch
@@ -101,9 +101,10 @@ class HoldQueue(Generic[R]):
     def limits(self, view: ClusterView) -> list[ReplicaLimit]:
         cache = self._limits
         out = []
-        caps = self._max_seqs_of
+        batch_limit = self.replicas.batch_limit
         for r in view.replicas:
-            key = (caps.get(r.replica_id, self._max_seqs) if caps else self._max_seqs, r.kv_capacity_tokens)
+            cap = batch_limit(r.replica_id)[0]  # the operator's, else inferred from its /metrics (router.batch_limit)
+            key = (UNKNOWN_LIMIT if cap is None else cap, r.kv_capacity_tokens)
             lim = cache.get(key)
             if lim is None:
                 lim = cache[key] = replica_limit(key[0], key[1], self._max_batched, self.config.tokens_per_request)

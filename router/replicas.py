@@ -18,6 +18,7 @@ from enum import Enum
 import aiohttp
 from yarl import URL
 
+from router.batch_limit import BatchLimitInference
 from router.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
 from router.policy.tracking import ClusterTracker, ReplicaTracker
 from router.settings import RouterSettings, replica_id
@@ -84,6 +85,7 @@ class Replica:
     scrape: object | None = None  # last VllmStats, for the admin API
     scrape_error: str | None = None
     outlier: OutlierState = field(default_factory=lambda: OutlierState(20))
+    batch: BatchLimitInference = field(default_factory=BatchLimitInference)  # its max_num_seqs, from its /metrics
 
     @property
     def routable(self) -> bool:
@@ -151,6 +153,18 @@ class ReplicaSet:
 
     def _reorder(self) -> None:
         self.ordered = [self.by_id[t.replica_id] for t in self.cluster.trackers]
+
+    def batch_limit(self, rid: str) -> tuple[int | None, str | None]:
+        """A replica's batch limit (vLLM's max_num_seqs) and its source: the operator's (for this replica, else for
+        every replica), else inferred from its /metrics (router.batch_limit), else (None, None): not known yet."""
+        s = self.settings
+        n = s.late_binding_replica_max_num_seqs.get(rid, s.late_binding_max_num_seqs)
+        if n is not None:
+            return n, "operator"
+        rep = self.by_id.get(rid)
+        if rep is not None and rep.batch.limit is not None:
+            return rep.batch.limit, "inferred"
+        return None, None
 
     def any_routable(self) -> bool:
         return any(r.routable for r in self.ordered)

@@ -69,6 +69,10 @@ class Scraper:
         rep.tracker.on_scrape(
             self.replicas.clock(), stats.waiting, stats.running, stats.kv_cache_usage, stats.kv_capacity_tokens
         )
+        before = rep.batch.limit
+        if rep.batch.observe(stats.running, stats.waiting) != before:
+            log.info("replica %s: batch limit %d inferred from its /metrics (running while requests wait)", rep.id,
+                     rep.batch.limit)
         prev = rep.scrape.generation_tokens if isinstance(rep.scrape, VllmStats) else None
         if prev is not None and stats.generation_tokens is not None and stats.generation_tokens > prev:
             rep.outlier.last_progress = time.perf_counter()  # generating: a long non-streamed answer is not a stall

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -17,15 +18,15 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 from yarl import URL
 
 from router.policy.late_binding import LateBindingConfig
-from router.policy.registry import BASELINES, LEARNED, policy_names
+from router.policy.registry import BASELINES, LEARNED, is_learned, policy_names, shipped_models, trained_behind_late_binding
 from router.paths import DEFAULT_PASSTHROUGH_PATHS, normalise_path
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 def check_policy_name(value: str, field: str) -> str:
-    """A baseline name, `learned`, or the path of an existing `.onnx` file."""
-    if value in BASELINES or value == LEARNED:
+    """A baseline name, `learned`, a shipped model's name, or the path of an existing `.onnx` file."""
+    if value in BASELINES or value == LEARNED or value in shipped_models():
         return value
     if value.endswith(".onnx"):
         if not Path(value).is_file():
@@ -40,12 +41,9 @@ def replica_id(url: str | URL) -> str:
     return f"{u.host}:{u.port}"
 
 
-def is_learned(policy: str) -> bool:
-    return policy == LEARNED or policy.endswith(".onnx")
-
-
 class RouterSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ROUTEWISE_", extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(env_prefix="ROUTEWISE_", extra="forbid", validate_default=True,
+                                      env_parse_none_str="none")
 
     # listener
     host: str = Field("0.0.0.0", description="listen address of the OpenAI API; 127.0.0.1 keeps it local")
@@ -124,7 +122,12 @@ class RouterSettings(BaseSettings):
     scrape_timeout_s: float = Field(0.8, gt=0, description="default: min(0.8, scrape_interval_s)")
 
     # routing
-    policy: str = LEARNED
+    policy: str = Field(LEARNED, description="a baseline, `learned` (the recommended shipped model, late-fleet), a "
+                        "shipped model's name (late-fleet, any-fleet, default) or an .onnx path")
+    allow_fallback_start: bool = Field(
+        False, description="start even when a policy (any arm, the shadow) does not load, serving its decisions with "
+        "least-outstanding (the fallback); off: `router serve` exits with one line naming the cause",
+    )
     seed: int | None = Field(None, description="seed of policies that draw at random (random, power-of-two, "
                              "exploration); unset: from the OS")
     decision_budget_s: float | None = Field(0.0005, gt=0, description="time budget of one decision (the deciding "
@@ -143,9 +146,10 @@ class RouterSettings(BaseSettings):
                                         "prefix index remembers")
 
     # late binding (router/hold_queue.py): hold requests in a router-side queue while no replica has room
-    late_binding: bool = Field(
-        False, description="hold a request in a bounded router-side FIFO while every healthy replica is at its "
-        "concurrency limit, and dispatch it when one frees (router.policy.late_binding); off: route at once",
+    late_binding: bool | None = Field(
+        None, description="hold a request in a bounded router-side FIFO while every healthy replica is at its "
+        "concurrency limit, and dispatch it when one frees (router.policy.late_binding); off: route at once. "
+        "Unset: on when the policy was trained behind it (its card says so: `learned`, late-fleet), else off",
     )
     late_binding_timeout_s: float = Field(
         LateBindingConfig.timeout_s, ge=0, description="a held request waits at most this long, then goes to the "
@@ -155,9 +159,11 @@ class RouterSettings(BaseSettings):
         LateBindingConfig.queue_per_replica, ge=0, description="queue capacity = this x replicas; an arrival at a "
         "full queue is dispatched at once (reason=full)",
     )
-    late_binding_max_num_seqs: int = Field(
-        256, ge=1, description="a replica has room below this many requests in flight (vLLM's max_num_seqs, which "
-        "vLLM does not export), lowered per replica to what its scraped KV cache holds",
+    late_binding_max_num_seqs: int | None = Field(
+        None, ge=1, description="a replica has room below this many requests in flight (your servers' "
+        "--max-num-seqs), lowered per replica to what its scraped KV cache holds. Unset: inferred per replica from "
+        "its /metrics (the running count it plateaus at while requests wait; llm_router_replica_batch_limit); until "
+        "then only the KV-derived limit applies",
     )
     late_binding_replica_max_num_seqs: Annotated[dict[str, int], NoDecode] = Field(
         default_factory=dict, description="per replica (host:port or base URL) overrides of late_binding_max_num_seqs, "
@@ -330,21 +336,31 @@ class RouterSettings(BaseSettings):
             raise ValueError(f"decision_log_dir={str(self.decision_log_dir)!r}: exists and is not a directory")
         if "scrape_timeout_s" not in self.model_fields_set:
             self.scrape_timeout_s = min(self.scrape_timeout_s, self.scrape_interval_s)
+        if self.late_binding is None:
+            self.late_binding = trained_behind_late_binding(self.policy)
         if self.scrape_timeout_s > self.scrape_interval_s:
             raise ValueError(f"scrape_timeout_s={self.scrape_timeout_s}: must not exceed scrape_interval_s={self.scrape_interval_s}")
         return self
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML or JSON mapping of RouterSettings fields."""
+    """A YAML or JSON mapping of RouterSettings fields. ValueError with one line naming the cause otherwise."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"config file {p}: not found")
-    text = p.read_text()
+    if p.is_dir():
+        raise ValueError(f"config file {p}: is a directory")
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"config file {p}: not found") from None
+    except OSError as exc:
+        raise ValueError(f"config file {p}: cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {p}: not text ({exc.reason} at byte {exc.start})") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ValueError(f"config file {p}: {exc}") from exc
+        raise ValueError(f"config file {p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
+                         + " ".join(str(exc).split())) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -355,9 +371,21 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_settings(config_file: str | Path | None = None, **overrides: Any) -> RouterSettings:
-    """Flags (`overrides`, None = not given) over environment over config file over defaults."""
+def build_settings(config_file: str | Path | None = None, *, explicit_none: Iterable[str] = (),
+                   **overrides: Any) -> RouterSettings:
+    """Flags (`overrides`, None = not given; `explicit_none`: fields a flag set to none) over environment over config
+    file over defaults."""
     merged: dict[str, Any] = load_config_file(config_file) if config_file else {}
     merged.update(EnvSettingsSource(RouterSettings)())
     merged.update({k: v for k, v in overrides.items() if v is not None})
+    merged.update(dict.fromkeys(explicit_none))
     return RouterSettings(**merged)
+
+
+def redacted(settings: RouterSettings) -> dict[str, Any]:
+    """The effective settings as JSON values, secrets (the admin token) shown as "<redacted>"."""
+    data = settings.model_dump(mode="json")
+    for name, field in RouterSettings.model_fields.items():
+        if field.annotation is not None and "SecretStr" in str(field.annotation) and data.get(name) is not None:
+            data[name] = "<redacted>"
+    return data

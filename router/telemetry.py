@@ -39,22 +39,33 @@ REPLICA_GAUGES = {
 }
 
 
+BATCH_LIMIT = "llm_router_replica_batch_limit"
+BATCH_LIMIT_DOC = ("The replica's batch limit (vLLM's max_num_seqs) late binding uses, by source: operator (a setting) "
+                   "or inferred (the running count its /metrics plateau at while requests wait); absent until known.")
+
+
 class ReplicaStateCollector(Collector):
-    """Reads `rows()` -> [(replica_id, {gauge_name: value or None})] at scrape time."""
+    """Reads `rows()` -> [(replica_id, {gauge_name: value or None})] at scrape time; BATCH_LIMIT's value is
+    (limit or None, source)."""
 
     def __init__(self, rows: Callable[[], Iterable[tuple[str, dict[str, float | None]]]]) -> None:
         self._rows = rows
 
     def describe(self):
-        return [GaugeMetricFamily(name, doc, labels=["replica"]) for name, doc in REPLICA_GAUGES.items()]
+        return [GaugeMetricFamily(name, doc, labels=["replica"]) for name, doc in REPLICA_GAUGES.items()] + [
+            GaugeMetricFamily(BATCH_LIMIT, BATCH_LIMIT_DOC, labels=["replica", "source"])]
 
     def collect(self):
         families = {name: GaugeMetricFamily(name, doc, labels=["replica"]) for name, doc in REPLICA_GAUGES.items()}
+        batch = GaugeMetricFamily(BATCH_LIMIT, BATCH_LIMIT_DOC, labels=["replica", "source"])
         for rid, values in self._rows():
             for name, value in values.items():
-                if value is not None:  # never scraped: no sample rather than a fake zero
+                if name == BATCH_LIMIT:
+                    if value[0] is not None:
+                        batch.add_metric([rid, value[1]], value[0])
+                elif value is not None:  # never scraped: no sample rather than a fake zero
                     families[name].add_metric([rid], value)
-        return list(families.values())
+        return [*families.values(), batch]
 
 
 class RouterMetrics:

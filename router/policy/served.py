@@ -17,15 +17,11 @@ from typing import Any
 from router.policy.base import Policy
 from router.policy.baselines import LeastOutstanding
 from router.policy.fallback import LEARNED_GUARDS, FallbackPolicy
-from router.policy.registry import LEARNED, make_policy
+from router.policy.registry import is_learned, make_policy
 from router.policy.types import ClusterView
 
 GUARD_FIELDS = ("max_stats_age_s", "overload_margin", "overload_ratio", "min_confidence")
 DEFAULT_BUDGET_S = 0.0005  # router/settings.py decision_budget_s
-
-
-def is_learned(name: str) -> bool:
-    return name == LEARNED or name.endswith(".onnx")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +70,7 @@ def served_policy(
     cost: Callable[[ClusterView], float] | None = None,
     primary: Policy | None = None,
 ) -> FallbackPolicy:
-    """`name` (a baseline, `learned`, or an .onnx path) as it is served.
+    """`name` (a baseline, `learned`, a shipped model's name or an .onnx path) as it is served.
 
     Live: pass `clock` (time.perf_counter). Offline: leave it out and the deterministic cost model
     for the policy's kind (LEARNED_COST / BASELINE_COST, or `cost`) times each decision.

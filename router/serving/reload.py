@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from router.policy.base import Policy, PolicyUnavailable
-from router.policy.registry import DEFAULT_MODEL_PATH, LEARNED, make_policy
+from router.policy.registry import is_learned, make_policy
+from router.policy.registry import model_path as registry_model_path
 from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 
 log = logging.getLogger("router.reload")
@@ -44,11 +45,13 @@ class ReloadResult:
 
 
 def is_reloadable(spec: str) -> bool:
-    return spec == LEARNED or spec.endswith(".onnx")
+    return is_learned(spec)
 
 
 def model_path(spec: str) -> Path:
-    return DEFAULT_MODEL_PATH if spec == LEARNED else Path(spec)
+    path = registry_model_path(spec)
+    assert path is not None, spec
+    return path
 
 
 def probe_views() -> list[tuple[ClusterView, RequestInfo]]:

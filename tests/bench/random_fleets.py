@@ -10,13 +10,17 @@ Seeds start at 3,000,000, apart from every seed training and its TRAIN-window ev
 
     python tests/bench/random_fleets.py --fleets 20 --models learned,runs/a.onnx --workers 2
     python tests/bench/random_fleets.py --fleets 20 --split train ...   # a validation set for choosing between models
+    python tests/bench/random_fleets.py --fleets 5 --late --models ...  # also every policy behind late binding
 
 Per model, over all instances: the geometric mean of its p99 TTFT over the best heuristic on that instance
 (chosen with hindsight, a high bar), over the best single heuristic (the one with the lowest geometric mean
 over all instances, what an operator would deploy), the share of instances at or below 1.03x the best, the
 90th percentile and the worst ratio (with its instance), and the mean goodput gap to the best heuristic's.
 Then both geometric means by fleet size and by speed spread (fastest over slowest replica's saturated
-completion rate on the instance's own request lengths).
+completion rate on the instance's own request lengths). With `--late`, every heuristic and model also runs behind
+late binding (`<name>+late`, simulator/late_binding.py, the router's defaults, each replica at its simulated
+max_num_seqs); each `<model>+late` row is then over the best per-request heuristic, as the plain rows, and its
+`vs_best_late` over the best heuristic behind late binding on that instance.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from router.policy.registry import COMPARED_BASELINES  # noqa: E402
 from router.policy.served import served_policy  # noqa: E402
 from simulator.bench import saturated_rps  # noqa: E402
 from simulator.cluster import simulate  # noqa: E402
+from simulator.late_binding import LATE_SUFFIX, simulate_late  # noqa: E402
 from simulator.metrics import summarize  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs  # noqa: E402
@@ -67,9 +72,10 @@ def speed_spread(cluster, requests) -> float:
     return max(rates) / min(rates)
 
 
-def run_instance(args: tuple[InstanceSpec, tuple[str, ...]]) -> dict:
-    """Every heuristic and model on one instance: p99 TTFT and goodput each, with the fleet's size and spread."""
-    spec, models = args
+def run_instance(args: tuple[InstanceSpec, tuple[str, ...], bool]) -> dict:
+    """Every heuristic and model on one instance (with `late`, also behind late binding as `<name>+late`): p99
+    TTFT and goodput each, with the fleet's size and spread."""
+    spec, models, late = args
     scenario, seed = spec.scenario, spec.seed
     assert _builder is not None
     cluster, requests = _builder.build(spec)
@@ -82,6 +88,10 @@ def run_instance(args: tuple[InstanceSpec, tuple[str, ...]]) -> dict:
     for name in (*HEURISTICS, *models):
         summary = summarize(simulate(cluster, requests, served_policy(name, seed=seed), seed=seed), slo)
         row["p99"][name], row["goodput"][name] = summary["ttft_p99_s"], summary["goodput"]
+        if late:
+            records, _ = simulate_late(cluster, requests, served_policy(name, seed=seed), seed=seed)
+            summary = summarize(records, slo)
+            row["p99"][name + LATE_SUFFIX], row["goodput"][name + LATE_SUFFIX] = summary["ttft_p99_s"], summary["goodput"]
     return row
 
 
@@ -106,7 +116,9 @@ def summarise(rows: list[dict], models: Sequence[str]) -> dict:
     best_goodput = [max(r["goodput"][h] for h in HEURISTICS) for r in rows]
     single = min(HEURISTICS, key=lambda h: _geomean([r["p99"][h] / b for r, b in zip(rows, best_p99)]))
     out = {"instances": len(rows), "best_single_heuristic": single, "models": {}}
-    for m in models:
+    late = HEURISTICS[0] + LATE_SUFFIX in rows[0]["p99"] if rows else False
+    best_late = [min(r["p99"][h + LATE_SUFFIX] for h in HEURISTICS) for r in rows] if late else []
+    for m in (*models, *(m + LATE_SUFFIX for m in models if late)):
         ratio = np.array([r["p99"][m] / b for r, b in zip(rows, best_p99)])
         vs_single = np.array([r["p99"][m] / r["p99"][single] for r in rows])
         worst = int(np.argmax(ratio))
@@ -121,6 +133,8 @@ def summarise(rows: list[dict], models: Sequence[str]) -> dict:
             **_by_bucket(rows, ratio, ""),
             **_by_bucket(rows, vs_single, "_vs_single"),
         }
+        if late:
+            out["models"][m]["vs_best_late"] = _geomean([r["p99"][m] / b for r, b in zip(rows, best_late)])
     out["counts"] = {
         "by_size": {f"{lo}-{hi}": sum(lo <= r["replicas"] <= hi for r in rows) for lo, hi in SIZE_BUCKETS},
         "by_spread": {_spread_label(lo, hi): sum(lo <= r["spread"] < hi for r in rows) for lo, hi in SPREAD_BUCKETS},
@@ -140,6 +154,7 @@ def format_summary(doc: dict) -> str:
         lines.append(
             f"| {m} | {s['vs_best_per_instance']:.3f} | {s['vs_best_single']:.3f} | {s['share_within_1_03'] * 100:.0f} % | "
             f"{s['p90']:.2f} | {s['worst']:.2f} ({s['worst_instance']}) | {s['goodput_gap']:+.3f} |"
+            + (f" over the best late heuristic {s['vs_best_late']:.3f} |" if "vs_best_late" in s else "")
         )
     for key, title in (("by_size", "replicas"), ("by_spread", "speed spread")):
         buckets = list(doc["counts"][key])
@@ -162,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", metavar="FILE", help="also write every instance's figures and the summary here")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--late", action="store_true", help="also every heuristic and model behind late binding (<name>+late)")
     args = ap.parse_args(argv)
     models = tuple(m for m in args.models.split(",") if m)
     for m in models:
@@ -169,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--models: {m!r} is neither `learned` nor an existing .onnx file")
     cfg = load_config(args.config)
     scenarios = args.scenarios.split(",") if args.scenarios else list(cfg.env.scenarios)
-    jobs = [(spec, models) for spec in random_fleet_specs(scenarios, args.fleets, SEED_BASE, cfg.env.eval_max_requests)]
+    jobs = [(spec, models, args.late) for spec in random_fleet_specs(scenarios, args.fleets, SEED_BASE, cfg.env.eval_max_requests)]
     from tqdm import tqdm
 
     with Pool(args.workers, initializer=_init, initargs=(args.config, args.split)) as pool:

@@ -292,13 +292,18 @@ async def test_turned_on_by_flag_or_environment_and_bad_values_named(monkeypatch
     from router.cli import _parser, main
     from router.settings import build_settings
 
-    assert build_settings(replicas=["http://a:1"]).late_binding is False
+    # unset: on for a policy trained behind it (the default, learned = late-fleet), off for the others
+    assert build_settings(replicas=["http://a:1"]).late_binding is True
+    assert build_settings(replicas=["http://a:1"], policy="any-fleet").late_binding is False
+    assert build_settings(replicas=["http://a:1"], policy="least-outstanding").late_binding is False
+    assert build_settings(replicas=["http://a:1"], policy="least-outstanding", late_binding=True).late_binding is True
+    assert build_settings(replicas=["http://a:1"], late_binding=False).late_binding is False
     args = vars(_parser().parse_args(["serve", "--replica", "http://a:1", "--late-binding",
                                       "--late-binding-timeout", "0.5", "--late-binding-max-num-seqs", "8"]))
     s = build_settings(None, **{k: v for k, v in args.items() if k not in ("command", "config")})
     assert (s.late_binding, s.late_binding_timeout_s, s.late_binding_max_num_seqs) == (True, 0.5, 8)
     monkeypatch.setenv("ROUTEWISE_LATE_BINDING", "1")
-    assert build_settings(replicas=["http://a:1"]).late_binding is True
+    assert build_settings(replicas=["http://a:1"], policy="least-outstanding").late_binding is True
     assert main(["serve", "--replica", "http://a:1", "--late-binding-timeout", "-1"]) == 2
     assert "late_binding_timeout_s" in capsys.readouterr().err
     assert main(["serve", "--replica", "http://a:1", "--late-binding-max-num-seqs", "0"]) == 2
