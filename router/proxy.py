@@ -26,6 +26,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from router.h1client import H1Client, H1Response
 from router.lean import LeanRequest, LeanSent, LeanStream
 from router.errors import BadRequest, error_response, sse_error_event
+from router.models import names_unknown_model, no_replica_response, unknown_model
 from router.outlier import Inflight
 from router.paths import GENERATION_PATHS, PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
 from router.policy.types import NoHealthyReplica, Outcome, RequestInfo
@@ -234,10 +235,8 @@ class Proxy:
             except RecursionError:
                 raise BadRequest("request body is nested too deeply") from None
             validate(body, chat, self.settings.max_tokens_limit)
-            known = self.replicas.known_models
-            if known and body["model"] not in known:
-                raise BadRequest(f"The model `{body['model']}` does not exist.", param="model", status=404,
-                                 code="model_not_found")
+            if (refused := unknown_model(self.replicas, body["model"])) is not None:
+                raise refused
             return body, self.router.request_info(body, chat, request.headers)
         except BadRequest as exc:
             return _refuse(exc, request)
@@ -326,7 +325,7 @@ class Proxy:
                 return out
         self._settle(suspects, False, stream)
         if last is None:
-            return error_response(503, "no healthy replica available", "server_error", code="no_healthy_replica")
+            return no_replica_response(self.replicas, info.model)
         return error_response(last.status, f"upstream failed: {last}", "server_error", code=f"upstream_{last.kind}")
 
     def _settle(self, suspects: list[tuple[Replica, str]], served: bool, stream: bool) -> None:
@@ -387,6 +386,8 @@ class Proxy:
                 route.outcome = Outcome(False, None, None)
                 raise UpstreamError("stalled", f"{rep.id}: stalled, aborted") from None
             status = route.status = resp.status
+            if names_unknown_model(status, first, route.request.model):  # its list is stale: read it again
+                self.replicas.refresh_models_of(rep)
             if status >= 500 and can_retry:
                 route.outcome = Outcome(False, None, None)
                 raise UpstreamError("http_5xx", f"{rep.id}: HTTP {status}")

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from router.hold_queue import HoldQueue
+from router.models import no_replica_message
 from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
 from router.policy.fallback import BUDGET_COOLDOWN, FALLBACK_REASONS, Decision
 from router.policy.late_binding import restrict
+from router.policy.model_routing import model_label
 from router.policy.served import GUARD_FIELDS, served_policy
 from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info
 from router.replicas import Replica, ReplicaSet
@@ -153,6 +155,7 @@ class Route:
     shadow: ShadowResult | None = None
     prefix_block_tokens: int | None = None
     late: str | None = None  # late binding on: why the hold queue let it go (hold_queue.LATE_REASONS)
+    model: str | None = None  # the request's model as a bounded label (model_routing.model_label)
     held_s: float | None = None  # late binding on: time held in the queue (0 when it went at once)
 
     @property
@@ -205,6 +208,7 @@ class Router:
             settings, metrics.registry, self.arms, lambda name: guarded_policy(name, settings), policy_label, clock,
         )
         self._ids = itertools.count(1)
+        self._model_decisions: dict[str, Any] = {}  # metric children by model label
         self.holds: HoldQueue[Route] | None = None  # late binding: the first attempt of a request goes through it
         if settings.late_binding:
             self.holds = HoldQueue(settings, replicas, metrics, clock,
@@ -228,6 +232,7 @@ class Router:
             max_tokens if isinstance(max_tokens, int) else None,
             text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
             routing_key(headers or {}, user if isinstance(user, str) else None, request_id),
+            body.get("model"),
         )
 
     def select_runner(self, request: RequestInfo) -> PolicyRunner:
@@ -245,6 +250,9 @@ class Router:
         runner = self.select_runner(request)
         if view is None:
             view = self.replicas.cluster.view(self.clock(), request)
+        members = self.replicas.members(request.model)
+        if members is not None:  # only the model's replicas are candidates (a held request's view already is so)
+            view = restrict(view, members)
         if exclude:
             view = ClusterView(tuple(
                 dataclasses.replace(r, healthy=False) if r.replica_id in exclude else r for r in view.replicas
@@ -253,7 +261,7 @@ class Router:
         if only is not None:
             context, view = view, restrict(view, only)
         if not any(r.healthy for r in view.replicas):
-            raise NoHealthyReplica("no healthy replica")
+            raise NoHealthyReplica(no_replica_message(request.model))
         decision = runner.decide(view, request, context)
         replica = self.replicas.ordered[decision.index]
         self.replicas.cluster.dispatch(decision.index, request)
@@ -262,13 +270,19 @@ class Router:
             asyncio.get_running_loop().call_soon(runner._latency.observe, latency_s)
         except RuntimeError:  # no running loop (a synchronous caller)
             runner._latency.observe(latency_s)
+        label = model_label(request.model, self.replicas.known_models)
         route = Route(replica, decision, runner, request, view=view, wall_s=time.time(), attempt=len(exclude or ()),
-                      prefix_block_tokens=self.replicas.cluster.prefix_block_tokens)
+                      prefix_block_tokens=self.replicas.cluster.prefix_block_tokens, model=label)
+        counter = self._model_decisions.get(label)
+        if counter is None:
+            counter = self._model_decisions[label] = self.metrics.model_decisions.labels(label)
+        counter.inc()
         self.serving.after_decision(route, view)
         return route
 
     def on_first_token(self, route: Route, ttft_s: float) -> None:
         route.replica.tracker.on_first_token(route.request.request_id, ttft_s)
+        self.metrics.model_ttft.labels(route.model).observe(ttft_s)
         if self.holds is not None:
             self.holds.wake()
 

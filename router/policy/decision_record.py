@@ -42,6 +42,7 @@ class PendingRecord:
     prefix_block_tokens: int | None = None
     late: str | None = None  # late binding on: why the hold queue let the request go
     held_s: float | None = None  # late binding on: seconds it was held (0 when it went at once)
+    model: str | None = None  # the request's model as a bounded label (router.policy.model_routing.model_label)
 
 
 def _round(x: float | None, digits: int = 6) -> float | None:
@@ -84,6 +85,8 @@ def decision_record(p: PendingRecord) -> dict:
         "e2e_s": _round(p.e2e_s),
         "output_tokens": p.output_tokens,
     }
+    if p.model is not None:  # absent where no model was known (the simulator's fleets without model lists)
+        record["model"] = p.model
     if p.late is not None:  # only with late binding on: records without it stay as they were
         record["late"] = p.late
         record["held_s"] = _round(p.held_s)

@@ -59,6 +59,7 @@ class RequestInfo:
     max_tokens: int | None = None
     prefix_blocks: tuple[int, ...] = field(default=())  # chained prefix-block hashes
     key: str | None = None  # stable routing key (user / session) for A/B splits
+    model: str | None = None  # the request's `model`: only replicas serving it are candidates (None = any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +123,13 @@ class _ViewTwin:
 class _RequestInfoTwin:
     __slots__ = RequestInfo.__slots__
 
-    def __init__(self, request_id, prompt_tokens_est, max_tokens, prefix_blocks, key) -> None:
+    def __init__(self, request_id, prompt_tokens_est, max_tokens, prefix_blocks, key, model=None) -> None:
         self.request_id = request_id
         self.prompt_tokens_est = prompt_tokens_est
         self.max_tokens = max_tokens
         self.prefix_blocks = prefix_blocks
         self.key = key
+        self.model = model
         self.__class__ = RequestInfo  # type: ignore[assignment]
 
 
@@ -144,5 +146,5 @@ for _twin, _frozen in ((_SnapshotTwin, ReplicaSnapshot), (_ViewTwin, ClusterView
 make_snapshot: Callable[..., ReplicaSnapshot] = _SnapshotTwin  # type: ignore[assignment]
 #: ClusterView(replicas).
 make_view: Callable[[tuple[ReplicaSnapshot, ...]], ClusterView] = _ViewTwin  # type: ignore[assignment]
-#: RequestInfo(request_id, prompt_tokens_est, max_tokens, prefix_blocks, key), all positional.
-make_request_info: Callable[[str, int, int | None, tuple[int, ...], str | None], RequestInfo] = _RequestInfoTwin  # type: ignore[assignment]
+#: RequestInfo(request_id, prompt_tokens_est, max_tokens, prefix_blocks, key[, model]), all positional.
+make_request_info: Callable[..., RequestInfo] = _RequestInfoTwin  # type: ignore[assignment]

@@ -175,7 +175,7 @@ class ServingLayer:
             features=feats, status=route.status, ok=None if outcome is None else outcome.ok,
             ttft_s=None if outcome is None else outcome.ttft_s, e2e_s=None if outcome is None else outcome.e2e_s,
             output_tokens=None if outcome is None or not outcome.output_tokens else outcome.output_tokens,
-            prefix_block_tokens=route.prefix_block_tokens, late=route.late, held_s=route.held_s,
+            prefix_block_tokens=route.prefix_block_tokens, late=route.late, held_s=route.held_s, model=route.model,
         )
 
     # --- A/B state -----------------------------------------------------------------------------

@@ -11,6 +11,9 @@
 Gates, for tests that order events instead of timing them: `token_gate` (an asyncio.Semaphore) makes every token
 wait for one release; `hold(prompt)` makes a request with that prompt wait before its last token until the
 returned asyncio.Event is set (it holds its slot meanwhile, whatever the host's load).
+`models`:           the ids it serves (default: [model]); `adapters` maps a LoRA adapter id to its base model (listed
+                    in /v1/models with that `parent`, as vLLM does). A generation request for any other model gets
+                    vLLM's 404 naming it. `models_mode`: ok | garbage (/v1/models answers a non-list).
 Whatever the mode, like real vLLM on input it chokes on: a request still carrying `Content-Encoding` or whose
 prompt contains POISON gets a 500 (a failure the request causes, not the replica).
 """
@@ -25,8 +28,14 @@ from aiohttp import web
 
 
 class FakeVllm:
-    def __init__(self, model: str = "tiny", tokens: int = 4, token_delay_s: float = 0.0) -> None:
+    def __init__(self, model: str = "tiny", tokens: int = 4, token_delay_s: float = 0.0,
+                 models: list[str] | None = None, adapters: dict[str, str] | None = None) -> None:
         self.model = model
+        self.models = list(models) if models is not None else [model]
+        self.adapters = dict(adapters or {})
+        self.models_mode = "ok"
+        self.model_requests = 0  # GET /v1/models received
+        self.served_models: list[str] = []  # the model of each generation request it answered
         self.tokens = tokens
         self.token_delay_s = token_delay_s
         self.mode = "ok"
@@ -80,9 +89,17 @@ class FakeVllm:
         return web.Response(text="", status=200 if self.health_ok else 500)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "max_model_len": 1024}
-        ]})
+        self.model_requests += 1
+        if self.models_mode == "garbage":
+            return web.json_response({"models": "all of them"})
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "vllm", "root": m, "parent": None,
+                 "max_model_len": 1024} for m in self.models]
+        data += [{"id": a, "object": "model", "created": 0, "owned_by": "vllm", "root": f"/adapters/{a}", "parent": base,
+                  "max_model_len": 1024} for a, base in self.adapters.items()]
+        return web.json_response({"object": "list", "data": data})
+
+    def serves(self, model: object) -> bool:
+        return model in self.models or model in self.adapters
 
     async def _echo(self, request: web.Request) -> web.Response:
         return web.json_response({"path": request.path, "query": dict(request.query), "body": await request.text()})
@@ -176,6 +193,10 @@ class FakeVllm:
                                           "param": None, "code": 500}, status=500)
             body = await request.json()
             self.bodies.append(body)
+            if not self.serves(body.get("model")):  # vLLM's answer (serving_engine._check_model)
+                return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                    "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+            self.served_models.append(body["model"])
             if "POISON" in json.dumps(body):
                 return web.json_response({"object": "error", "message": "poisoned input", "type": "InternalServerError",
                                           "param": None, "code": 500}, status=500)

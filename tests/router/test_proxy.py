@@ -226,9 +226,10 @@ async def test_connect_error_and_first_byte_timeout_are_retried(fakes, router_cl
     dead = "http://127.0.0.1:9"  # discard port: nothing listens
     client = await router_client([dead, a.url, b.url], policy="round-robin", health_failure_threshold=100,
                                  breaker_failure_threshold=100, max_retries=2)
-    for r in client.app[REPLICAS].ordered:  # treat the dead one as healthy until requests fail on it
-        r.probe_ok = True
+    for r in client.app[REPLICAS].ordered:  # treat the dead one as healthy, serving the model, until requests fail on it
+        r.probe_ok, r.models, r.models_known = True, frozenset({"tiny"}), True
         r.sync()
+    client.app[REPLICAS].update_models()
     for _ in range(3):
         resp = await client.post("/v1/completions",
                                  json={"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True})
