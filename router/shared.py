@@ -1,11 +1,18 @@
 """One host's in-flight load shared by the router's worker processes (`router serve --workers N`).
 
-A shared-memory segment holds, per worker slot and per replica column, the counters decisions read
-(outstanding requests, outstanding prompt/decode tokens, requests awaiting a first token and their
-prompt tokens, dispatches since the last scrape). Each worker writes only its own slot row; readers
-sum the rows, so a worker's view counts every request the host has in flight, not its own slice.
-Replica ids map to columns through a name table (claimed under a lock, so every worker agrees), and a
-per-column draining flag carries admin drain/restore to all workers.
+A shared anonymous mapping (inherited by the forked workers: it has no name, so nothing is left behind
+even when every process is SIGKILLed, and no resource-tracker process is needed) holds, per worker slot
+and per replica column, the counters decisions read (outstanding requests, outstanding prompt/decode
+tokens, requests awaiting a first token and their prompt tokens, dispatches since the last scrape). Each
+worker writes only its own slot row; readers sum the rows, so a worker's view counts every request the
+host has in flight, not its own slice. Replica ids map to columns through a name table so every worker
+agrees, and a per-column draining flag carries admin drain/restore to all workers.
+
+No lock a dead process can hold: every read (the 0.1 s sync tick, every decision) is lock-free. Counters
+are single-writer rows and draining flags single words; the admin command is a seqlock (odd sequence while written,
+a CRC over the body) that readers retry and never wait on. The two rare writes that several workers make
+(claiming a column, publishing a command) take a POSIX record lock (fcntl), which the kernel releases
+when its holder dies, and wait for it a bounded time.
 
 `SharedClusterTracker` is a `ClusterTracker` whose trackers keep this sharing out of router/policy:
 the policy hooks run unchanged on the worker's own counters and publish them; views read the sums.
@@ -13,10 +20,16 @@ the policy hooks run unchanged on the worker's own counters and publish them; vi
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
-from multiprocessing import shared_memory
-from multiprocessing.synchronize import Lock
+import mmap
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -32,46 +45,83 @@ log = logging.getLogger("router.shared")
 
 FIELDS = ("outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "awaiting_first_token",
           "awaiting_prompt_tokens", "dispatched_since_scrape")
-_NAME_BYTES = 128
+_NAME_BYTES = 128  # byte 0: the name's length, written last (a row is claimed once it is set); then the name
 _COMMAND_BYTES = 4096
+WRITE_LOCK_WAIT_S = 2.0  # a writer holds the lock for microseconds; only a stopped (SIGSTOP) holder can exceed this
 
 
 class SharedLoad:
     """The segment: counters int64[workers, max_replicas, len(FIELDS)], draining flags int64[max_replicas],
-    replica names bytes[max_replicas, 128], the last admin command (sequence, length, JSON bytes) for the
-    other workers to repeat. The parent creates (and unlinks) it; forked workers use it."""
+    replica names bytes[max_replicas, 128], the last admin command (sequence, length, CRC32, JSON bytes) for
+    the other workers to repeat. The parent creates it before forking the workers, which inherit it."""
 
-    def __init__(self, workers: int, lock: Lock, max_replicas: int = 256, name: str | None = None) -> None:
-        self.workers, self.max_replicas, self.lock = workers, max_replicas, lock
+    def __init__(self, workers: int, max_replicas: int = 256) -> None:
+        self.workers, self.max_replicas = workers, max_replicas
         n_counters = workers * max_replicas * len(FIELDS)
         names_at = 8 * (n_counters + max_replicas)
         command_at = names_at + _NAME_BYTES * max_replicas
-        size = command_at + 16 + _COMMAND_BYTES
-        self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=size)
-        buf = self.shm.buf
-        self.counters = np.ndarray((workers, max_replicas, len(FIELDS)), np.int64, buf)
-        self.draining = np.ndarray((max_replicas,), np.int64, buf, offset=8 * n_counters)
-        self.names = np.ndarray((max_replicas, _NAME_BYTES), np.uint8, buf, offset=names_at)
-        self.command_head = np.ndarray((2,), np.int64, buf, offset=command_at)  # sequence, length
-        self.command_body = np.ndarray((_COMMAND_BYTES,), np.uint8, buf, offset=command_at + 16)
-        if name is None:
-            buf[:size] = bytes(size)
+        size = command_at + 24 + _COMMAND_BYTES
+        self.mem = mmap.mmap(-1, size)  # anonymous, MAP_SHARED: zeroed, shared with every process forked later
+        self.counters = np.ndarray((workers, max_replicas, len(FIELDS)), np.int64, self.mem)
+        self.draining = np.ndarray((max_replicas,), np.int64, self.mem, offset=8 * n_counters)
+        self.names = np.ndarray((max_replicas, _NAME_BYTES), np.uint8, self.mem, offset=names_at)
+        self.command_head = np.ndarray((3,), np.int64, self.mem, offset=command_at)  # seqlock sequence, length, crc32
+        self.command_body = np.ndarray((_COMMAND_BYTES,), np.uint8, self.mem, offset=command_at + 24)
+        # POSIX record locks belong to a process (not to the file descriptor the workers inherit), so the
+        # workers exclude each other on this one unlinked file, and the kernel drops a dead holder's lock
+        self._lock_file = tempfile.TemporaryFile(prefix="routewise-shared-")
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """The writers' lock: bounded wait (TimeoutError), released by the kernel if its holder dies."""
+        fd = self._lock_file.fileno()
+        deadline = time.monotonic() + WRITE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"router.shared: another worker held the write lock over {WRITE_LOCK_WAIT_S:.0f} s") from None
+                time.sleep(0.001)
+        try:
+            yield
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN)
+
+    def _find(self, raw: bytes) -> int | None:
+        n = len(raw)
+        for col in range(self.max_replicas):
+            row = self.names[col]
+            if row[0] == n and row[1 : 1 + n].tobytes() == raw:
+                return col
+        return None
 
     def column(self, replica_id: str) -> int | None:
-        """The column of `replica_id` (claimed if new); None when the table is full or the id too long."""
+        """The column of `replica_id` (claimed if new); None when the table is full, the id too long, or the
+        write lock not had in WRITE_LOCK_WAIT_S."""
         raw = replica_id.encode()
-        if len(raw) >= _NAME_BYTES:
+        if not raw or len(raw) >= _NAME_BYTES:
             return None
-        key = np.zeros(_NAME_BYTES, np.uint8)
-        key[: len(raw)] = np.frombuffer(raw, np.uint8)
-        with self.lock:
-            for col in range(self.max_replicas):
-                row = self.names[col]
-                if not row[0]:
-                    row[:] = key
+        col = self._find(raw)  # claimed rows never change: found without the lock
+        if col is not None:
+            return col
+        try:
+            with self._writing():
+                col = self._find(raw)
+                if col is not None:
                     return col
-                if np.array_equal(row, key):
-                    return col
+                for col in range(self.max_replicas):
+                    row = self.names[col]
+                    if not row[0]:  # free, or a claim whose writer died before setting the length
+                        row[1:] = 0
+                        row[1 : 1 + len(raw)] = np.frombuffer(raw, np.uint8)
+                        row[0] = len(raw)
+                        return col
+        except TimeoutError as exc:
+            log.warning("%s: replica %s gets no shared column", exc, replica_id)
         return None
 
     def publish_command(self, command: dict) -> int:
@@ -79,17 +129,32 @@ class SharedLoad:
         raw = json.dumps(command).encode()
         if len(raw) > _COMMAND_BYTES:
             raise ValueError(f"admin command too long to share ({len(raw)} bytes > {_COMMAND_BYTES})")
-        with self.lock:
+        head = self.command_head
+        with self._writing():
+            seq = int(head[0])
+            seq += seq & 1  # odd: a writer died mid-write; its command is abandoned
+            head[0] = seq + 1  # odd while the body changes
             self.command_body[: len(raw)] = np.frombuffer(raw, np.uint8)
-            self.command_head[1] = len(raw)
-            self.command_head[0] += 1
-            return int(self.command_head[0])
+            head[1], head[2] = len(raw), zlib.crc32(raw)
+            head[0] = seq + 2
+            return (seq + 2) // 2
 
     def last_command(self) -> tuple[int, dict | None]:
-        """(sequence, command): sequence 0 when none was published."""
-        with self.lock:
-            seq, n = int(self.command_head[0]), int(self.command_head[1])
-            return seq, (json.loads(self.command_body[:n].tobytes()) if seq else None)
+        """(sequence, command): sequence 0 when none was published; command None while one is being written
+        (or its writer died writing it: the next command replaces it). Never waits."""
+        head = self.command_head
+        seq = 0
+        for _ in range(3):
+            seq = int(head[0])
+            if seq == 0:
+                return 0, None
+            if seq & 1:
+                continue
+            n, crc = int(head[1]), int(head[2])
+            raw = self.command_body[:n].tobytes()
+            if int(head[0]) == seq and zlib.crc32(raw) == crc:
+                return seq // 2, json.loads(raw)
+        return seq // 2, None
 
     def clear_slot(self, slot: int) -> None:
         """A worker that died left its in-flight requests counted: the parent zeroes its row before a restart."""
@@ -97,10 +162,11 @@ class SharedLoad:
 
     def close(self) -> None:
         del self.counters, self.draining, self.names, self.command_head, self.command_body  # release the buffer exports before closing
-        self.shm.close()
-
-    def unlink(self) -> None:
-        self.shm.unlink()
+        try:
+            self.mem.close()
+        except BufferError:  # trackers still hold views of it: the mapping goes with them
+            pass
+        self._lock_file.close()
 
 
 class SharedReplicaTracker(ReplicaTracker):
