@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.admin import admin_routes
 from router.listener import openai_errors
+from router.models import models_handler
 from router.proxy import Proxy
 from router.replicas import ReplicaSet
 from router.routing import Router
@@ -159,6 +160,7 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     app.add_routes([
         web.post("/v1/completions", proxy.completions),
         web.post("/v1/chat/completions", proxy.chat_completions),
+        web.get("/v1/models", models_handler(replicas)),  # the union of the replicas' lists
         web.route("*", "/v1/{tail:.*}", proxy.passthrough),  # allow-listed paths only (Proxy.passthrough)
         *probes,
     ])

@@ -7,6 +7,10 @@ or drain/restore, membership changes, a scrape, and a timer at the head's queue 
 The policy then picks among the replicas with room (a timeout goes to its pick over every healthy replica, a
 full queue or an idle fleet to the policy's pick over every healthy one).
 
+Late binding holds per model: each model has its own FIFO, and the rule judges the view of that model's replicas
+only (router.policy.model_routing), so a held request waits for room on a replica of its own model and never
+behind, or for, requests of another.
+
 Nothing is dropped or left hanging: a client that disconnects while held leaves the queue (its future is
 cancelled); with no healthy replica a held request is answered at once as without late binding (503); at
 shutdown every held request is dispatched (`shutdown`); if the rule itself fails, the queue lets every held
@@ -33,7 +37,8 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from router.batch_limit import UNKNOWN_LIMIT
-from router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, decide, replica_limit
+from router.models import no_replica_message
+from router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
 from router.policy.types import ClusterView, NoHealthyReplica, RequestInfo
 from router.replicas import ReplicaSet
 from router.settings import RouterSettings
@@ -87,7 +92,8 @@ class HoldQueue(Generic[R]):
         self._release = release
         self.metrics = metrics
         self.clock = clock
-        self._held: deque[_Held] = deque()
+        self._queues: dict[str | None, deque[_Held]] = {}  # by model: a FIFO each
+        self._held = 0  # requests held, over every model
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled = False
         self.closed = False
@@ -96,7 +102,14 @@ class HoldQueue(Generic[R]):
         metrics.held_requests.set(0)
 
     def __len__(self) -> int:
-        return len(self._held)
+        return self._held
+
+    def view(self, info: RequestInfo) -> ClusterView:
+        """The view the rule and the policy judge for `info`: its model's replicas only (the others not candidates)."""
+        view = self.replicas.cluster.view(self.clock(), info)
+        members = self.replicas.members(info.model)
+        return view if members is None else restrict(view, members)
+
 
     def limits(self, view: ClusterView) -> list[ReplicaLimit]:
         cache = self._limits
@@ -114,18 +127,22 @@ class HoldQueue(Generic[R]):
     async def route(self, info: RequestInfo) -> R:
         """The request's Route (router.routing), now or once the rule lets it go. Raises NoHealthyReplica."""
         started = time.perf_counter()  # the decision latency metric counts the view built here
-        view = self.replicas.cluster.view(self.clock(), info)
+        view = self.view(info)
         if not any(r.healthy for r in view.replicas):
             self._dispatches["no_healthy"].inc()
-            raise NoHealthyReplica("no healthy replica")
+            raise NoHealthyReplica(no_replica_message(info.model))
         if self.closed:
             return self._go(info, "shutdown", None, None, view, started)
-        d = decide(view, self.limits(view), len(self._held), False, 0.0, self.config)
+        queue = self._queues.get(info.model)
+        d = decide(view, self.limits(view), len(queue) if queue else 0, False, 0.0, self.config)
         if d.reason != "hold":
             return self._go(info, d.reason, self._only(d.reason, d.candidates), None, view, started)
         held = _Held(info, self.clock(), asyncio.get_running_loop().create_future())
-        self._held.append(held)
-        self.metrics.held_requests.set(len(self._held))
+        if queue is None:
+            queue = self._queues[info.model] = deque()
+        queue.append(held)
+        self._held += 1
+        self.metrics.held_requests.set(self._held)
         self._arm()
         try:
             return await held.future
@@ -164,12 +181,13 @@ class HoldQueue(Generic[R]):
         route.wall_s -= route.held_s  # the decision log's `t` stays the arrival (replays read it as such)
         return route
 
-    def _release_head(self, head: _Held, reason: str, only: tuple[int, ...] | None, view: ClusterView | None,
+    def _release_head(self, queue: deque[_Held], reason: str, only: tuple[int, ...] | None, view: ClusterView | None,
                       started: float | None = None) -> None:
-        self._held.popleft()
+        head = queue.popleft()
+        self._held -= 1
         if reason == "no_healthy":
             self._dispatches[reason].inc()
-            head.future.set_exception(NoHealthyReplica("no healthy replica"))
+            head.future.set_exception(NoHealthyReplica(no_replica_message(head.info.model)))
             return
         try:
             head.future.set_result(self._go(head.info, reason, only, self.clock() - head.arrived_s, view, started))
@@ -179,50 +197,62 @@ class HoldQueue(Generic[R]):
     def _pump(self) -> None:
         self._scheduled = False
         try:
-            while self._held:
-                head = self._held[0]
-                if head.future.done():  # cancelled, not yet removed
-                    self._held.popleft()
-                    continue
-                now = self.clock()
-                started = time.perf_counter()
-                view = self.replicas.cluster.view(now, head.info)
-                if not any(r.healthy for r in view.replicas):
-                    self._release_head(head, "no_healthy", None, view)
-                    continue
-                if self.closed:
-                    self._release_head(head, "shutdown", None, view, started)
-                    continue
-                d = decide(view, self.limits(view), len(self._held) - 1, True, now - head.arrived_s, self.config)
-                if d.reason == "hold":
-                    break
-                self._release_head(head, d.reason, self._only(d.reason, d.candidates), view, started)
+            for queue in list(self._queues.values()):
+                self._pump_queue(queue)
         except Exception:  # noqa: BLE001 - never hold a request because the rule failed
             log.exception("late binding failed; dispatching every held request")
-            while self._held:
-                head = self._held[0]
-                if head.future.done():
-                    self._held.popleft()
-                else:
-                    self._release_head(head, "error", None, None)
+            for queue in self._queues.values():
+                while queue:
+                    if queue[0].future.done():
+                        queue.popleft()
+                        self._held -= 1
+                    else:
+                        self._release_head(queue, "error", None, None)
         finally:
-            self.metrics.held_requests.set(len(self._held))
+            for model in [m for m, q in self._queues.items() if not q]:
+                del self._queues[model]
+            self.metrics.held_requests.set(self._held)
             self._arm()
 
+    def _pump_queue(self, queue: deque[_Held]) -> None:
+        """Offers one model's head until the rule holds it (the view: that model's replicas)."""
+        while queue:
+            head = queue[0]
+            if head.future.done():  # cancelled, not yet removed
+                queue.popleft()
+                self._held -= 1
+                continue
+            now = self.clock()
+            started = time.perf_counter()
+            view = self.view(head.info)
+            if not any(r.healthy for r in view.replicas):
+                self._release_head(queue, "no_healthy", None, view)
+                continue
+            if self.closed:
+                self._release_head(queue, "shutdown", None, view, started)
+                continue
+            d = decide(view, self.limits(view), len(queue) - 1, True, now - head.arrived_s, self.config)
+            if d.reason == "hold":
+                break
+            self._release_head(queue, d.reason, self._only(d.reason, d.candidates), view, started)
+
     def _arm(self) -> None:
-        """One timer, at the head's queue timeout (a head that is not due yet holds the later ones back)."""
+        """One timer, at the earliest head's queue timeout (a head that is not due yet holds its model's later ones
+        back)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._held:
-            delay = self._held[0].arrived_s + self.config.timeout_s - self.clock()
+        heads = [q[0].arrived_s for q in self._queues.values() if q]
+        if heads:
+            delay = min(heads) + self.config.timeout_s - self.clock()
             self._timer = asyncio.get_running_loop().call_later(max(0.0, delay) + _TIMER_SLACK_S, self._pump)
 
     def _remove(self, held: _Held) -> None:
         try:
-            self._held.remove(held)
-        except ValueError:
+            self._queues[held.info.model].remove(held)
+        except (KeyError, ValueError):
             return
-        self.metrics.held_requests.set(len(self._held))
+        self._held -= 1
+        self.metrics.held_requests.set(self._held)
         self.wake()  # the next head may be due (or have room) now
         self._arm()

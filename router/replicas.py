@@ -19,7 +19,9 @@ import aiohttp
 from yarl import URL
 
 from router.batch_limit import BatchLimitInference
+from router.models import fetch_models
 from router.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
+from router.policy.model_routing import members
 from router.policy.tracking import ClusterTracker, ReplicaTracker
 from router.settings import RouterSettings, replica_id
 from router.shared import SharedClusterTracker
@@ -81,7 +83,9 @@ class Replica:
     probe_successes: int = 0
     draining: bool = False
     last_probe_error: str | None = None
-    models: frozenset[str] = field(default_factory=frozenset)
+    models: frozenset[str] = field(default_factory=frozenset)  # ids in its /v1/models (router.models)
+    models_known: bool = False  # its /v1/models was read (garbage counts: it serves nothing)
+    model_entries: tuple[dict, ...] = ()  # the /v1/models entries themselves, for the router's union
     scrape: object | None = None  # last VllmStats, for the admin API
     scrape_error: str | None = None
     outlier: OutlierState = field(default_factory=lambda: OutlierState(20))
@@ -119,6 +123,9 @@ class ReplicaSet:
         self.by_id: dict[str, Replica] = {}
         self.ordered: list[Replica] = []  # aligned with self.cluster.trackers (view indices)
         self.known_models: frozenset[str] = frozenset()
+        self.models_known = False  # some replica's model list was read: requests go to replicas of their model
+        self._members: dict[str, tuple[int, ...] | None] = {}  # by model, cleared when lists or membership change
+        self._model_fetches: dict[str, asyncio.Task] = {}
         # called after anything that can change where requests may go (health, drain, membership, scrape):
         # the late-binding queue's wake-up (router.hold_queue)
         self.listeners: list[Callable[[], None]] = []
@@ -153,6 +160,37 @@ class ReplicaSet:
 
     def _reorder(self) -> None:
         self.ordered = [self.by_id[t.replica_id] for t in self.cluster.trackers]
+        self.update_models()
+
+    # models (router.models)
+    def members(self, model: str | None) -> tuple[int, ...] | None:
+        """View indices of the replicas serving `model`; None when any replica may take it."""
+        try:
+            return self._members[model]  # type: ignore[index]
+        except KeyError:
+            pass
+        if not self.models_known:
+            return None
+        out = self._members[model] = members(model, [r.models if r.models_known else frozenset() for r in self.ordered])  # type: ignore[index]
+        return out
+
+    def update_models(self) -> None:
+        """After a replica's model list changed: the fleet's models and the candidates by model afresh."""
+        self._members.clear()
+        self.known_models = frozenset().union(*(r.models for r in self.ordered))
+        self.models_known = any(r.models_known for r in self.ordered)
+
+    def refresh_models_of(self, rep: Replica) -> None:
+        """Reads `rep`'s model list again soon (it answered that it does not know a model it was sent)."""
+        if rep.id not in self._model_fetches:
+            self._model_fetches[rep.id] = task = asyncio.get_running_loop().create_task(self._fetch_models(rep))
+            task.add_done_callback(lambda _: self._model_fetches.pop(rep.id, None))
+
+    async def _fetch_models(self, rep: Replica) -> None:
+        await fetch_models(self, rep)
+        self.update_models()
+        self.notify()
+
 
     def batch_limit(self, rid: str) -> tuple[int | None, str | None]:
         """A replica's batch limit (vLLM's max_num_seqs) and its source: the operator's (for this replica, else for
@@ -296,21 +334,14 @@ class ReplicaSet:
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(r) for r in list(self.ordered)))
 
-    async def refresh_models(self) -> None:
-        """Models served by routable replicas, from their /v1/models."""
-        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
-
-        async def one(rep: Replica) -> None:
-            try:
-                async with self._session().get(rep.url / "v1" / "models", timeout=timeout) as resp:
-                    if resp.status == 200:
-                        data = await resp.json(content_type=None)
-                        rep.models = frozenset(m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, TypeError, AttributeError) as exc:
-                log.debug("models of %s: %s", rep.id, exc)
-
-        await asyncio.gather(*(one(r) for r in list(self.ordered) if r.probe_ok))
-        self.known_models = frozenset().union(*(r.models for r in self.ordered))
+    async def refresh_models(self, only_unknown: bool = False) -> None:
+        """Models served by healthy replicas, from their /v1/models (router.models); `only_unknown`: those whose
+        list was never read (a replica that just turned healthy)."""
+        reps = [r for r in list(self.ordered) if r.probe_ok and not (only_unknown and r.models_known)]
+        if reps:
+            await asyncio.gather(*(fetch_models(self, r) for r in reps))
+            self.update_models()
+            self.notify()
 
     async def run_prober(self) -> None:
         next_models = 0.0
@@ -321,6 +352,8 @@ class ReplicaSet:
             if self.clock() >= next_models:
                 await self.refresh_models()
                 next_models = self.clock() + self.settings.models_refresh_interval_s
+            else:
+                await self.refresh_models(only_unknown=True)
 
     # DNS discovery of a headless service
     async def discover_once(self) -> None:

@@ -134,6 +134,24 @@ class RouterMetrics:
             "llm_router_late_dispatches", "Requests the late-binding queue let go, by reason: room, idle, full, "
             "timeout, no_healthy, shutdown, error.", ["reason"], registry=r,
         )
+        self.model_list_errors = Counter(
+            "llm_router_model_list_errors", "Answers to /v1/models that were not a model list, by replica (it serves "
+            "nothing until it answers sensibly).", ["replica"], registry=r,
+        )
+        self.model_refusals = Counter(
+            "llm_router_model_refusals", "Requests no replica could take for their model: unknown_model (404, no "
+            "replica lists it) or no_replica (503, its replicas are all out of rotation).", ["reason"], registry=r,
+        )
+        for reason in ("unknown_model", "no_replica"):
+            self.model_refusals.labels(reason)
+        self.model_decisions = Counter(
+            "llm_router_model_decisions", "Routing decisions by the request's model (models the fleet serves; any "
+            "other is 'other').", ["model"], registry=r,
+        )
+        self.model_ttft = Histogram(
+            "llm_router_model_ttft_seconds", "Time to first streamed token by the request's model, at the router.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
         self.replica_state: ReplicaStateCollector | None = None
 
     def add_replica_state(self, rows: Callable[[], Iterable[tuple[str, dict[str, float | None]]]]) -> None:
