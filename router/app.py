@@ -76,7 +76,9 @@ def replica_rows(replicas: ReplicaSet):
 def handler_args(settings: RouterSettings) -> dict[str, Any]:
     # lingering: after refusing a request whose body was not read, drain it for at most 1 s (aiohttp: 10 s),
     # so that a slow body cannot hold the connection long after its 408.
-    return {"max_field_size": 65536, "keepalive_timeout": settings.keepalive_timeout_s, "lingering_time": 1.0}
+    # max_field_size: a header line as long as the whole head may be (router.listener answers a longer head 431)
+    return {"max_field_size": settings.max_header_bytes, "keepalive_timeout": settings.keepalive_timeout_s,
+            "lingering_time": 1.0}
 
 
 def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.monotonic,

@@ -8,9 +8,10 @@ method, HTTP/1.0, a chunked, compressed or oversized body, Expect, Upgrade, a he
 plain) hands the connection, with every byte not yet consumed, to aiohttp's GuardedHandler for good, so every
 unusual request keeps aiohttp's handling and error shapes. The proxy's start (parse, decide, and on an idle
 kept-alive connection the send upstream) runs inside data_received; the request's task, which waits for the
-answer, runs after it. Limits are the router's: header_timeout_s, body_timeout_s (a 408), keepalive_timeout_s,
-max_client_connections; a client that disconnects cancels its request (as aiohttp's handler_cancellation); the
-drain waits for a request in progress like aiohttp's does.
+answer, runs after it. Limits are the router's: header_timeout_s, max_header_bytes (a 431), body_timeout_s (a 408),
+keepalive_timeout_s, the listener's connection caps (router.connections: a connection it does not admit as is goes to
+aiohttp at once, which refuses it or serves it a probe slot); a client that disconnects cancels its request (as
+aiohttp's handler_cancellation); the drain waits for a request in progress like aiohttp's does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from aiohttp import web
 from aiohttp.tcp_helpers import tcp_nodelay
 from multidict import CIMultiDict
 
+from router.connections import ADMITTED, peer_address
 from router.errors import BadRequest, error_response
 
 log = logging.getLogger("router.lean")
@@ -39,7 +41,6 @@ _PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
 _TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _VALUE_CHARS = bytes([0x09, *range(0x20, 0x7f)])
 _HAND_OVER = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
-MAX_HEAD_BYTES = 65536  # aiohttp's max_field_size in the router (router.app.handler_args)
 MAX_HEADERS = 100
 # Response headers the lean writer sets itself.
 _OWN = frozenset({"content-length", "transfer-encoding", "connection", "date", "server", "keep-alive"})
@@ -186,11 +187,14 @@ class LeanConnection(asyncio.Protocol):
     connection handed to aiohttp (`hand_over`) at the first request that is not plain."""
 
     def __init__(self, server: Any, generate: Callable[[LeanRequest, bool], Awaitable[web.StreamResponse]],
-                 limits: tuple[float, float, float, int], aiohttp_handler: Callable[[], asyncio.Protocol],
+                 limits: tuple[float, float, float], aiohttp_handler: Callable[[str], asyncio.Protocol],
                  max_body: int) -> None:
-        self._server = server  # aiohttp's web.Server: connections are registered there (count, drain)
+        self._server = server  # router.listener.GuardedServer: connections are registered there (drain, caps)
+        self._conns = server.conns  # the listener's ClientConnections
+        self._max_head = server.max_header_bytes
+        self._admission = ADMITTED
         self._generate = generate  # Proxy.generate
-        self._header_timeout, self._body_timeout, self._keepalive_timeout, self._max_connections = limits
+        self._header_timeout, self._body_timeout, self._keepalive_timeout = limits
         self._aiohttp_handler = aiohttp_handler
         self._max_body = max_body
         self._loop = asyncio.get_running_loop()
@@ -213,20 +217,22 @@ class LeanConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        if len(self._server.connections) >= self._max_connections:
-            self.hand_over()  # aiohttp's GuardedHandler refuses it with the router's 503
+        self._remote = peer_address(transport)
+        self._admission = self._conns.admit(self._remote)
+        if self._admission != ADMITTED:
+            self.hand_over()  # aiohttp's GuardedHandler refuses it with the router's 503, or serves it a probe slot
             return
+        self._conns.register(self, self._remote)
         tcp_nodelay(transport, True)  # streamed events go out as written (as aiohttp's handler sets it)
-        peer = transport.get_extra_info("peername")
-        self._remote = peer[0] if isinstance(peer, (tuple, list)) and peer else None
         self._server.connection_made(self, transport)
         self._arm("head", self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
+        self._conns.busy(self)
         if self._task is None:
             self._advance()
-        elif not self._paused and len(self._buf) > MAX_HEAD_BYTES + self._max_body:  # pipelined beyond reason
+        elif not self._paused and len(self._buf) > self._max_head + self._max_body:  # pipelined beyond reason
             self._paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
 
@@ -311,11 +317,12 @@ class LeanConnection(asyncio.Protocol):
             return
         if self._head is None:
             end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > MAX_HEAD_BYTES:
-                    self.hand_over()
-                elif self._buf and self._timer_kind != "head":
+            if end < 0 and len(self._buf) <= self._max_head:
+                if self._buf and self._timer_kind != "head":
                     self._arm("head", self._header_timeout)
+                return
+            if end < 0 or end + 4 > self._max_head:
+                self.hand_over()  # the GuardedHandler answers it with a 431
                 return
             head = parse_head(bytes(self._buf[:end]))
             if head is None or head.content_length > self._max_body:
@@ -371,6 +378,7 @@ class LeanConnection(asyncio.Protocol):
             self._advance()
         else:
             self._arm("keepalive", self._keepalive_timeout)
+            self._conns.idle(self)  # closable to make room at a connection cap
 
     # --- timers and the hand-over ---------------------------------------------------------------------
 
@@ -406,7 +414,7 @@ class LeanConnection(asyncio.Protocol):
         if transport is None:
             return
         self._server.connection_lost(self, None)  # the handler registers itself (a no-op if never registered)
-        handler = self._aiohttp_handler()
+        handler = self._aiohttp_handler(self._admission)
         transport.set_protocol(handler)  # type: ignore[attr-defined]
         handler.connection_made(transport)
         if self._buf and not transport.is_closing():

@@ -106,7 +106,18 @@ class RouterSettings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0, description="a request's line and headers must arrive within this")
     body_timeout_s: float = Field(30.0, gt=0, description="a request's body must arrive within this")
     keepalive_timeout_s: float = Field(75.0, gt=0, description="idle keep-alive connections are closed after this")
-    max_client_connections: int = Field(4096, ge=1, description="client connections open at once; more are refused")
+    max_client_connections: int | None = Field(
+        None, ge=1, description="client connections open at once; at the cap the longest-idle one is closed to make "
+        "room, else a new one is refused with a 503 (/health and /ready still answered). Unset: derived from the "
+        "open-file limit (raised to the hard limit at start): half of what a reserve leaves, at most 65536; a value "
+        "above what the limit allows is lowered to it with a warning",
+    )
+    max_connections_per_client: int | None = Field(
+        None, ge=1, description="client connections open at once from one client address (unset: half of "
+        "max_client_connections); behind a proxy or load balancer every client has its address: raise it",
+    )
+    max_header_bytes: int = Field(16384, ge=1024, le=1 << 20, description="a request's line and headers; larger get a "
+                                  "431 (16 KiB: uvicorn's h11 and Node's default)")
     lean_listener: bool = Field(True, description="serve plain POST /v1/completions and /v1/chat/completions on "
                                 "the lean HTTP/1.1 listener (router/lean.py) instead of aiohttp's server side; "
                                 "anything else on a connection hands it to aiohttp. Off with access_log")

@@ -152,6 +152,16 @@ class RouterMetrics:
             "llm_router_model_ttft_seconds", "Time to first streamed token by the request's model, at the router.",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.connections_refused = Counter(
+            "llm_router_connections_refused", "Client connections refused with a 503 at a connection cap, by reason: "
+            "global_cap, per_client_cap.", ["reason"], registry=r,
+        )
+        for reason in ("global_cap", "per_client_cap"):
+            self.connections_refused.labels(reason)
+        self.idle_connections_closed = Counter(
+            "llm_router_idle_connections_closed", "Idle keep-alive client connections closed to make room for a new "
+            "one at a connection cap.", registry=r,
+        )
         self.replica_state: ReplicaStateCollector | None = None
 
     def add_replica_state(self, rows: Callable[[], Iterable[tuple[str, dict[str, float | None]]]]) -> None:

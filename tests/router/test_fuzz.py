@@ -233,9 +233,11 @@ async def test_slow_headers_and_slow_bodies_are_timed_out(fleet):
 
 async def test_connection_cap(fakes, router_client):
     (a,) = await fakes(1)
-    client = await router_client([a.url], max_client_connections=3, header_timeout_s=5)
+    client = await router_client([a.url], max_client_connections=3, max_connections_per_client=3, header_timeout_s=5)
     held = [await asyncio.open_connection("127.0.0.1", client.port) for _ in range(3)]
-    await asyncio.sleep(0.05)
+    for _, w in held:
+        w.write(b"GET /v1/mod")  # a request under way: not idle, so not closed to make room
+    await wait_for(lambda: client.server.runner.conns.idle_count == 0)
     got = responses(await raw_exchange(client.port, req("GET", "/v1/models"), timeout=2))
     assert got[0][0] == 503 and json.loads(got[0][2])["error"]["code"] == "too_many_connections"
     for _, w in held:
