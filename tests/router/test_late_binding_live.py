@@ -54,59 +54,74 @@ def prompts(fake) -> list[str]:
 
 async def test_held_while_saturated_then_dispatched_in_arrival_order(fakes, router_client, tmp_path):
     (a,) = await fakes(1, token_delay_s=0.05)
+    end_a, end_z = a.hold("A"), a.hold("Z")  # both keep their slots until the test lets them finish
     client = await router_client([a.url], decision_log_dir=tmp_path, admin_token="tok",
                                  **{**LATE, **QUIET, "late_binding_max_num_seqs": 2})
-    first = asyncio.create_task(post(client, "A", max_tokens=16))  # ~0.8 s on the only replica
+    first = asyncio.create_task(post(client, "A", max_tokens=16))
     await wait_for(lambda: a.active == 1)
-    busy = asyncio.create_task(post(client, "Z", max_tokens=50))  # ~2.5 s: the replica is never idle meanwhile
+    busy = asyncio.create_task(post(client, "Z", max_tokens=50))  # the replica is never idle until Z ends
     await wait_for(lambda: a.active == 2)
-    later, sent = [], {}
+    later, sent, seen_held = [], {}, {}
     for p in "BCD":  # one at a time, so the arrival order is known
         sent[p] = time.time()
         later.append(asyncio.create_task(post(client, p)))
         await wait_for(lambda n=len(later): held(client) == n)
+        seen_held[p] = time.time()
     assert a.requests == 2  # B, C, D wait in the router, not on the replica
     assert sample(client, "llm_router_held_requests") == 3
     status = await (await client.get("/admin/status", headers={"Authorization": "Bearer tok"})).json()
     assert (status["held"], status["inflight"]) == (3, 5)
+    freed_at = time.time()
+    end_a.set()  # A's end frees a slot: B goes, and C and D each after the one before it completed
     results = await asyncio.gather(first, *later)
     assert [status for status, _ in results] == [200] * 4
     assert prompts(a) == ["A", "Z", "B", "C", "D"]  # FIFO, each as a slot frees (Z still runs)
     assert not busy.done()
     assert held(client) == 0 and sample(client, "llm_router_held_requests") == 0
     assert sample(client, "llm_router_hold_duration_seconds_count") == 3
-    assert sample(client, "llm_router_hold_duration_seconds_sum") > 3 * 0.3  # each waited at least for A's tail
     assert sample(client, "llm_router_late_dispatches_total", reason="room") == 4  # Z at once, B, C, D held
     assert sample(client, "llm_router_late_dispatches_total", reason="idle") == 1  # A
+    end_z.set()
     assert (await busy)[0] == 200
+    hold_sum = sample(client, "llm_router_hold_duration_seconds_sum")
     await client.close()  # flushes the decision log
     records = [json.loads(line) for f in log_files(tmp_path) for line in f.read_text().splitlines()]
     by_prompt = dict(zip("AZBCD", sorted(records, key=lambda r: int(r["id"][1:]))))
     assert (by_prompt["A"]["late"], by_prompt["A"]["held_s"]) == ("idle", 0.0)
     assert (by_prompt["Z"]["late"], by_prompt["Z"]["held_s"]) == ("room", 0.0)
-    assert by_prompt["B"]["late"] == "room" and by_prompt["B"]["held_s"] > 0.3
-    assert by_prompt["B"]["ttft_s"] >= by_prompt["B"]["held_s"]  # holding counts in TTFT
-    assert by_prompt["D"]["held_s"] > by_prompt["B"]["held_s"]
-    for p in "BCD":  # `t` stays the arrival (replays read it so), not the decision held_s later
-        assert abs(by_prompt[p]["t"] - sent[p]) < 0.2 < by_prompt[p]["held_s"]
+    assert hold_sum == pytest.approx(sum(by_prompt[p]["held_s"] for p in "BCD"), abs=1e-5)  # the log's own figures
+    rounding = 1e-5  # the log rounds times to the microsecond
+    dispatched = []
+    for p in "BCD":
+        r = by_prompt[p]
+        assert r["late"] == "room" and r["ttft_s"] >= r["held_s"] > 0  # holding counts in TTFT
+        # `t` stays the arrival (replays read it so): after the test sent it, before the test saw it held ...
+        assert sent[p] - rounding <= r["t"] <= seen_held[p] + rounding, (p, sent[p], r["t"], seen_held[p])
+        # ... and the decision, held_s later, came after A's end freed a slot
+        dispatched.append(r["t"] + r["held_s"])
+        assert dispatched[-1] >= freed_at - rounding, (p, dispatched[-1], freed_at)
+    assert dispatched == sorted(dispatched)  # in arrival order
 
 
 async def test_queue_timeout_dispatches_to_the_busy_replica_and_is_counted(fakes, router_client):
     (a,) = await fakes(1, token_delay_s=0.05)
+    end_a = a.hold("A")  # A keeps the only slot until the test ends it: only the queue's timer can send B
     client = await router_client([a.url], **{**LATE, **QUIET, "late_binding_timeout_s": 0.2})  # the timer wakes it
-    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s
+    first = asyncio.create_task(post(client, "A", max_tokens=40))
     await wait_for(lambda: a.active == 1)
     second = asyncio.create_task(post(client, "B"))
     await wait_for(lambda: held(client) == 1)
-    await wait_for(lambda: a.requests == 2, timeout=1.5)  # sent after 0.2 s, long before A frees the replica
+    await wait_for(lambda: a.requests == 2)  # sent while A still holds the replica
     assert not first.done()
     assert sample(client, "llm_router_late_dispatches_total", reason="timeout") == 1
-    assert 0.2 <= sample(client, "llm_router_hold_duration_seconds_sum") < 1.5
+    assert sample(client, "llm_router_hold_duration_seconds_sum") >= 0.2  # not before the timeout
+    end_a.set()
     assert (await second)[0] == 200 and (await first)[0] == 200
 
 
 async def test_a_full_queue_dispatches_the_arrival_at_once(fakes, router_client):
     (a,) = await fakes(1, token_delay_s=0.05)
+    end_a = a.hold("A")
     client = await router_client([a.url], **{**LATE, "late_binding_queue_per_replica": 1})  # room for 1 held
     first = asyncio.create_task(post(client, "A", max_tokens=30))
     await wait_for(lambda: a.active == 1)
@@ -116,12 +131,14 @@ async def test_a_full_queue_dispatches_the_arrival_at_once(fakes, router_client)
     await wait_for(lambda: a.requests == 2)  # C went straight to the replica, B still waits
     assert prompts(a) == ["A", "C"] and held(client) == 1 and not first.done()
     assert sample(client, "llm_router_late_dispatches_total", reason="full") == 1
+    end_a.set()
     assert [r[0] for r in await asyncio.gather(first, second, third)] == [200] * 3
     assert prompts(a) == ["A", "C", "B"]
 
 
 async def test_a_client_that_leaves_while_held_leaves_the_queue(fakes, router_client):
     (a,) = await fakes(1, token_delay_s=0.05)
+    end_a = a.hold("A")
     client = await router_client([a.url], **LATE)
     first = asyncio.create_task(post(client, "A", max_tokens=16))
     await wait_for(lambda: a.active == 1)
@@ -134,6 +151,7 @@ async def test_a_client_that_leaves_while_held_leaves_the_queue(fakes, router_cl
             await gone
     await wait_for(lambda: held(client) == 0)
     assert sample(client, "llm_router_held_requests") == 0
+    end_a.set()  # the slot frees only now, with B gone
     assert (await first)[0] == 200
     await asyncio.sleep(0.1)
     assert prompts(a) == ["A"]  # B was never sent
@@ -143,16 +161,18 @@ async def test_a_client_that_leaves_while_held_leaves_the_queue(fakes, router_cl
 
 async def test_held_requests_are_answered_when_no_replica_is_healthy(fakes, router_client):
     (a,) = await fakes(1, token_delay_s=0.05)
+    end_a = a.hold("A")  # A never frees the replica: only the failed probe can answer B
     client = await router_client([a.url], **LATE)
-    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s
+    first = asyncio.create_task(post(client, "A", max_tokens=40))
     await wait_for(lambda: a.active == 1)
     second = asyncio.create_task(post(client, "B"))
     await wait_for(lambda: held(client) == 1)
     a.health_ok = False  # the next probe (every 50 ms) takes the only replica out of rotation
-    status, body = await asyncio.wait_for(second, 1.5)
+    status, body = await second
     assert status == 503 and "no_healthy_replica" in body and not first.done()
     assert sample(client, "llm_router_late_dispatches_total", reason="no_healthy") == 1
     a.health_ok = True
+    end_a.set()
     await first
 
 
@@ -162,22 +182,25 @@ async def test_a_replica_restored_to_rotation_takes_the_held_request_at_once(fak
     auth = {"Authorization": "Bearer tok"}
     rid_b = b.url.removeprefix("http://")
     assert (await client.post(f"/admin/replicas/{rid_b}/drain", headers=auth)).status == 200
-    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s on a, the only replica in rotation
-    await wait_for(lambda: a.generation_tokens >= 2)  # past A's first token: only A's end or the restore can wake B
+    end_a = a.hold("A")  # A does not end until the test lets it: only the restore can wake B
+    first = asyncio.create_task(post(client, "A", max_tokens=40))  # on a, the only replica in rotation
+    await wait_for(lambda: a.generation_tokens >= 2)  # past A's first token
     second = asyncio.create_task(post(client, "B"))
     await wait_for(lambda: held(client) == 1)
     assert (await client.post(f"/admin/replicas/{rid_b}/restore", headers=auth)).status == 200
-    assert (await asyncio.wait_for(second, 1.0))[0] == 200  # woken by the restore, not by A's end
+    assert (await second)[0] == 200  # woken by the restore: A has not ended
     assert prompts(b) == ["B"] and not first.done()
+    end_a.set()
     assert (await first)[0] == 200
 
 
 async def test_a_held_request_outlives_the_removal_of_a_busy_replica(fakes, router_client):
     a, b = await fakes(2, token_delay_s=0.05)
+    ends = {p: [f.hold(p) for f in (a, b)] for p in "AZ"}  # A and Z end when the test lets them
     client = await router_client([a.url, b.url], **{**LATE, **QUIET})
-    first = asyncio.create_task(post(client, "A", max_tokens=40))  # ~2 s
+    first = asyncio.create_task(post(client, "A", max_tokens=40))
     await wait_for(lambda: a.active + b.active == 1)
-    short = asyncio.create_task(post(client, "Z", max_tokens=10))  # ~0.5 s on the other replica
+    short = asyncio.create_task(post(client, "Z", max_tokens=10))  # on the other replica
     await wait_for(lambda: a.generation_tokens >= 2 and b.generation_tokens >= 2)
     gone, stays = (a, b) if prompts(a) == ["A"] else (b, a)
     second = asyncio.create_task(post(client, "B"))
@@ -185,22 +208,28 @@ async def test_a_held_request_outlives_the_removal_of_a_busy_replica(fakes, rout
     client.app[REPLICAS].remove(gone.url.removeprefix("http://"))  # discovery dropped it; A streams on
     await asyncio.sleep(0.05)
     assert held(client) == 1  # the remaining replica is still busy: B waits, neither lost nor refused
-    assert (await asyncio.wait_for(second, 1.5))[0] == 200  # taken when Z freed the remaining replica
+    for end in ends["Z"]:
+        end.set()
+    assert (await second)[0] == 200  # taken when Z freed the remaining replica
     assert prompts(stays) == ["Z", "B"] and not first.done()
+    for end in ends["A"]:
+        end.set()
     assert (await short)[0] == 200 and (await first)[0] == 200
 
 
 async def test_shutdown_dispatches_held_requests(fakes, router_client):
     (a,) = await fakes(1, token_delay_s=0.05)
+    end_a = a.hold("A")  # A keeps the slot: only the shutdown can send B
     client = await router_client([a.url], **LATE)
     first = asyncio.create_task(post(client, "A", max_tokens=30))
     await wait_for(lambda: a.active == 1)
     second = asyncio.create_task(post(client, "B"))
     await wait_for(lambda: held(client) == 1)
     await client.app.shutdown()  # what `router serve` runs on SIGTERM before the drain
-    await wait_for(lambda: a.requests == 2, timeout=1.0)
+    await wait_for(lambda: a.requests == 2)
     assert held(client) == 0 and not first.done()
     assert sample(client, "llm_router_late_dispatches_total", reason="shutdown") == 1
+    end_a.set()
     assert [r[0] for r in await asyncio.gather(first, second)] == [200, 200]
 
 
@@ -208,8 +237,11 @@ async def test_off_by_default_every_request_goes_at_once(fakes, router_client):
     (a,) = await fakes(1, token_delay_s=0.05)
     client = await router_client([a.url], late_binding_max_num_seqs=1)  # limits set, late binding not on
     assert client.app[ROUTER].holds is None
+    ends = [a.hold(p) for p in "ABCD"]  # none ends before all four are on the replica
     tasks = [asyncio.create_task(post(client, p, max_tokens=8)) for p in "ABCD"]
     await wait_for(lambda: a.active == 4)  # all four on the replica together: nothing held
+    for end in ends:
+        end.set()
     assert [r[0] for r in await asyncio.gather(*tasks)] == [200] * 4
     assert sample(client, "llm_router_held_requests") == 0
     assert sample(client, "llm_router_hold_duration_seconds_count") == 0
@@ -269,8 +301,9 @@ async def test_with_workers_each_holds_on_the_host_wide_load_and_sees_the_others
         pid_a, pid_b = w.by_pid
         sb = w.by_pid[pid_b]
         a_long, a_short = await w.pinned(pid_a), await w.pinned(pid_a)
-        body = {"model": "tiny", "prompt": "busy", "max_tokens": 60}  # 3 s at 50 ms a token
-        long_ = asyncio.create_task(a_long.post(w.url + "/v1/completions", json=body))
+        body = {"model": "tiny", "prompt": "busy", "max_tokens": 60}
+        ends = [f.hold("long") for f in reps]  # the long request ends when the test lets it
+        long_ = asyncio.create_task(a_long.post(w.url + "/v1/completions", json={**body, "prompt": "long"}))
         await wait_for(lambda: reps[0].active + reps[1].active == 1)
         short = asyncio.create_task(a_short.post(w.url + "/v1/completions", json={**body, "max_tokens": 10}))
         await wait_for(lambda: reps[0].active + reps[1].active == 2)  # both replicas full, through worker A
@@ -282,6 +315,8 @@ async def test_with_workers_each_holds_on_the_host_wide_load_and_sees_the_others
         resp = await asyncio.wait_for(held_b, 10)  # released once worker A's short request completed
         assert resp.status == 200
         assert not long_.done()
+        for end in ends:
+            end.set()
         assert (await (await short).read()) and (await (await long_).read())
         assert await _metric(sb, w.url, "llm_router_late_dispatches_total") >= 3
         w.proc.send_signal(signal.SIGTERM)
@@ -316,11 +351,14 @@ async def test_a_replica_with_its_own_batch_cap_takes_that_many(fakes, router_cl
     a, b = await fakes(2, token_delay_s=0.05)
     b_id = b.url.split("://", 1)[1]
     client = await router_client([a.url, b.url], **{**LATE, **QUIET, "late_binding_replica_max_num_seqs": {b_id: 3}})
+    ends = [f.hold(f"P{i}") for i in range(5) for f in (a, b)]  # nothing completes until all five are placed
     tasks = []
-    for i in range(5):  # one at a time, each ~2 s long: nothing completes meanwhile
+    for i in range(5):  # one at a time
         tasks.append(asyncio.create_task(post(client, f"P{i}", max_tokens=40)))
         await wait_for(lambda n=i + 1: a.requests + b.requests + held(client) == n)
     assert (a.requests, b.requests, held(client)) == (1, 3, 1)
+    for end in ends:
+        end.set()
     assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 5  # the held one left when a slot freed
     assert a.requests + b.requests == 5 and held(client) == 0
 
@@ -355,26 +393,26 @@ async def test_decision_latency_counts_the_view_the_hold_queue_built(fakes, rout
         return sum(s.value for fam in client.app[METRICS].registry.collect() for s in fam.samples
                    if s.name == "llm_router_decision_latency_seconds_sum")
 
-    before = total()
-    route = client.app[ROUTER].route(RequestInfo("x", 10), started=time.perf_counter() - 0.5)
+    before, earlier = total(), 10.0  # a view built 10 s before the decision
+    route = client.app[ROUTER].route(RequestInfo("x", 10), started=time.perf_counter() - earlier)
     await asyncio.sleep(0)  # observed by a callback once the request is on its way
-    assert total() - before >= 0.5
+    assert total() - before >= earlier
     client.app[ROUTER].release(route)
-    status, _ = await post(client, "A")  # through the hold queue: counted once, and a view's worth of time
-    assert status == 200 and 0 < total() - before - 0.5 < 0.5
+    status, _ = await post(client, "A")  # through the hold queue: counted once, from its own view
+    assert status == 200 and 0 < total() - before - earlier < earlier  # not from the earlier `started` again
 
 
 @pytest.mark.parametrize("room_in_time", [True, False])
 async def test_a_replica_measured_faster_takes_more_awaiting_prefill_when_room_is_time(fakes, router_client, monkeypatch,
                                                                                       room_in_time):
-    """Room in time (late_binding_room_in_time, the rule's speed_scales): the router measures a 10x faster TPOT on
+    """Room in time (late_binding_room_in_time, the rule's speed_scales): the router measures a far faster TPOT on
     one replica, so that replica may hold more awaiting prompt tokens than the slow one (2x: the cap) before the
     router holds."""
     from router.policy import tracking
 
     monkeypatch.setattr(tracking, "TPOT_FLOOR_MIN_SAMPLES", 2)
     fast, slow = await fakes(2)
-    fast.token_delay_s, slow.token_delay_s = 0.004, 0.04
+    fast.token_delay_s, slow.token_delay_s = 0.002, 0.1  # 50x apart: a busy host's loop delays cannot close the gap
     client = await router_client([fast.url, slow.url], **{**LATE, **QUIET, "late_binding_max_num_seqs": 100,
                                  "late_binding_max_batched_tokens": 100, "late_binding_room_in_time": room_in_time,
                                  "first_byte_timeout_s": 10.0})
@@ -384,7 +422,7 @@ async def test_a_replica_measured_faster_takes_more_awaiting_prefill_when_room_i
         await asyncio.gather(first, post(client, "w", max_tokens=4))
     trackers = [client.app[REPLICAS].by_id[f.url.removeprefix("http://")].tracker for f in (fast, slow)]
     assert [t.tpot_floor_s is not None for t in trackers] == [True, True]
-    assert trackers[1].tpot_floor_s > 5 * trackers[0].tpot_floor_s
+    assert trackers[1].tpot_floor_s > 2 * trackers[0].tpot_floor_s  # at least the cap of the speed scale apart
     for f in (fast, slow):  # now every request awaits its first token for 3 s
         f.mode, f.first_byte_delay_s = "first_byte_delay", 3.0
     long_prompt = "x" * 480  # ~120 estimated tokens, above the 100-token limit on its own
