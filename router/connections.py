@@ -149,10 +149,11 @@ class ClientConnections:
             self.idle(conn)
 
     def release(self, conn: Any) -> None:
-        address = self._where.pop(conn, self)
+        address = self._where.get(conn, self)
         if address is self:
             return
         self.busy(conn)
+        del self._where[conn]
         self._probes.discard(conn)
         n = self._per_address[address] - 1
         if n:
@@ -199,21 +200,20 @@ class ClientConnections:
             episode.last = now
             episode.count += 1
             return reason
-        self._episodes[reason] = _Episode(now, address)
+        episode = self._episodes[reason] = _Episode(now, address)
         if reason == PER_CLIENT_CAP:
             why = f"{address} holds {self.per_client}, the per-client cap (max_connections_per_client)"
         else:
             why = f"{self.open} open, the cap (max_client_connections), and no idle one to close"
         log.warning("%s connections: refusing new ones with a 503: %s; logged once per episode, counted in "
                     "llm_router_connections_refused_total{reason=%r}", self.name, why, reason)
-        asyncio.get_running_loop().call_later(EPISODE_QUIET_S, self._episode_check, reason)
+        asyncio.get_running_loop().call_later(EPISODE_QUIET_S, self._episode_check, reason, episode)
         return reason
 
-    def _episode_check(self, reason: str) -> None:
-        episode = self._episodes[reason]
+    def _episode_check(self, reason: str, episode: _Episode) -> None:
         quiet = self._clock() - episode.last
         if quiet < EPISODE_QUIET_S:
-            asyncio.get_running_loop().call_later(EPISODE_QUIET_S - quiet, self._episode_check, reason)
+            asyncio.get_running_loop().call_later(EPISODE_QUIET_S - quiet, self._episode_check, reason, episode)
             return
         del self._episodes[reason]
         log.warning("%s connections: %d refused (%s, first from %s) over %.1f s; none since %.0f s", self.name,
