@@ -49,9 +49,11 @@ class RouterTestServer(TestServer):
 async def router_apps(defaults: dict[str, Any]) -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
     clients: list[TestClient] = []
 
-    async def start(replicas: list[str], **overrides: Any) -> TestClient:
+    async def start(replicas: list[str], clock: Callable[[], float] | None = None, **overrides: Any) -> TestClient:
+        """A router app on loopback; `clock` replaces its monotonic clock (a test moves stats' age with it)."""
         settings = RouterSettings(replicas=replicas, **{**defaults, **overrides})
-        client = TestClient(RouterTestServer(create_app(settings), settings, host="127.0.0.1"))
+        app = create_app(settings) if clock is None else create_app(settings, clock=clock)
+        client = TestClient(RouterTestServer(app, settings, host="127.0.0.1"))
         await client.start_server()
         clients.append(client)
         return client

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 
 import pytest
 import yaml
@@ -47,6 +48,14 @@ async def send(client, i: int, key: str | None = None, stream: bool | None = Non
                                                        "stream": stream}, headers=headers)
     await resp.read()
     return resp
+
+
+async def until(cond, timeout_s: float = 30.0) -> None:
+    """Poll until `cond()`; the timeout is an outer bound for a busy host, not what a test asserts."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 async def load(client, n: int, concurrency: int = 8, key=None):
@@ -125,12 +134,10 @@ async def test_file_watch_live(tmp_path, fakes, router_client):
     tmp = tmp_path / "incoming.tmp"
     shutil.copy(prefer_replica_model(tmp_path / "b.onnx", 1), tmp)
     os.replace(tmp, live)
-    for _ in range(100):
+    deadline = asyncio.get_running_loop().time() + 30  # an outer bound for a busy host
+    while (await send(client, 1)).headers["x-routewise-replica"] != b.url.removeprefix("http://"):
+        assert asyncio.get_running_loop().time() < deadline, "the watcher never picked up the new file"
         await asyncio.sleep(0.02)
-        if (await send(client, 1)).headers["x-routewise-replica"] == b.url.removeprefix("http://"):
-            break
-    else:
-        raise AssertionError("the watcher never picked up the new file")
     state = await (await client.get("/admin/serving", headers=AUTH)).json()
     assert state["reload"]["main"]["last"]["ok"]
 
@@ -283,19 +290,31 @@ async def test_decision_log_holds_the_model_input_of_each_decision(tmp_path, fak
 
 
 async def test_stale_stats_hand_learned_decisions_to_lor(tmp_path, fakes, router_client):
+    """Stats older than max_stats_age_s hand the model's decisions to least-outstanding. Their age moves with the
+    router's clock, which the test moves, not with waiting: a slow scrape on a busy host cannot age them early,
+    and no decision budget is in the way (fallbacks here can only be stale_stats)."""
+    from router.app import REPLICAS
+
     a, b = await fakes(2)
     model = prefer_replica_model(tmp_path / "prefer1.onnx", 1)
-    # the fakes answer on this test's event loop, so under load the default 50 ms scrapes can time out for long
-    # enough to make the stats stale before the test means them to be: longer scrapes, a longer age limit
-    client = await router_client([a.url, b.url], policy=str(model), max_stats_age_s=1.0, scrape_interval_s=0.2,
-                                 scrape_timeout_s=0.2, **EXACT)
+    ahead = [0.0]
+    client = await router_client([a.url, b.url], clock=lambda: time.monotonic() + ahead[0], policy=str(model),
+                                 max_stats_age_s=30.0, decision_budget_s=None)
+    trackers = [r.tracker for r in client.app[REPLICAS].ordered]
+    await until(lambda: all(t.last_scrape_s is not None for t in trackers))  # both scraped: stats are fresh
     fresh = await load(client, 10)
     assert {r.headers["x-routewise-replica"] for r in fresh} == {b.url[7:]}, {
         k: v for k, v in (await metrics(client)).items() if k[0] == "llm_router_fallbacks_total" and v}
+    assert total(await metrics(client), "llm_router_fallbacks_total") == 0
+    switched = {f: f.metrics_scrapes for f in (a, b)}
     for f in (a, b):
         f.metrics_mode = "http_500"  # scrapes fail from now on: the last stats age
-    await asyncio.sleep(1.5)
+    # two scrapes after the switch: any good scrape in flight at the switch has been taken in by then
+    await until(lambda: all(f.metrics_scrapes >= switched[f] + 2 for f in (a, b)))
+    last_good = max(t.last_scrape_s for t in trackers)
+    ahead[0] = 60.0  # a minute on: the last good stats are older than the 30 s limit
     stale = await load(client, 10)
+    assert max(t.last_scrape_s for t in trackers) == last_good  # no scrape succeeded meanwhile
     assert [r.status for r in stale] == [200] * 10
     m = await metrics(client)
     assert total(m, "llm_router_fallbacks_total", reason="stale_stats") == 10
