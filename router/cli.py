@@ -14,7 +14,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router.policy.registry import policy_names
-from router.serving.decision_log import DecisionLogError
+from router.serving.decision_log import DecisionLogError, check_directory
 from router.settings import RouterSettings, build_settings, redacted
 
 # Fields with a flag of their own name below; every other field gets --<field-name> (ALL_FLAGS)
@@ -188,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"router: {error} (allow_fallback_start=true serves least-outstanding instead)", file=sys.stderr)
             return 2
         print(f"router: {error}; starting on the fallback, least-outstanding (allow_fallback_start)", file=sys.stderr)
+    if settings.decision_log_dir is not None:
+        try:
+            check_directory(settings.decision_log_dir)
+        except DecisionLogError as exc:
+            print(f"router: {exc}", file=sys.stderr)
+            return 2
     pid = " %(process)d" if settings.workers > 1 else ""
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s")
     from router.workers import ListenError, listeners, run_workers

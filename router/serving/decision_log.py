@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -30,8 +31,8 @@ from pathlib import Path
 
 from router.policy.decision_record import FORMAT_VERSION, PendingRecord, decision_record, decode_features
 
-__all__ = ["DROP_REASONS", "FORMAT_VERSION", "DecisionLogError", "DecisionLogWriter", "PendingRecord", "decision_record",
-           "decode_features", "log_files"]
+__all__ = ["DROP_REASONS", "FORMAT_VERSION", "DecisionLogError", "DecisionLogWriter", "PendingRecord", "check_directory",
+           "decision_record", "decode_features", "log_files"]
 
 log = logging.getLogger("router.decision_log")
 
@@ -60,6 +61,20 @@ def log_files(directory: Path, prefix: str = "decisions") -> list[Path]:
 
 
 _STOP = object()
+
+
+def check_directory(directory: str | Path) -> None:
+    """Create `directory` and make sure a file can be created in it; DecisionLogError (one line) otherwise. `router
+    serve` calls it before it starts any worker, so a bad directory is one line, not a worker restarted for ever."""
+    where = f"decision_log_dir={str(directory)!r}"
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DecisionLogError(f"{where}: cannot create it ({exc.strerror or exc})") from exc
+    try:
+        tempfile.TemporaryFile(dir=directory).close()  # unnamed (or unlinked at once): nothing is left behind
+    except OSError as exc:
+        raise DecisionLogError(f"{where}: cannot write there ({exc.strerror or exc})") from exc
 
 
 class DecisionLogWriter:

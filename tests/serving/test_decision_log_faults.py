@@ -202,27 +202,30 @@ def test_a_bad_directory_at_start_is_one_clear_error(tmp_path):
         DecisionLogWriter(ro).start()
 
 
-def serve_with_log_dir(directory: Path) -> subprocess.CompletedProcess:
+def serve_with_log_dir(directory: Path, workers: int) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", "0", "--policy", "least-outstanding",
-         "--replica", "http://127.0.0.1:9", "--decision-log", str(directory)],
+         "--replica", "http://127.0.0.1:9", "--decision-log", str(directory), "--workers", str(workers)],
         cwd=REPO, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
     )
 
 
-def test_router_serve_exits_with_one_line_when_the_log_dir_cannot_be_created(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_router_serve_exits_with_one_line_when_the_log_dir_cannot_be_created(tmp_path, workers):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    r = serve_with_log_dir(blocker / "log")
+    r = serve_with_log_dir(blocker / "log", workers)  # with workers: refused before any starts, not restarted for ever
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.strip().splitlines()[-1].startswith("router: decision_log_dir=")
     assert "Traceback" not in r.stderr and len([ln for ln in r.stderr.splitlines() if "decision_log_dir" in ln]) == 1
 
 
-def test_router_serve_exits_with_one_line_on_a_read_only_log_dir(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_router_serve_exits_with_one_line_on_a_read_only_log_dir(tmp_path, workers):
     ro = tmp_path / "ro"
     ro.mkdir()
     with unwritable(ro):
-        r = serve_with_log_dir(ro)
+        r = serve_with_log_dir(ro, workers)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("router: decision_log_dir=")
+    assert list(ro.iterdir()) == []  # the check left nothing behind
