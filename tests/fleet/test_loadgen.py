@@ -117,8 +117,11 @@ async def test_replay_against_an_emulator_reports_every_request(client):
         assert s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
     ttfts = sorted(r.ttft_s for r in results)
     assert math.isclose(s["ttft_s"]["p50"], float(np.percentile(ttfts, 50)))
-    # H100 decode steps are ~6-9 ms: TPOT must sit near that, not near zero or near the E2E
-    assert 0.004 < s["tpot_s"]["p50"] < 0.05
+    # TPOT is the time after the first token spread over the other 11 (how near it sits to the emulated H100's
+    # decode step is a timing figure: tests/bench/loadgen_timing.py)
+    for r in results:
+        assert 0 < r.tpot_s and r.ttft_s + 11 * r.tpot_s <= r.e2e_s * (1 + 1e-9)
+    assert math.isclose(s["tpot_s"]["p50"], float(np.percentile([r.tpot_s for r in results], 50)))
     assert wall >= plan[-1].send_s
     assert "TTFT p99" in format_table(summarize(results))
 
@@ -139,12 +142,16 @@ async def test_results_are_grouped_by_the_arm_header():
 
 
 async def test_timeouts_are_counted_as_errors():
-    server = await _serve(profile="llama3-8b-l4")  # ~70 ms per decode step: 200 tokens take ~14 s
+    """A request past the client timeout is an error of kind timeout, and the run does not wait for its answer:
+    1,000 tokens at ~70 ms a step would take ~70 s; a 5 s timeout ends the run long before (a 30 s outer bound;
+    how close to the timeout it ends is a timing figure: tests/bench/loadgen_timing.py)."""
+    server = await _serve(profile="llama3-8b-l4")
     try:
-        plan = [PlannedRequest(0.0, "x" * 40, 10, 200), PlannedRequest(0.05, "y" * 40, 10, 2)]
-        results, wall = await run_load(plan, ClientSpec(url=str(server.make_url("")), timeout_s=1.0), progress=False)
+        plan = [PlannedRequest(0.0, "x" * 40, 10, 1000), PlannedRequest(0.05, "y" * 40, 10, 2)]
+        results, wall = await run_load(plan, ClientSpec(url=str(server.make_url("")), timeout_s=5.0), progress=False,
+                                       drain_timeout_s=20.0)  # the timeout, not the drain, ends the long one
     finally:
         await server.close()
     assert [r.ok for r in results] == [False, True]
     assert results[0].error == "timeout"
-    assert wall < 3.0
+    assert wall < 30.0
