@@ -2,11 +2,11 @@
 router's own /v1/models (the union of the replicas' lists).
 
 A replica's list is read at start-up, every `models_refresh_interval_s`, as soon as a replica turns healthy, and
-when a replica answers that it does not know a model it was sent (vLLM: 404 naming the model). A list that is not
-vLLM's shape is counted (llm_router_model_list_errors_total) and leaves the replica serving nothing until it
-answers sensibly; a replica that cannot be reached keeps its last list (its health probe takes it out instead).
-Until some replica's list is known, requests go to any replica (as a fleet that does not serve /v1/models would
-need).
+when a replica answers that it does not know a model it was sent (vLLM: 404 naming the model). A 200 whose body is
+not vLLM's list is counted (llm_router_model_list_errors_total) and leaves the replica serving nothing until it
+answers sensibly; a replica that cannot be reached or answers an HTTP error keeps its last list (its health probe
+takes it out instead). A replica whose list was never read takes no request while others' lists are known; until
+some replica's list is known, requests go to any replica (a fleet of servers without /v1/models).
 """
 
 from __future__ import annotations
@@ -49,12 +49,15 @@ async def fetch_models(replicas: ReplicaSet, rep: Replica) -> None:
     try:
         async with replicas._session().get(rep.url / "v1" / "models", timeout=timeout) as resp:
             raw = await resp.read()
-            if resp.status != 200:
-                raise ValueError(f"HTTP {resp.status}")
-            entries = parse_model_list(json.loads(raw))
+            status = resp.status
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         log.debug("models of %s: %s", rep.id, exc)
         return
+    if status != 200:  # no answer about its models (a server without /v1/models included): nothing learned
+        log.debug("models of %s: HTTP %d", rep.id, status)
+        return
+    try:
+        entries = parse_model_list(json.loads(raw))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         if rep.models_known and rep.models:
             log.warning("replica %s: unusable /v1/models (%s): it serves nothing until it answers sensibly", rep.id, exc)

@@ -18,6 +18,11 @@ Several routers (`ClusterConfig.routers` = N > 1): requests reach router `arriva
 in front of N router pods); each router has its own `ClusterTracker`, so it sees only the requests it
 routed itself, while scrapes and health changes reach every router.
 
+Models: a replica group may list the models it serves (`ReplicaGroup.models`) and a request name one
+(`SimRequest.model`); the view a decision returns then has every replica outside the model's marked unhealthy
+(router.policy.model_routing.members and late_binding.restrict, as the live router does), so every policy decides
+among the model's replicas only. The late-binding queue stays one FIFO here (the live router keeps one per model).
+
 Crashes: a crashed replica drops everything in flight. The router notices after
 `health_check_delay_s`: the replica is marked unhealthy, its in-flight requests (including any
 routed to it meanwhile) are released and routed again as fresh decisions, so no request is lost.
@@ -46,6 +51,8 @@ import numpy as np
 
 from router.policy.base import Policy
 from router.policy.estimate import TokenEstimator, chain_hash
+from router.policy.late_binding import restrict
+from router.policy.model_routing import members
 from router.policy.tracking import ClusterTracker
 from router.policy.types import ClusterView, Outcome, RequestInfo, make_request_info
 from simulator.config import ClusterConfig
@@ -82,6 +89,9 @@ class ClusterSim:
                 i = len(self.replicas)
                 self.replicas.append(Replica(f"r{i}-{group.profile}", group, prof, closed_form=closed_form))  # type: ignore[arg-type]
         self.replica_ids: list[str] = [r.replica_id for r in self.replicas]
+        # the models each replica serves (None: any), and by model the view indices serving it (None: every replica)
+        self._served = [frozenset(g.models) or None for g in config.replicas for _ in range(g.count)]
+        self._members: dict[str | None, tuple[int, ...] | None] = {None: None}
         n_rep = len(self.replicas)
         for f in config.faults:
             if f.replica >= n_rep:
@@ -91,6 +101,9 @@ class ClusterSim:
         ids = [r.request_id for r in self.requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
+        for model in {r.model for r in self.requests}:
+            if self._members.setdefault(model, members(model, self._served)) == ():
+                raise ValueError(f"no replica serves model {model!r} (replica groups' `models`)")
         block_tokens = self.requests[0].block_tokens if self.requests else 512
         self.routers = [ClusterTracker(list(self.replica_ids), prefix_block_tokens=block_tokens) for _ in range(config.routers)]
         self.tracker = self.routers[0]
@@ -184,11 +197,12 @@ class ClusterSim:
                     self._decisions_queued += 1
                     self._seq = seq = self._seq + 1
                     heappush(heap, (self.requests[i].arrival_s, P_DECISION, seq, E_ARRIVAL, i, None))
-                for tr in trackers:
-                    if tr.healthy:  # the common case of _decide, inlined
-                        info = self._infos[x]
-                        self._pending = (x, info, t)  # type: ignore[assignment]
-                        return routers[x % n_routers].view(t, info), info  # type: ignore[arg-type,return-value]
+                info = self._infos[x]
+                if self._members[info.model] is None:  # type: ignore[union-attr]
+                    for tr in trackers:
+                        if tr.healthy:  # the common case of _decide, inlined
+                            self._pending = (x, info, t)  # type: ignore[assignment]
+                            return routers[x % n_routers].view(t, info), info  # type: ignore[arg-type,return-value]
                 d = self._decide(x, t)
                 if d is not None:
                     return d
@@ -210,6 +224,8 @@ class ClusterSim:
         if not tr.healthy:
             raise ValueError(f"replica {index} ({tr.replica_id}) is unhealthy in the router's view")
         idx, info, t = self._pending
+        if (m := self._members[info.model]) is not None and index not in m:
+            raise ValueError(f"replica {index} ({tr.replica_id}) does not serve model {info.model!r}")
         router = self._router_of(idx)
         self._pending = None
         if idx == self._offered:
@@ -468,6 +484,7 @@ class ClusterSim:
             req.max_tokens,
             self._prefix_blocks(req.block_ids) if req.block_ids else (),
             None,
+            req.model,
         )
 
     def _prefix_blocks(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -488,7 +505,9 @@ class ClusterSim:
 
     def _decide(self, idx: int, t: float) -> tuple[ClusterView, RequestInfo] | None:
         info = self._infos[idx]
-        for tr in self.tracker.trackers:
+        m = self._members[info.model]  # type: ignore[union-attr]
+        trackers = self.tracker.trackers
+        for tr in trackers if m is None else [trackers[i] for i in m]:
             if tr.healthy:
                 break
         else:
@@ -500,7 +519,8 @@ class ClusterSim:
             self._push(min(later), P_DECISION, E_RETRY, idx)
             return None
         self._pending = (idx, info, t)  # type: ignore[assignment]
-        return self._router_of(idx).view(t, info), info  # type: ignore[arg-type,return-value]
+        view = self._router_of(idx).view(t, info)
+        return (view if m is None else restrict(view, m)), info  # type: ignore[return-value]
 
     # ---- scrapes -------------------------------------------------------------------------------
 

@@ -25,6 +25,10 @@ class ReplicaGroup(_Strict):
     max_model_len: int | None = Field(
         None, ge=16, description="vLLM --max-model-len; None = the profile's (long-context variants, e.g. Llama-3.1 at 128k)"
     )
+    models: list[str] = Field(
+        [], description="the models (and LoRA adapters) its /v1/models lists: a request for a model goes only to the "
+        "replicas listing it; empty = any model (a fleet of one model)"
+    )
 
 
 class ScrapeConfig(_Strict):

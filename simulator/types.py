@@ -21,6 +21,7 @@ class SimRequest:
     block_tokens: int = 512
     max_tokens: int | None = None  # what the client sent (None = not sent)
     tenant: str = ""
+    model: str | None = None  # the request's `model` (None: any replica may serve it)
 
 
 @dataclass(slots=True)
