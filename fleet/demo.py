@@ -174,12 +174,18 @@ def learned_available() -> bool:
 
 
 def router_argv(python: str, port: int, replicas: list[str], control: str, treatment: str, share: float,
-                flags: set[str], late_max_num_seqs: int = 0) -> tuple[list[str], bool]:  # fmt: skip
+                flags: set[str], late_max_num_seqs: int | None = None) -> tuple[list[str], bool]:  # fmt: skip
+    """`late_max_num_seqs`: None = late binding at the batch limits the router infers from the replicas' /metrics
+    (the default configuration), N = at N in flight per replica, 0 = off."""
     argv = [python, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port)]
     for url in replicas:
         argv += ["--replica", url]
-    if late_max_num_seqs > 0:
+    if late_max_num_seqs is None:
+        argv += ["--late-binding"]
+    elif late_max_num_seqs > 0:
         argv += ["--late-binding", "--late-binding-max-num-seqs", str(late_max_num_seqs)]
+    elif "--no-late-binding" in flags:
+        argv += ["--no-late-binding"]
     ab = "--ab-treatment" in flags and "--ab-share" in flags
     if ab:
         argv += ["--policy", control, "--ab-treatment", treatment, "--ab-share", str(share)]
@@ -274,17 +280,26 @@ def late_binding_summary(metrics_text: str) -> tuple[dict[str, int], int]:
     return reasons, int(held)
 
 
-def router_stats(router: str) -> tuple[dict[str, dict], dict[str, int], int]:
+def batch_limits(metrics_text: str) -> dict[str, list]:
+    """From the router's /metrics text: each replica's batch limit and its source (operator, or inferred from the
+    replica's own /metrics), llm_router_replica_batch_limit; {} before any is known."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.labels["replica"]: [int(s.value), s.labels["source"]] for fam in text_string_to_metric_families(metrics_text)
+            for s in fam.samples if s.name == "llm_router_replica_batch_limit"}
+
+
+def router_stats(router: str) -> tuple[dict[str, dict], dict[str, int], int, dict[str, list]]:
     """From the router's /metrics: per-arm decision counts, fallback shares and decision latency; late binding's
-    dispatches by reason; requests it held ({}, {}, 0 if unreadable)."""
+    dispatches by reason; requests it held; the replicas' batch limits ({}, {}, 0, {} if unreadable)."""
     from urllib.request import urlopen
 
     try:
         with urlopen(f"{router}/metrics", timeout=2.0) as resp:
             text = resp.read().decode()
     except OSError:
-        return {}, {}, 0
-    return decision_summary(text), *late_binding_summary(text)
+        return {}, {}, 0, {}
+    return decision_summary(text), *late_binding_summary(text), batch_limits(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -301,8 +316,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8, help="emulated replicas: batch slots (default 8)")
     p.add_argument("--late-binding-max-num-seqs", type=int, default=None, metavar="N",
                    help="router-side late binding: hold a request while every replica has N in flight, then send it to "
-                   "the first with room (default: the emulated replicas' --max-num-seqs; with --replica: off unless "
-                   "given, since vLLM does not export its max_num_seqs; 0 = off)")
+                   "the first with room (default: at each replica's batch limit, which the router infers from its "
+                   "/metrics, as `router serve` does by default; 0 = off)")
     p.add_argument("--speed", type=float, default=0.5,
                    help="emulated replicas: emulated seconds per wall second (default 0.5: half-speed GPUs, so a "
                         "2-core machine can stream the tokens of a loaded fleet)")
@@ -346,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
     treatment = args.treatment
     note = ""
     if treatment == "learned" and not learned_available():
-        treatment, note = "speed-aware", "no shipped learned model (router/policy/models/default.onnx): treatment = speed-aware"
+        treatment, note = "speed-aware", "no shipped learned model (router/policy/models/): treatment = speed-aware"
     plan, info = build_plan(PlanSpec(
         trace=args.trace, window="train", start_s=args.start, time_scale=args.time_scale, duration_s=args.duration,
         token_scale=args.token_scale, max_tokens_cap=args.max_tokens_cap,
@@ -371,11 +386,9 @@ def main(args: argparse.Namespace) -> int:
                 names[url] = f"{i}:{rep.label()}"
             model = "tiny"
         router_port = free_port()
-        late = args.late_binding_max_num_seqs
-        if late is None:
-            late = 0 if args.replica else args.max_num_seqs
+        late = args.late_binding_max_num_seqs  # None: at the batch limits the router infers
         flags = router_flags(python)
-        if late > 0 and "--late-binding-max-num-seqs" not in flags:
+        if late != 0 and "--late-binding-max-num-seqs" not in flags:
             note = (note + "; " if note else "") + "router has no --late-binding-max-num-seqs: late binding off"
             late = 0
         argv, ab = router_argv(python, router_port, urls, args.control, treatment, args.ab_share, flags, late)
@@ -388,8 +401,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"  replica  {names[url]:<32} {url}", file=sys.stderr)
         arms = f"control={args.control} / treatment={treatment} ({args.ab_share:.0%})" if ab else f"policy={treatment}"
         print(f"  router   {arms:<32} {router}", file=sys.stderr)
-        print("  late     " + (f"held in the router while every replica has {late} requests in flight" if late else "off"),
-              file=sys.stderr)
+        print("  late     " + ("off" if late == 0 else f"held in the router while every replica has {late} requests in flight"
+                                 if late else "held in the router while every replica is at its batch limit (inferred "
+                                 "from its /metrics)"), file=sys.stderr)
         if note:
             print(f"  note     {note}", file=sys.stderr)
         wait_ready(procs, urls, router, timeout_s=60.0)
@@ -406,7 +420,7 @@ def main(args: argparse.Namespace) -> int:
         spec = ClientSpec(url=router, model=model, timeout_s=args.timeout)
         results, wall = asyncio.run(run_load(plan, spec, progress=not args.no_progress))
         procs.check_alive()
-        decisions, late_reasons, held = router_stats(router)
+        decisions, late_reasons, held, limits = router_stats(router)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the demo's processes", file=sys.stderr)
         return 130
@@ -430,9 +444,11 @@ def main(args: argparse.Namespace) -> int:
             why = ", ".join(f"{k} {v}" for k, v in sorted(d["fallbacks"].items())) or "none"
             print(f"  {arm:<10} {d['decisions']} decisions, fell back to least-outstanding {d['fallback_share']:.1%} "
                   f"({why}); decision latency p50 <= {d['decision_p50_s'] * 1e6:.0f} us, p99 <= {d['decision_p99_s'] * 1e6:.0f} us")
-    if late:
+    if late != 0:
         why = ", ".join(f"{k} {v}" for k, v in sorted(late_reasons.items())) or "none"
-        print(f"late binding (at {late} in flight per replica): {held} of {len(results)} requests held in the router "
+        at = f"{late} in flight per replica" if late else "the batch limits the router inferred: " + (", ".join(
+            f"{names.get(r, r)} {n}" for r, (n, _) in sorted(limits.items())) or "none yet")
+        print(f"late binding (at {at}): {held} of {len(results)} requests held in the router "
               f"(dispatches by reason: {why})")
     mix = _replica_mix(summary, arms_seen, names)
     if mix:
@@ -441,7 +457,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"(demo took {time.monotonic() - started:.0f} s; logs in {log_root})")
     if args.json:
         args.json.write_text(json.dumps({"plan": info, "summary": summary, "ab": ab, "treatment": treatment, "decisions": decisions,
-                                         "late_binding_max_num_seqs": late, "held": held, "late_dispatches": late_reasons,
+                                         "late_binding": late != 0, "late_binding_max_num_seqs": late,
+                                         "batch_limits": limits, "held": held, "late_dispatches": late_reasons,
                                          "ttft_p99_interval_s": intervals}, indent=1))
     errors = sum(s["errors"] for s in summary.values())
     return 0 if errors == 0 else 1

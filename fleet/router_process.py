@@ -120,6 +120,7 @@ def start_router(
         **os.environ,
         "ROUTEWISE_SCRAPE_TIMEOUT_S": str(scrape_interval_s),  # must not exceed the interval
         "ROUTEWISE_DRAIN_TIMEOUT_S": "5",
+        "ROUTEWISE_LATE_BINDING": "0",  # per request unless `env` turns it on (<policy>+late), as the simulator runs it
         **(env or {}),
     }
     with open(log_path, "wb") as log:

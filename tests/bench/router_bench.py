@@ -459,9 +459,10 @@ def main() -> int:
                     base, late = split_late(policy)
                     procs.append(subprocess.Popen(
                         [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
-                         "--port", str(rport), *replicas, "--policy", base, *(["--late-binding"] if late else []),
+                         "--port", str(rport), *replicas, "--policy", base,
                          "--log-level", "warning"],
-                        cwd=tree, start_new_session=True, env={**os.environ, **env}))
+                        cwd=tree, start_new_session=True,
+                        env={**os.environ, **env, "ROUTEWISE_LATE_BINDING": "1" if late else "0"}))
                     groups[name] = procs[-1].pid
                     wait_port(rport, "/ready")
         results: dict = {"rate": args.rate, "duration_s": args.duration, "latency_ms": {}, "rps": {}}

@@ -1,0 +1,116 @@
+"""A replica's batch limit (vLLM's max_num_seqs) for late binding: the operator's where given, else inferred from
+the replica's /metrics (router/batch_limit.py), exported as llm_router_replica_batch_limit{replica, source}."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+import pytest
+from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleet.emulator import EmulatorSettings, make_app
+from router.app import REPLICAS, ROUTER
+from router.batch_limit import BatchLimitInference
+from router.replicas import ReplicaSet
+from router.settings import RouterSettings
+from tests.router.conftest import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def observe(seq: list[tuple[int, int]]) -> int | None:
+    inf = BatchLimitInference()
+    for running, waiting in seq:
+        inf.observe(running, waiting)
+    return inf.limit
+
+
+def test_the_running_count_plateaued_while_requests_wait_is_the_limit():
+    assert observe([(4, 3), (4, 5)]) == 4
+    assert observe([(8, 1), (8, 1), (8, 0)]) == 8
+
+
+def test_a_burst_seen_once_is_not_a_plateau():
+    # one scheduler step's token budget admitted 3 prompts and left 7 waiting; the next scrape runs 8
+    assert observe([(3, 7), (8, 2), (8, 1)]) == 8
+    assert observe([(3, 7)]) is None
+    assert observe([(3, 7), (5, 4), (3, 2)]) is None  # no two scrapes in a row at one count
+
+
+def test_nothing_waiting_never_infers_and_nothing_known_is_no_limit():
+    assert observe([(5, 0)] * 10) is None
+    assert observe([(None, 3), (4, None)]) is None  # type: ignore[list-item]
+
+
+def test_a_larger_running_count_raises_it_and_it_never_falls():
+    inf = BatchLimitInference()
+    for running, waiting in [(4, 2), (4, 2), (2, 6), (2, 6), (3, 0)]:  # a KV-limited plateau lower later
+        inf.observe(running, waiting)
+    assert inf.limit == 4
+    inf.observe(6, 0)  # no server runs more than its cap
+    assert inf.limit == 6
+
+
+def test_the_operators_limit_wins_over_the_inferred_one():
+    s = RouterSettings(replicas=["http://a:1", "http://b:2", "http://c:3"], policy="least-outstanding",
+                       late_binding_replica_max_num_seqs={"a:1": 3})
+    reps = ReplicaSet(s, lambda: None)
+    for rid in ("a:1", "b:2"):
+        reps.by_id[rid].batch.observe(5, 1)
+        reps.by_id[rid].batch.observe(5, 1)
+    assert reps.batch_limit("a:1") == (3, "operator")
+    assert reps.batch_limit("b:2") == (5, "inferred")
+    assert reps.batch_limit("c:3") == (None, None)
+    s = RouterSettings(replicas=["http://a:1", "http://b:2"], policy="least-outstanding",
+                       late_binding_max_num_seqs=16, late_binding_replica_max_num_seqs={"a:1": 3})
+    reps = ReplicaSet(s, lambda: None)
+    assert (reps.batch_limit("a:1"), reps.batch_limit("b:2")) == ((3, "operator"), (16, "operator"))
+
+
+@asynccontextmanager
+async def emulated(max_num_seqs: int):
+    """`fleet emulate --max-num-seqs N` in process (the same app the command serves)."""
+    server = TestServer(make_app(EmulatorSettings(profile="llama3-8b-a100", max_num_seqs=max_num_seqs)),
+                        host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+async def batch_limit_samples(client) -> dict[tuple[str, str], float]:
+    resp = await client.get("/metrics")
+    text = await resp.text()
+    return {(s.labels["replica"], s.labels["source"]): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "llm_router_replica_batch_limit"}
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 8])
+async def test_the_default_configuration_infers_the_emulated_servers_max_num_seqs(router_client, max_num_seqs):
+    """No --policy, no limit given: the learned policy behind late binding sends everything while the limit is
+    unknown, the emulator queues past its --max-num-seqs, the router infers exactly that, exports it, and from then
+    on holds what exceeds it."""
+    async with emulated(max_num_seqs) as emu:
+        url = str(emu.make_url("")).rstrip("/")
+        client = await router_client([url], policy="learned", scrape_interval_s=0.1, scrape_timeout_s=0.1,
+                                     first_byte_timeout_s=60, late_binding_timeout_s=60)
+        assert client.app[ROUTER].holds is not None  # late binding is on by default for the learned policy
+        rid = client.app[REPLICAS].ordered[0].id
+        assert await batch_limit_samples(client) == {}  # nothing known yet: no sample
+
+        async def one(i: int) -> int:
+            resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": f"p{i} " * 50,
+                                                              "max_tokens": 250, "stream": True})
+            await resp.read()
+            return resp.status
+
+        first = [asyncio.create_task(one(i)) for i in range(3 * max_num_seqs)]
+        await wait_for(lambda: client.app[REPLICAS].batch_limit(rid)[1] == "inferred", timeout=90)
+        assert await batch_limit_samples(client) == {(rid, "inferred"): float(max_num_seqs)}
+        late = asyncio.create_task(one(99))  # the replica has more than its limit in flight: held now
+        await wait_for(lambda: len(client.app[ROUTER].holds) == 1, timeout=30)
+        assert await asyncio.gather(*first, late) == [200] * (3 * max_num_seqs + 1)
+        assert client.app[REPLICAS].batch_limit(rid) == (max_num_seqs, "inferred")
