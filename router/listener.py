@@ -25,8 +25,8 @@ from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineToo
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from router.connections import (ADMITTED, GLOBAL_CAP, OPS_CAP, PER_CLIENT_CAP, PROBE, PROBE_HEADER_TIMEOUT_S,
-                                PROBE_PATHS, PROBE_SLOTS, ClientConnections, connection_caps, head_too_large, peer_address,
-                                raise_open_file_limit)
+                                PROBE_PATHS, PROBE_SLOTS, ClientConnections, connection_caps, head_too_large,
+                                peer_address, raise_open_file_limit)
 from router.errors import error_body, error_response
 from router.lean import LeanConnection
 from router.settings import RouterSettings

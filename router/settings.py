@@ -114,7 +114,7 @@ class RouterSettings(BaseSettings):
     )
     max_connections_per_client: int | None = Field(
         None, ge=1, description="client connections open at once from one client address (unset: half of "
-        "max_client_connections); behind a proxy or load balancer every client has its address: raise it",
+        "max_client_connections); behind a proxy or load balancer all clients arrive from its address: raise it",
     )
     max_header_bytes: int = Field(16384, ge=1024, le=1 << 20, description="a request's line and headers; larger get a "
                                   "431 (16 KiB: uvicorn's h11 and Node's default)")

@@ -20,13 +20,15 @@ import pytest
 
 import router.connections
 from router.app import METRICS
+from router.settings import RouterSettings
 from tests.router.conftest import wait_for
 from tests.router.test_fuzz import assert_openai_error, responses
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 ROOT = Path(__file__).resolve().parents[2]
 BODY = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+REPLICAS = ["http://127.0.0.1:1"]
 LEAN = pytest.mark.parametrize("lean", [True, False], ids=["lean", "aiohttp"])
 
 
@@ -103,13 +105,12 @@ async def test_idle_sockets_from_one_address_do_not_lock_out_another(fakes, rout
     client = await router_client([f.url], max_client_connections=20, header_timeout_s=30)
     conns = client.server.runner.conns
     held = []
-    for _ in range(30):
+    for i in range(30):
         reader, writer = await open_from("127.0.0.2", client.port)
         writer.write(b"GET /v1/mod")  # a head under way: not idle
         held.append((reader, writer))
-    await wait_for(lambda: conns.open + counter(client, "llm_router_connections_refused_total",
-                                                reason="per_client_cap") == 30)
-    assert conns.open == 10  # half the cap
+        if i < 10:  # admitted (the per-client cap is half the cap), and busy before the next one comes
+            await wait_for(lambda: conns.open == i + 1 and conns.idle_count == 0)
     status, _, body = await exchange("127.0.0.3", client.port, post())
     assert status == 200, body
     refused = 0
@@ -127,12 +128,13 @@ async def test_health_and_ready_answer_at_the_cap(fakes, router_client, lean):
     """With every connection busy and none idle, a new one still gets /health and /ready; anything else a 503."""
     (f,) = await fakes(1)
     client = await router_client([f.url], max_client_connections=4, header_timeout_s=30, lean_listener=lean)
+    conns = client.server.runner.conns
     held = []
     for i in range(4):
         reader, writer = await open_from(f"127.0.0.{30 + i}", client.port)
         writer.write(b"POST /v1/compl")
         held.append((reader, writer))
-    await wait_for(lambda: client.server.runner.conns.open == 4 and client.server.runner.conns.idle_count == 0)
+        await wait_for(lambda: conns.open == i + 1 and conns.idle_count == 0)
     for path in ("/health", "/ready"):
         status, headers, body = await exchange("127.0.0.40", client.port, get(path))
         assert status == 200, (path, body)
@@ -157,11 +159,11 @@ async def test_refusals_are_counted_and_logged_once_per_episode(fakes, router_cl
     starts = lambda: [r for r in caplog.records if "refusing new ones" in r.getMessage()]  # noqa: E731
     ends = lambda: [r for r in caplog.records if "refused (" in r.getMessage()]  # noqa: E731
     held = []
-    for _ in range(2):  # 127.0.0.50 at its per-client cap, with requests under way
+    for i in range(2):  # 127.0.0.50 at its per-client cap, with requests under way
         reader, writer = await open_from("127.0.0.50", client.port)
         writer.write(b"GET /v1/mod")
         held.append(writer)
-    await wait_for(lambda: conns.open == 2)
+        await wait_for(lambda: conns.open == i + 1 and conns.idle_count == 0)
     for _ in range(12):
         status, _, _ = await exchange("127.0.0.50", client.port, get("/health"))
         assert status == 503
@@ -279,3 +281,24 @@ async def test_router_serve_under_a_low_open_file_limit(fakes, tmp_path):
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+
+
+@pytest.mark.parametrize("fields, nofile, caps", [
+    ({}, 1024, (472, 236)),  # (1024 - 64 reserved - 16 probe slots) / 2: the other half for replica connections
+    ({"ops_port": 9100}, 1024, (432, 216)),  # the ops listener's 64 connections and its probe slots reserved too
+    ({"max_connections": 100}, 1024, (844, 422)),  # a bounded upstream pool leaves the rest to clients
+    ({"max_client_connections": 100}, 1024, (100, 50)),  # a setting within the limit wins
+    ({"max_client_connections": 100, "max_connections_per_client": 500}, 1024, (100, 100)),
+    ({}, 1 << 20, (65536, 32768)),  # the derived cap's ceiling
+    ({}, 50, (1, 1)),
+])
+def test_caps_derived_from_the_open_file_limit(fields, nofile, caps):
+    assert router.connections.connection_caps(RouterSettings(replicas=REPLICAS, **fields), nofile) == caps
+
+
+def test_a_cap_above_the_open_file_limit_is_lowered_with_one_warning(caplog):
+    caplog.set_level(logging.WARNING, logger="router.connections")
+    settings = RouterSettings(replicas=REPLICAS, max_client_connections=5000)
+    assert router.connections.connection_caps(settings, 1024) == (472, 236)
+    assert [r.getMessage() for r in caplog.records] == [
+        "max_client_connections=5000 is more than the open-file limit of 1024 leaves for client connections: using 472"]
