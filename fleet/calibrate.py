@@ -1,22 +1,24 @@
 """Profile a running vLLM server from outside and fit a simulator profile to it (`fleet calibrate --server`).
 
-The sweep is bounded and announced before it starts: prefill at batch 1 over prompt lengths, decode at
-several concurrencies, one long-context point. Every probe is timed client-side and, from the server's own
-/metrics histograms (deltas around the probe), server-side: prefill time, inter-token latency, queue time.
-`vllm:cache_config_info` gives the block size and KV capacity; `max_num_seqs` is the most requests seen
-running while others waited (or `--max-num-seqs`).
+The sweep covers the range a workload runs in, in rounds announced before they start:
+- the batch limit first (given, or the plateau of running requests while others wait, `max_concurrency` at once);
+- prefill at batch 1 up to a `max_num_batched_tokens` chunk, timed by the server's own prefill (or first-token less
+  queue) histogram;
+- decode over a grid of batch sizes up to the limit and per-sequence contexts up to half of max_model_len, each timed
+  client-side over the window where every stream decodes (the server's inter-token histogram mixes in the
+  staggered prefill's iterations);
+- mixed iterations: a prompt joining a decoding batch, timed by the decoders' gap that ends with its first token.
+Rounds repeat with fresh prompts until the chosen fit moves by under `converged` or the budget ends.
 
-Rows (prefill tokens, decode sequences, context tokens, seconds) are fitted two ways: the measured linear
-form of `costmodel.LinearCost` always, and the roofline (`costmodel.fit`) when a base profile describing the
-hardware is given; the smaller relative RMS residual wins. The profile file appears only when complete.
-
-Over 400 lines on purpose: the sweep, its /metrics deltas, the two fits and the profile document share one
-measurement record; the thin `fleet calibrate` CLI sits at the end.
+Rows (prefill tokens, decode sequences, context tokens, attention pairs, prefill sequences, seconds) are fitted by
+`fleet.calibrate_fit` (both forms, chosen on held-out rows); `fleet.calibrate_check` replays a validation workload
+and sets its measured percentiles against the profile's prediction. The profile file appears only when complete.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -31,6 +33,7 @@ from typing import Callable
 
 import numpy as np
 
+from fleet import calibrate_fit
 from simulator import costmodel
 
 _WORDS = (
@@ -41,31 +44,6 @@ _WORDS = (
 
 class CalibrationError(Exception):
     """One line naming the URL, the probe and the value that was wrong."""
-
-
-@dataclass(frozen=True)
-class SweepSpec:
-    prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 384, 512, 768)
-    repeats: int = 2
-    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16)
-    decode_prompt_tokens: int = 32
-    decode_tokens: int = 64
-    long_context_fraction: float = 0.75  # of max_model_len, for the long-context decode point
-    probe_timeout_s: float = 30.0
-    budget_s: float = 150.0
-
-
-@dataclass
-class Probe:
-    name: str
-    prefill_tokens: int
-    decode_seqs: int
-    context_tokens: int
-    seconds: float  # one iteration, server-side when the server exposes it
-    source: str  # which measurement gave `seconds`
-    client_ttft_s: float = math.nan
-    server_ttft_s: float = math.nan
-    prefix_hit_tokens: int = 0  # prompt tokens the server's prefix cache served (not computed: not in prefill_tokens)
 
 
 @dataclass
@@ -132,8 +110,10 @@ class Client:
                 f"{self.url}/metrics: probe {probe!r}: not a vLLM server (not a Prometheus page: {text[:60]!r})"
             ) from None
 
-    async def complete(self, model: str, prompt: str, max_tokens: int, probe: str) -> tuple[float, float, int, int]:
-        """Stream one completion: (client TTFT, client E2E, prompt tokens, completion tokens)."""
+    async def complete(self, model: str, prompt: str, max_tokens: int, probe: str,
+                       times: list[float] | None = None) -> tuple[float, float, int, int]:
+        """Stream one completion: (client TTFT, client E2E, prompt tokens, completion tokens). `times` gets the
+        arrival time (perf_counter) of every chunk that carries a token, as it arrives."""
         body = {
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True},
@@ -150,6 +130,7 @@ class Client:
                     )
                 buf = b""
                 async for piece in resp.content.iter_any():
+                    now = time.perf_counter()
                     buf += piece
                     *events, buf = buf.split(b"\n\n")
                     for event in events:
@@ -161,8 +142,11 @@ class Client:
                             raise CalibrationError(
                                 f"{self.url}/v1/completions: probe {probe!r}: error mid-stream: {chunk['error']!r}"[:300]
                             )
-                        if math.isnan(first) and chunk.get("choices"):  # a token's text may be empty
-                            first = time.perf_counter()
+                        if chunk.get("choices"):  # a token's text may be empty
+                            if math.isnan(first):
+                                first = now
+                            if times is not None:
+                                times.append(now)
                         usage = chunk.get("usage") or usage
         except asyncio.TimeoutError:
             raise CalibrationError(
@@ -248,37 +232,80 @@ class _Text:
             self.chars_per_token = 0.95 * self.measured  # a margin keeps later prompts within the announced tokens
 
 
+@dataclass(frozen=True)
+class SweepSpec:
+    """What one round of the sweep covers; rounds repeat (fresh prompts) until the fit converges or the budget ends.
+
+    Every size is capped by the server: prefill chunks by max_num_batched_tokens and the context limit, decode
+    batches by the batch limit (given, or the most requests seen running while others waited) and by
+    `max_concurrency`, a decode probe's KV by `kv_share` of the server's cache."""
+
+    prefill_tokens: tuple[int, ...] = (16, 128, 512, 2048, 8192)
+    batches: tuple[int, ...] = (1, 4, 16, 64)
+    contexts: tuple[int, ...] = (64, 512, 2048)  # per-sequence prompt tokens of the decode probes
+    long_context_fraction: float = 0.5  # of max_model_len: one more per-sequence context where it fits
+    mixed_prefill_tokens: tuple[int, ...] = (512, 2048)  # a prefill chunk inside a decoding batch
+    decode_tokens: int = 48  # steady decode tokens per probe, beyond what a staggered prefill needs
+    max_concurrency: int = 64
+    max_num_seqs: int | None = None  # the server's batch limit when known
+    max_num_batched_tokens: int = 8192
+    kv_share: float = 0.5
+    max_rounds: int = 3
+    converged: float = 0.03  # relative change of the chosen fit's predictions between rounds that stops the sweep
+    probe_timeout_s: float = 60.0
+    budget_s: float = 120.0
+
+
 @dataclass
-class Plan:
-    probes: list[tuple[str, int, int, int]]  # (kind, prompt tokens, concurrency, max_tokens)
+class Probe:
+    """One timed engine iteration shape: the row a fit sees, and how it was measured."""
 
-    @property
-    def requests(self) -> int:
-        return sum(c for _, _, c, _ in self.probes)
+    name: str
+    kind: str  # prefill | decode | mixed
+    prefill_tokens: int
+    decode_seqs: int
+    context_tokens: int
+    attn_pairs: float
+    prefill_seqs: int
+    seconds: float  # one iteration
+    source: str  # which measurement gave `seconds`
+    client_ttft_s: float = math.nan
+    server_ttft_s: float = math.nan
+    prefix_hit_tokens: int = 0  # prompt tokens the server's prefix cache served (not computed: not in prefill_tokens)
 
-    @property
-    def max_concurrency(self) -> int:
-        return max(c for _, _, c, _ in self.probes)
-
-    @property
-    def tokens(self) -> int:
-        return sum(c * (p + o) for _, p, c, o in self.probes)
+    def row(self) -> tuple[float, ...]:
+        return (self.prefill_tokens, self.decode_seqs, self.context_tokens, self.attn_pairs, self.prefill_seqs, self.seconds)
 
 
-def plan_sweep(spec: SweepSpec, info: ServerInfo) -> Plan:
-    """Every probe of the sweep, sized to the server's context and KV limits (the announced load)."""
+@dataclass(frozen=True)
+class Step:
+    kind: str
+    prompt_tokens: int
+    concurrency: int
+    max_tokens: int
+
+
+def plan_round(spec: SweepSpec, info: ServerInfo, cap: int) -> list[Step]:
+    """One round's probes, sized to the server's limits and the batch cap."""
     limit = min(info.max_model_len, info.kv_cache_tokens)
-    probes: list[tuple[str, int, int, int]] = []
-    # a prompt a little under the limit: real tokenisation may differ from the estimate by a few tokens
-    lengths = sorted({min(n, int(limit * 0.8)) for n in spec.prefill_tokens})
-    probes += [("prefill", n, 1, 1) for n in lengths for _ in range(spec.repeats)]
-    per_seq = spec.decode_prompt_tokens + spec.decode_tokens
-    for c in spec.concurrencies:
-        probes.append(("decode", spec.decode_prompt_tokens, c, spec.decode_tokens))
-    long_prompt = int(limit * spec.long_context_fraction) - spec.decode_tokens
-    if long_prompt > 4 * per_seq:
-        probes.append(("long", long_prompt, 1, spec.decode_tokens))
-    return Plan(probes)
+    chunk = min(spec.max_num_batched_tokens, int(limit * 0.8))
+    steps = [Step("prefill", n, 1, 1) for n in sorted({min(n, chunk) for n in spec.prefill_tokens})]
+    long_ctx = int(info.max_model_len * spec.long_context_fraction)
+    batches = sorted({b for b in spec.batches if b < cap} | {cap})
+    for b in batches:
+        for ctx in sorted(set(spec.contexts) | {long_ctx}):
+            # a batch whose prompts take several chunks staggers: the early ones decode while the late ones prefill,
+            # so they need more tokens to still be decoding when the last one starts
+            waves = math.ceil(b * ctx / spec.max_num_batched_tokens)
+            out = spec.decode_tokens + 2 * waves
+            if ctx + out > 0.8 * limit or b * (ctx + out) > spec.kv_share * info.kv_cache_tokens or waves > 4:
+                continue
+            steps.append(Step("decode", ctx, b, out))
+    decoders = min(16, cap)
+    for n in spec.mixed_prefill_tokens:
+        if n + decoders <= spec.max_num_batched_tokens and n <= 0.8 * limit and decoders > 0:
+            steps.append(Step("mixed", n, decoders, 1))
+    return steps
 
 
 def _delta(after: dict, before: dict, name: str) -> tuple[float, float]:
@@ -289,94 +316,139 @@ def _delta(after: dict, before: dict, name: str) -> tuple[float, float]:
     )
 
 
-async def _probe(client: Client, info: ServerInfo, text: _Text, kind: str, prompt_tokens: int, conc: int, out_tokens: int,
-                 running_seen: list[tuple[float, float]]) -> Probe:
-    name = f"{kind} {prompt_tokens} tokens x{conc}" + (f" +{out_tokens} out" if out_tokens > 1 else "")
+async def _watch(client: Client, name: str, stop: asyncio.Event, seen: list[tuple[float, float]]) -> None:
+    """(running, waiting) every 50 ms: how many the server runs while others wait is its batch limit."""
+    while not stop.is_set():
+        s = await client.metrics(name)
+        seen.append((_total(s, "vllm:num_requests_running"), _total(s, "vllm:num_requests_waiting")))
+        try:
+            await asyncio.wait_for(stop.wait(), 0.05)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _probe_prefill(client: Client, info: ServerInfo, text: _Text, tokens: int) -> Probe:
+    name = f"prefill {tokens} tokens"
     before = await client.metrics(name)
-    prompts = [text.prompt(prompt_tokens) for _ in range(conc)]
-    stop = asyncio.Event()
-    seen_here: list[tuple[float, float]] = []
-
-    async def watch() -> None:  # how many run while others wait: the server's max_num_seqs
-        while not stop.is_set():
-            s = await client.metrics(name)
-            seen_here.append((_total(s, "vllm:num_requests_running"), _total(s, "vllm:num_requests_waiting")))
-            try:
-                await asyncio.wait_for(stop.wait(), 0.05)
-            except asyncio.TimeoutError:
-                pass
-
-    watcher = asyncio.create_task(watch()) if conc > 1 else None
-    try:
-        results = await asyncio.gather(*(client.complete(info.model, p, out_tokens, name) for p in prompts))
-    finally:
-        stop.set()
-        if watcher is not None:
-            await watcher
-        running_seen.extend(seen_here)
+    prompt = text.prompt(tokens)
+    ttft, _, real_prompt, _ = await client.complete(info.model, prompt, 1, name)
     after = await client.metrics(name)
-    real_prompt = statistics.mean(r[2] for r in results)
-    if kind == "prefill":
-        text.learn(prompts[0], results[0][2])
-    for r in results:
-        if r[3] != out_tokens:
-            raise CalibrationError(
-                f"{client.url}/v1/completions: probe {name!r}: asked for {out_tokens} tokens (ignore_eos), got {r[3]}"
-            )
-    client_ttft = statistics.mean(r[0] for r in results)
+    text.learn(prompt, real_prompt)
     pre_sum, pre_n = _delta(after, before, "vllm:request_prefill_time_seconds")
     st_sum, st_n = _delta(after, before, "vllm:time_to_first_token_seconds")
-    itl_sum, itl_n = _delta(after, before, "vllm:inter_token_latency_seconds")
+    q_sum, q_n = _delta(after, before, "vllm:request_queue_time_seconds")
     server_ttft = st_sum / st_n if st_n else math.nan
-    if kind == "prefill":
-        seconds, source = (pre_sum / pre_n, "vllm:request_prefill_time_seconds") if pre_n else (client_ttft, "client TTFT")
-        hits = round((_total(after, "vllm:prefix_cache_hits_total") - _total(before, "vllm:prefix_cache_hits_total")) / conc)
-        hits = min(max(0, hits), round(real_prompt) - 1)
-        return Probe(name, round(real_prompt) - hits, 0, round(real_prompt), seconds, source, client_ttft, server_ttft, hits)
-    if itl_n:
-        seconds, source = itl_sum / itl_n, "vllm:inter_token_latency_seconds"
+    if pre_n:
+        seconds, source = pre_sum / pre_n, "vllm:request_prefill_time_seconds"
+    elif st_n:  # the engine's first token less its queue: without the HTTP and tokenisation in front of it
+        seconds, source = server_ttft - (q_sum / q_n if q_n else 0.0), "vllm:time_to_first_token_seconds - queue"
     else:
-        seconds = statistics.mean((r[1] - r[0]) / max(1, out_tokens - 1) for r in results)
-        source = "client TPOT"
-    # The batch the engine ran: a server capped below `conc` (max_num_seqs) runs the probe in waves of its cap, and
-    # fitting the time per token at `conc` would price each sequence at a fraction of its cost.
-    batch = min(conc, max((int(r) for r, _ in seen_here), default=conc) or conc)
-    context = batch * (real_prompt + out_tokens / 2)
-    return Probe(name, 0, batch, round(context), seconds, source, client_ttft, server_ttft)
+        seconds, source = ttft, "client TTFT"
+    hits = _total(after, "vllm:prefix_cache_hits_total") - _total(before, "vllm:prefix_cache_hits_total")
+    hits = min(max(0, round(hits)), real_prompt - 1)
+    n = real_prompt - hits
+    return Probe(name, "prefill", n, 0, real_prompt, n * (hits + n / 2), 1, seconds, source, ttft, server_ttft, hits)
 
 
-# ---------------------------------------------------------------- fitting
+def _steady_window(times: list[list[float]]) -> tuple[float, float, float] | None:
+    """(seconds per iteration, window start, window end) while every stream decodes: after the last first token
+    (no prefill left) and up to the first last token (no one finished). None when under 4 iterations."""
+    w0 = max(t[0] for t in times)
+    w1 = min(t[-1] for t in times)
+    per: list[float] = []
+    for t in times:
+        inside = [x for x in t if w0 < x <= w1]
+        if len(inside) >= 4:
+            per.append((inside[-1] - inside[0]) / (len(inside) - 1))
+    return (statistics.median(per), w0, w1) if len(per) == len(times) else None
 
 
-def fit_linear(rows: np.ndarray) -> tuple[costmodel.LinearCost, float]:
-    """Non-negative least squares of LinearCost on relative errors (each row with a prefill is one prefill
-    sequence: the sweep prefills at batch 1); (fit, RMS relative residual)."""
-    t = rows[:, 3]
-    design = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1], rows[:, 2], (rows[:, 0] > 0).astype(float)])
-    scale = np.maximum(design.max(axis=0), 1e-12)
-    w = 1.0 / np.maximum(t, 1e-9)
-    a, y = design / scale * w[:, None], t * w
-    keep = [j for j in range(5) if np.any(design[:, j] > 0)]
-    coef = np.zeros(5)
-    while keep:  # drop a term that fits negative and refit (a cost is never negative)
-        sol, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
-        if np.all(sol >= 0):
-            coef[keep] = sol / scale[keep]
-            break
-        keep.pop(int(np.argmin(sol)))
-    lin = costmodel.LinearCost(*(float(c) for c in coef))
-    pred = np.array([lin.iteration_time(*r[:3], int(r[0] > 0)) for r in rows])
-    return lin, _rms_rel(pred, t)
+async def _probe_decode(client: Client, info: ServerInfo, text: _Text, step: Step, seen: list[tuple[float, float]]) -> Probe | None:
+    """`concurrency` streams at once; one iteration's time from their steady window, client-side (the server's
+    inter-token histogram mixes in the staggered prefill's iterations). None when the server ran them in waves
+    (over its batch limit) or the window was too short."""
+    name = f"decode {step.prompt_tokens} tokens x{step.concurrency} +{step.max_tokens} out"
+    before = await client.metrics(name)
+    prompts = [text.prompt(step.prompt_tokens) for _ in range(step.concurrency)]
+    times: list[list[float]] = [[] for _ in prompts]
+    stop, here = asyncio.Event(), []
+    watcher = asyncio.create_task(_watch(client, name, stop, here))
+    try:
+        results = await asyncio.gather(*(client.complete(info.model, p, step.max_tokens, name, t) for p, t in zip(prompts, times)))
+    finally:
+        stop.set()
+        await watcher
+        seen.extend(here)
+    after = await client.metrics(name)
+    for r in results:
+        if r[3] != step.max_tokens:
+            raise CalibrationError(
+                f"{client.url}/v1/completions: probe {name!r}: asked for {step.max_tokens} tokens (ignore_eos), got {r[3]}"
+            )
+    ran = max((int(r) for r, _ in here), default=step.concurrency) or step.concurrency
+    if ran < step.concurrency or any(len(t) < 2 for t in times):
+        return None
+    window = _steady_window(times)
+    if window is None:
+        itl_sum, itl_n = _delta(after, before, "vllm:inter_token_latency_seconds")
+        if not itl_n:
+            return None
+        seconds, source, mid = itl_sum / itl_n, "vllm:inter_token_latency_seconds", None
+    else:
+        seconds, w0, w1 = window
+        source, mid = "client steady decode window", (w0 + w1) / 2
+    gen = [sum(1 for x in t if x <= mid) if mid is not None else step.max_tokens / 2 for t in times]
+    context = sum(r[2] + g for r, g in zip(results, gen))
+    return Probe(name, "decode", 0, step.concurrency, round(context), 0.0, 0, seconds, source,
+                 statistics.mean(r[0] for r in results))
 
 
-def _rms_rel(pred: np.ndarray, t: np.ndarray) -> float:
-    return float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+async def _probe_mixed(client: Client, info: ServerInfo, text: _Text, step: Step, budget_s: float) -> Probe | None:
+    """`concurrency` decoding streams, then one prompt of `prompt_tokens` joins them: the decoders' token gap that
+    ends with the newcomer's first token is one iteration holding both (chunked prefill beside decodes)."""
+    name = f"mixed {step.prompt_tokens} prefill + {step.concurrency} decoding"
+    out = max(32, min(512, int(0.8 * min(info.max_model_len, info.kv_cache_tokens)) - 64))
+    prompts = [text.prompt(64) for _ in range(step.concurrency)]
+    times: list[list[float]] = [[] for _ in prompts]
+    usage: list[int] = [0] * len(prompts)
 
+    async def decoder(i: int) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            r = await client.complete(info.model, prompts[i], out, name, times[i])
+            usage[i] = r[2]
 
-def fit_roofline(base: costmodel.Profile, rows: np.ndarray) -> tuple[costmodel.Profile, float]:
-    fitted = costmodel.fit(base, rows)
-    pred = np.array([fitted.iteration_time(*r[:3]) for r in rows])
-    return fitted, _rms_rel(pred, rows[:, 3])
+    tasks = [asyncio.create_task(decoder(i)) for i in range(len(prompts))]
+    try:
+        deadline = time.monotonic() + budget_s
+        while min(len(t) for t in times) < 8:  # every decoder in its steady phase
+            if all(t.done() for t in tasks) or time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.002)
+        prompt = text.prompt(step.prompt_tokens)
+        own: list[float] = []
+        ttft, _, real_prompt, _ = await client.complete(info.model, prompt, 1, name, own)
+        if not own:
+            return None
+        first_at = own[0]
+        # the decoders' token of the same iteration lands within a few ms of it, either side: wait for two after it
+        while min(sum(x > first_at for x in t) for t in times) < 2 and not all(t.done() for t in tasks):
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.002)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    gaps, context = [], 0
+    for t in times:
+        k = min(range(1, len(t)), key=lambda j: abs(t[j] - first_at), default=None)
+        if k is None:
+            return None
+        gaps.append(t[k] - t[k - 1])
+        context += 64 + k  # prompt (about 64) and the tokens it has generated by then
+    n = real_prompt
+    return Probe(name, "mixed", n, step.concurrency, context + n, n * n / 2, 1, statistics.median(gaps),
+                 "client gap around a joining prefill", ttft)
 
 
 # ---------------------------------------------------------------- the command's library half
@@ -386,67 +458,131 @@ def fit_roofline(base: costmodel.Profile, rows: np.ndarray) -> tuple[costmodel.P
 class Result:
     info: ServerInfo
     probes: list[Probe]
-    linear: costmodel.LinearCost
-    residuals: dict[str, float | None]
-    chosen: str
-    roofline: costmodel.Profile | None
+    fits: calibrate_fit.Fits
     request_overhead_s: float
     max_num_seqs: int | None
+    batch_cap: int
     chars_per_token: float
-    plan: Plan
+    rounds: int
+    stopped: str  # why the sweep ended: converged | budget | rounds
+    requests: int
     duration_s: float
+
+    @property
+    def chosen(self) -> str:
+        return self.fits.chosen
+
+    @property
+    def linear(self) -> costmodel.LinearCost:
+        return self.fits.linear
+
+    @property
+    def roofline(self) -> costmodel.Profile | None:
+        return self.fits.roofline
+
+    @property
+    def residuals(self) -> dict[str, float | None]:
+        """Each form's RMS relative error on rows it was not fitted on."""
+        return self.fits.held_out
+
+    def rows(self) -> np.ndarray:
+        return np.array([p.row() for p in self.probes], dtype=float)
+
+
+async def _batch_cap(client: Client, info: ServerInfo, text: _Text, spec: SweepSpec, seen: list) -> tuple[int, int | None, list[Probe]]:
+    """The largest batch to probe, and the server's batch limit where it showed one (`max_concurrency` streams
+    at once: how many run while others wait)."""
+    if spec.max_num_seqs is not None:
+        return min(spec.max_num_seqs, spec.max_concurrency), spec.max_num_seqs, []
+    step = Step("decode", 32, spec.max_concurrency, 32)
+    here: list[tuple[float, float]] = []
+    probe = await _probe_decode(client, info, text, step, here)
+    seen.extend(here)
+    limit = batch_limit(here, spec.max_concurrency)
+    return (min(limit, spec.max_concurrency) if limit else spec.max_concurrency), limit, [probe] if probe else []
+
+
+def batch_limit(seen: list[tuple[float, float]], sent: int) -> int | None:
+    """The server's batch limit from (running, waiting) scrapes while `sent` requests were in flight: the most
+    running, if requests waited while that many ran and it is below what was sent. Requests also wait for a moment
+    as they arrive, before the next iteration admits them: a count seen with waiting requests is not a limit
+    unless it is the plateau."""
+    if not seen:
+        return None
+    top = max(int(r) for r, _ in seen)
+    if top >= sent or not any(w > 0 and int(r) == top for r, w in seen):
+        return None
+    return top
 
 
 async def _calibrate(url: str, model: str | None, spec: SweepSpec, base: costmodel.Profile | None,
                      announce: Callable[[str], None], progress: bool) -> Result:
     client = Client(url, spec.probe_timeout_s)
     t0 = time.monotonic()
+    requests = 0
     try:
         info = await discover(client, model)
-        plan = plan_sweep(spec, info)
+        text = _Text()
+        seen: list[tuple[float, float]] = []
+        cap, limit, probes = await _batch_cap(client, info, text, spec, seen)
+        requests += 0 if spec.max_num_seqs is not None else spec.max_concurrency
+        plan = plan_round(spec, info, cap)
+        per_round = sum(s.concurrency + (s.kind == "mixed") for s in plan)
         announce(
             f"calibrate: {info.url} ({info.model}, max_model_len {info.max_model_len}, KV {info.kv_cache_tokens} tokens, "
-            f"block {info.block_size}): {len(plan.probes)} probes, {plan.requests} requests, at most "
-            f"{plan.max_concurrency} at once, at most {plan.tokens} tokens in all (+ /metrics scrapes, every 50 ms "
-            f"during concurrent probes), budget {spec.budget_s:g} s"
+            f"block {info.block_size}, batch limit {limit if limit else f'>= {cap}'}): rounds of {len(plan)} probes, "
+            f"{per_round} requests, at most {max(s.concurrency for s in plan) + 1} at once; up to {spec.max_rounds} "
+            f"rounds within {spec.budget_s:g} s, stopping when the fit changes by under {spec.converged:.0%}"
         )
         from tqdm import tqdm
 
-        text = _Text()
-        seen: list[tuple[float, float]] = []
-        probes: list[Probe] = []
-        bar = tqdm(total=len(plan.probes), desc="calibrate", unit="probe", disable=not progress)
+        stopped, rounds = "rounds", 0
+        previous: calibrate_fit.Fits | None = None
+        bar = tqdm(total=len(plan) * spec.max_rounds, desc="calibrate", unit="probe", disable=not progress)
         try:
-            for kind, p, c, o in plan.probes:
-                if time.monotonic() - t0 > spec.budget_s:
-                    raise CalibrationError(
-                        f"{info.url}: sweep over its budget of {spec.budget_s:g} s after {len(probes)} of "
-                        f"{len(plan.probes)} probes (raise --budget or shrink the sweep)"
-                    )
-                probes.append(await _probe(client, info, text, kind, p, c, o, seen))
-                bar.update(1)
+            for rounds in range(1, spec.max_rounds + 1):
+                for step in plan:
+                    if time.monotonic() - t0 > spec.budget_s:
+                        stopped = "budget"
+                        break
+                    if step.kind == "prefill":
+                        probe = await _probe_prefill(client, info, text, step.prompt_tokens)
+                    elif step.kind == "decode":
+                        probe = await _probe_decode(client, info, text, step, seen)
+                    else:
+                        probe = await _probe_mixed(client, info, text, step, spec.probe_timeout_s)
+                    requests += step.concurrency + (step.kind == "mixed")
+                    if probe is not None:
+                        probes.append(probe)
+                    bar.update(1)
+                if stopped == "budget":
+                    break
+                rows = np.array([p.row() for p in probes], dtype=float)
+                if len(rows) >= 4:
+                    fits = calibrate_fit.fit_rows(rows, base)
+                    if previous is not None and calibrate_fit.relative_change(fits.predict(rows), previous.predict(rows)) < spec.converged:
+                        stopped = "converged"
+                        break
+                    previous = fits
         finally:
             bar.close()
     finally:
         await client.close()
-    rows = np.array([(p.prefill_tokens, p.decode_seqs, p.context_tokens, p.seconds) for p in probes], dtype=float)
-    if not np.all(rows[:, 3] > 0):
+    if len(probes) < 4:
+        raise CalibrationError(f"{info.url}: only {len(probes)} probes timed within the budget of {spec.budget_s:g} s "
+                               "(raise --budget)")
+    rows = np.array([p.row() for p in probes], dtype=float)
+    if not np.all(rows[:, -1] > 0):
         bad = next(p for p in probes if not p.seconds > 0)
         raise CalibrationError(f"{info.url}: probe {bad.name!r}: measured {bad.seconds!r} s, not a positive time")
-    linear, lin_res = fit_linear(rows)
-    residuals: dict[str, float | None] = {"linear": lin_res, "roofline": None}
-    roof = None
-    if base is not None:
-        roof, residuals["roofline"] = fit_roofline(base, rows)
-    chosen = "roofline" if roof is not None and residuals["roofline"] < lin_res else "linear"  # type: ignore[operator]
+    fits = calibrate_fit.fit_rows(rows, base)
     # what the API server adds around the engine at batch 1 (HTTP, tokenisation, detokenisation, streaming)
-    pre = [p for p in probes if p.decode_seqs == 0]
-    overhead = max(0.0, statistics.median(p.client_ttft_s - p.seconds for p in pre))
-    waited = [r for r, w in seen if w > 0]
+    pre = [p for p in probes if p.kind == "prefill" and math.isfinite(p.client_ttft_s)]
+    overhead = max(0.0, statistics.median(p.client_ttft_s - p.seconds for p in pre)) if pre else 0.0
     return Result(
-        info=info, probes=probes, linear=linear, residuals=residuals, chosen=chosen, roofline=roof,
-        request_overhead_s=overhead, max_num_seqs=int(max(waited)) if waited else None,
-        chars_per_token=text.measured, plan=plan, duration_s=time.monotonic() - t0,
+        info=info, probes=probes, fits=fits, request_overhead_s=overhead, max_num_seqs=limit, batch_cap=cap,
+        chars_per_token=text.measured, rounds=rounds, stopped=stopped, requests=requests,
+        duration_s=time.monotonic() - t0,
     )
 
 
@@ -455,7 +591,8 @@ def calibrate(url: str, model: str | None = None, spec: SweepSpec = SweepSpec(),
     return asyncio.run(_calibrate(url, model, spec, base, announce, progress))
 
 
-def profile_document(res: Result, name: str, max_num_seqs: int | None = None) -> dict:
+def profile_document(res: Result, name: str, max_num_seqs: int | None = None,
+                     max_num_batched_tokens: int | None = None) -> dict:
     """The profile YAML document: loadable by `costmodel.load_profile(path)`, with the measurements inside."""
     info = res.info
     doc: dict = {"name": name}
@@ -483,17 +620,23 @@ def profile_document(res: Result, name: str, max_num_seqs: int | None = None) ->
         "kv_cache_tokens": info.kv_cache_tokens,
         "enable_prefix_caching": info.enable_prefix_caching,
         "max_num_seqs": max_num_seqs if max_num_seqs is not None else res.max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
         "chars_per_token": round(res.chars_per_token, 4),
     }
     doc["request_overhead_s"] = round(res.request_overhead_s, 6)
+    rnd = lambda d: {k: (None if v is None else round(v, 4)) for k, v in d.items()}  # noqa: E731
     doc["fit"] = {
         "chosen": res.chosen,
-        "rms_relative_residual": {k: (None if v is None else round(v, 4)) for k, v in res.residuals.items()},
+        "held_out_rms_relative_error": rnd(res.fits.held_out),
+        "in_sample_rms_relative_error": rnd(res.fits.in_sample),
+        "unidentified": list(res.fits.unidentified),
         "rows": len(res.probes),
     }
     doc["calibration"] = {
         "duration_s": round(res.duration_s, 1),
-        "load": {"requests": res.plan.requests, "max_concurrency": res.plan.max_concurrency, "tokens": res.plan.tokens},
+        "rounds": res.rounds,
+        "stopped": res.stopped,
+        "requests": res.requests,
         "measurements": [
             {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else (None if isinstance(v, float) else v))
              for k, v in asdict(p).items()}
@@ -522,14 +665,26 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
 def add_arguments(p) -> None:
     p.add_argument("--server", required=True, help="base URL of a running vLLM server to profile (e.g. http://127.0.0.1:8000)")
     p.add_argument("--model", help="the served model to profile (default: the first the server lists)")
-    p.add_argument("--profile", help="also fit this roofline profile (a name in simulator/profiles/ or a YAML path); "
-                                     "it wins if its residual is smaller")  # fmt: skip
+    p.add_argument("--profile", help="the hardware and model shape to fit a roofline on (a name in simulator/profiles/ or a "
+                                     "YAML path); with --model-config, only its GPU is used. Without either, only the "
+                                     "linear form is fitted")  # fmt: skip
+    p.add_argument("--model-config", help="the served model's Hugging Face config.json (its shape for the roofline)")
     p.add_argument("-o", "--output", required=True, help="where to write the measured profile YAML (written when complete)")
     p.add_argument("--name", help="name of the profile (default: one from the model and the server)")
-    p.add_argument("--budget", type=float, default=150.0, help="seconds the sweep may take (default 150)")
-    p.add_argument("--probe-timeout", type=float, default=30.0, help="seconds one probe may take (default 30)")
-    p.add_argument("--max-concurrency", type=int, default=16, help="most requests sent at once (default 16)")
+    p.add_argument("--budget", type=float, default=120.0,
+                   help="seconds the sweep may take (default 120); it stops earlier once the fit converges")
+    p.add_argument("--probe-timeout", type=float, default=60.0, help="seconds one probe may take (default 60)")
+    p.add_argument("--max-concurrency", type=int, default=64,
+                   help="most requests sent at once; decode batches go up to it or the server's batch limit (default 64)")
     p.add_argument("--max-num-seqs", type=int, help="the server's --max-num-seqs when known (else inferred)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="the server's --max-num-batched-tokens: the largest prefill chunk probed (default 8192)")
+    p.add_argument("--validate-seconds", type=float, default=20.0,
+                   help="seconds of the validation replay after the fit (default 20; 0 skips it)")
+    p.add_argument("--validate-load", type=float, default=0.5,
+                   help="the validation's Poisson rate as a share of the fitted capacity (default 0.5)")
+    p.add_argument("--max-validation-error", type=float, default=0.25,
+                   help="validation error of a p50 (p99: twice this) above which the profile is written with a warning")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -538,42 +693,71 @@ def main(args) -> int:
 
     import yaml
 
+    from fleet import calibrate_check
+
     def fail(message: str) -> int:
         print(f"fleet calibrate: error: {message}", file=sys.stderr)
         return 2
 
-    if args.max_concurrency < 1 or args.budget <= 0 or args.probe_timeout <= 0:
-        return fail("--max-concurrency, --budget and --probe-timeout must be positive")
-    base = None
-    if args.profile:
-        try:
-            base = costmodel.load_profile(args.profile)
-        except ValueError as e:
-            return fail(str(e))
-    default = SweepSpec()
-    spec = SweepSpec(
-        concurrencies=tuple(c for c in default.concurrencies if c < args.max_concurrency) + (args.max_concurrency,),
-        probe_timeout_s=args.probe_timeout,
-        budget_s=args.budget,
-    )
+    if min(args.max_concurrency, args.max_num_batched_tokens) < 1 or args.budget <= 0 or args.probe_timeout <= 0:
+        return fail("--max-concurrency, --max-num-batched-tokens, --budget and --probe-timeout must be positive")
+    if args.validate_seconds < 0 or not 0 < args.validate_load <= 1:
+        return fail("--validate-seconds must be >= 0 and --validate-load in (0, 1]")
     try:
-        res = calibrate(args.server, args.model, spec, base, announce=lambda m: print(m, file=sys.stderr),
-                        progress=not args.quiet)  # fmt: skip
+        base = calibrate_fit.resolve_shape(args.profile, args.model_config)
+    except ValueError as e:
+        return fail(str(e))
+    spec = SweepSpec(max_concurrency=args.max_concurrency, max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens, probe_timeout_s=args.probe_timeout,
+                     budget_s=args.budget)
+    say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    try:
+        res = calibrate(args.server, args.model, spec, base, announce=say, progress=not args.quiet)
     except CalibrationError as e:
         print(f"fleet calibrate: error: {e}", file=sys.stderr)
         return 1
     name = args.name or f"measured-{res.info.model}-{args.server.split('//')[-1].replace(':', '-').strip('/')}"
-    doc = profile_document(res, name, args.max_num_seqs)
-    write_atomically(args.output, yaml.safe_dump(doc, sort_keys=False))
+    doc = profile_document(res, name, args.max_num_seqs, args.max_num_batched_tokens)
+    held, roof = res.fits.held_out, res.fits.held_out["roofline"]
     lin = res.linear
-    roofline = res.residuals["roofline"]
-    print(
-        f"wrote {args.output} in {res.duration_s:.0f} s: {res.chosen} cost model (RMS relative residual "
-        f"linear {res.residuals['linear']:.3f}, roofline {'-' if roofline is None else format(roofline, '.3f')}); "
-        f"iteration = {lin.a_s * 1e3:.2f} ms + {lin.b_s_per_prefill_token * 1e6:.1f} us/prefill token + "
+    say(f"fit: {res.chosen} form ({len(res.probes)} iterations, {res.rounds} rounds, stopped: {res.stopped}); held-out "
+        f"RMS relative error linear {held['linear']:.3f}, roofline {'-' if roof is None else format(roof, '.3f')}; "
+        f"linear = {lin.a_s * 1e3:.2f} ms + {lin.b_s_per_prefill_token * 1e6:.1f} us/prefill token + "
         f"{lin.c_s_per_decode_seq * 1e6:.1f} us/decode seq + {lin.d_s_per_context_token * 1e9:.1f} ns/context token + "
-        f"{lin.e_s_per_prefill_seq * 1e3:.2f} ms/prefill seq; "
-        f"request overhead {res.request_overhead_s * 1e3:.1f} ms; KV {res.info.kv_cache_tokens} tokens; "
-        f"max_num_seqs {doc['server']['max_num_seqs']}"
-    )
+        f"{lin.e_s_per_prefill_seq * 1e3:.2f} ms/prefill seq"
+        + (f"; roofline: overhead {res.roofline.overhead_s * 1e3:.2f} ms, prefill MFU {res.roofline.prefill_mfu:.3f}, "
+           f"decode bandwidth {res.roofline.decode_bw_util:.3f}" if res.roofline is not None else ""))
+    if res.fits.unidentified:
+        say(f"fit: not identified by this sweep: {'; '.join(res.fits.unidentified)}")
+    write_atomically(args.output, yaml.safe_dump(doc, sort_keys=False))
+    warning = ""
+    if args.validate_seconds > 0:
+        srv = doc["server"]
+        server = calibrate_check.Server(max_num_seqs=srv["max_num_seqs"] or res.batch_cap,
+                                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=srv["block_size"],
+                                        max_model_len=res.info.max_model_len)
+        limit = min(res.info.max_model_len, res.info.kv_cache_tokens)
+        try:
+            v = calibrate_check.validate(args.server, res.info.model, args.output, server, res.chars_per_token,
+                                         args.validate_load, args.validate_seconds, prompt_median=min(600, limit / 8),
+                                         output_median=min(120, limit / 16), timeout_s=args.probe_timeout * 4)
+        except CalibrationError as e:
+            print(f"fleet calibrate: error: validation: {e}", file=sys.stderr)
+            return 1
+        print(v.table())
+        p50, p99 = v.worst()
+        doc["validation"] = {"rate_rps": round(v.rate_rps, 3), "requests": v.requests,
+                             "measured": {k: round(x, 5) for k, x in v.measured.items()},
+                             "predicted": {k: round(x, 5) for k, x in v.predicted.items()}}
+        if p50 > args.max_validation_error or p99 > 2 * args.max_validation_error:
+            warning = (f"WARNING: validation error over the threshold (p50 {p50:.0%}, p99 {p99:.0%}; limits "
+                       f"{args.max_validation_error:.0%} / {2 * args.max_validation_error:.0%}): the profile does not "
+                       "predict this server well")
+            doc["validation"]["warning"] = warning
+        write_atomically(args.output, yaml.safe_dump(doc, sort_keys=False))
+    print(f"wrote {args.output} in {res.duration_s:.0f} s: {res.chosen} cost model; request overhead "
+          f"{res.request_overhead_s * 1e3:.1f} ms; KV {res.info.kv_cache_tokens} tokens; max_num_seqs "
+          f"{doc['server']['max_num_seqs']}")
+    if warning:
+        print(f"fleet calibrate: {warning}", file=sys.stderr)
     return 0

@@ -228,7 +228,18 @@ def profile_from_file(path: str | Path) -> Profile:
         overhead_s=overhead,
         activation_reserve_bytes=float(doc["activation_reserve_gib"]) * GIB * count,
         sources=tuple(str(s) for s in doc.get("sources", ())),
+        kv_cache_tokens=_measured_kv(path, doc),
+        request_overhead_s=_nonnegative(path, "request_overhead_s", doc.get("request_overhead_s", 0.0)),
     )
+
+
+def _measured_kv(path: Path, doc: dict) -> int | None:
+    """A roofline profile fitted to a live server (`fleet calibrate --server --profile`) keeps the KV capacity the
+    server reported (`server.kv_cache_tokens`) instead of the memory budget's estimate."""
+    srv = doc.get("server")
+    if not isinstance(srv, dict) or srv.get("kv_cache_tokens") is None:
+        return None
+    return int(_positive(path, "server.kv_cache_tokens", srv["kv_cache_tokens"]))
 
 
 LINEAR_FIELDS = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_context_token", "e_s_per_prefill_seq")
@@ -298,21 +309,25 @@ def fit(profile: Profile, measurements: Iterable[Sequence[float]], max_rounds: i
     """Least-squares refit of overhead, prefill MFU and decode bandwidth utilisation.
 
     `measurements` rows are (prefill_tokens, decode_seqs, context_tokens, seconds) of single
-    iterations of a real server. The model t = o + max(a * FLOPs, c * bytes) is linear in
-    (o, a, c) once each row's bound (compute or memory) is known, so we alternate: assign
-    each row to its bound under the current fit, solve linear least squares, repeat until the
-    assignment is stable. Rows are weighted by 1/seconds (timing noise is relative). Attention
-    FLOPs are left out (rows carry no per-chunk split).
+    iterations of a real server, or (prefill_tokens, decode_seqs, context_tokens, attn_pairs, seconds)
+    where the sweep knows each prefill chunk's attention pairs (n * (past + n / 2), as the replica
+    counts them; at 8k prompt tokens attention is ~13 % of a Llama-3-8B prefill's FLOPs). The model
+    t = o + max(a * FLOPs, c * bytes) is linear in (o, a, c) once each row's bound (compute or memory)
+    is known, so we alternate: assign each row to its bound under the current fit, solve linear least
+    squares, repeat until the assignment is stable. Rows are weighted by 1/seconds (timing noise is
+    relative).
     """
     rows = np.asarray([tuple(map(float, r)) for r in measurements], dtype=np.float64)
-    if rows.ndim != 2 or rows.shape[1] != 4:
-        raise ValueError("measurements must be rows of (prefill_tokens, decode_seqs, context_tokens, seconds)")
+    if rows.ndim != 2 or rows.shape[1] not in (4, 5):
+        raise ValueError("measurements must be rows of (prefill_tokens, decode_seqs, context_tokens[, attn_pairs], seconds)")
+    attn = rows[:, 3] if rows.shape[1] == 5 else np.zeros(len(rows))
+    rows = rows[:, [0, 1, 2, -1]]
     if len(rows) < 3:
         raise ValueError(f"need at least 3 measurements to fit 3 parameters, got {len(rows)}")
     if np.any(rows < 0) or not np.all(np.isfinite(rows)):
         raise ValueError("measurements must be finite and non-negative")
     co = profile.coefficients()
-    flops = co.flops_per_token * (rows[:, 0] + rows[:, 1])
+    flops = co.flops_per_token * (rows[:, 0] + rows[:, 1]) + co.attn_flops_per_token_pair * attn
     nbytes = co.weight_bytes + co.kv_bytes_per_token * rows[:, 2]
     t = rows[:, 3]
     o, a, c = co.overhead_s, co.s_per_flop, co.s_per_byte

@@ -402,9 +402,10 @@ def measure(args: argparse.Namespace, profile: Profile):
     return device_name, shape, ceil, rows
 
 
-def _fit_rows(rows: list[tuple[Probe, float]]) -> list[tuple[int, int, int, float]]:
-    """(prefill tokens, decode seqs, context tokens, seconds): the rows `costmodel.fit` and fleet calibrate's fits take."""
-    return [(p.prefill, p.decodes, p.simulator_args()[2], t) for p, t in rows]
+def _fit_rows(rows: list[tuple[Probe, float]]) -> list[tuple[int, int, int, float, int, float]]:
+    """(prefill tokens, decode seqs, context tokens, attention pairs, prefill seqs, seconds): the rows fleet
+    calibrate's fits take."""
+    return [(p.prefill, p.decodes, *p.simulator_args()[2:], t) for p, t in rows]
 
 
 def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: bool = False) -> tuple[dict, Profile]:
@@ -412,12 +413,12 @@ def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: 
     the refitted profile)."""
     import numpy as np
 
-    from fleet.calibrate import fit_linear, fit_roofline
+    from fleet.calibrate_fit import fit_rows
 
-    # costmodel.fit as `fleet calibrate` applies it, with its RMS relative residual (the rule that picks a form)
+    # both forms as `fleet calibrate` fits them, with their held-out RMS relative errors (the rule that picks a form)
     arr = np.asarray(_fit_rows(rows), dtype=np.float64)
-    fitted, roofline_rms = fit_roofline(profile, arr)
-    _, linear_rms = fit_linear(arr)
+    fits = fit_rows(arr, profile)
+    fitted, roofline_rms, linear_rms = fits.roofline, fits.held_out["roofline"], fits.held_out["linear"]
     co, fco = profile.coefficients(), fitted.coefficients()
     table = []
     for probe, t in rows:
@@ -445,7 +446,7 @@ def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: 
         refit=dict(prefill_mfu=fitted.prefill_mfu, decode_bw_util=fitted.decode_bw_util, overhead_s=fitted.overhead_s),
         median_abs_error=statistics.median(errs), max_abs_error=errs[-1],
         refit_median_abs_error=statistics.median(rerrs), refit_max_abs_error=rerrs[-1],
-        rms_relative_residual={"roofline": roofline_rms, "linear": linear_rms}, rows=table,
+        held_out_rms_relative_error={"roofline": roofline_rms, "linear": linear_rms}, rows=table,
     )
     print()
     print(f"profile (without its {profile.overhead_s * 1e3:.1f} ms CPU overhead): prefill MFU {profile.prefill_mfu:.2f}, "
@@ -455,7 +456,7 @@ def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: 
           f"{fitted.decode_bw_util:.2f}, fixed {fitted.overhead_s * 1e3:.2f} ms; |error| median "
           f"{summary['refit_median_abs_error']:.0%}, max {summary['refit_max_abs_error']:.0%}")
     chosen = "roofline" if roofline_rms < linear_rms else "linear"
-    print(f"RMS relative residual: roofline {roofline_rms:.3f}, linear form {linear_rms:.3f}: fleet calibrate's rule "
+    print(f"held-out RMS relative error: roofline {roofline_rms:.3f}, linear form {linear_rms:.3f}: fleet calibrate's rule "
           f"would choose the {chosen}")
     return summary, fitted
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from fleet import calibrate
+from fleet import calibrate, calibrate_fit
 from simulator import costmodel
 from fleet.cli import main
 from simulator.config import ReplicaGroup
@@ -78,10 +78,11 @@ def test_linear_profile_closed_form_jumps_match_one_iteration_at_a_time(tmp_path
 
 
 def test_fit_linear_recovers_known_coefficients():
-    rows = [(p, 0, p, LINEAR.iteration_time(p, 0, p, 1)) for p in (16, 64, 128, 256, 512, 768)]
-    rows += [(0, d, c, LINEAR.iteration_time(0, d, c)) for d, c in ((1, 70), (2, 140), (4, 280), (8, 560), (1, 800))]
-    fit, residual = calibrate.fit_linear(np.array(rows, dtype=float))
-    assert residual < 1e-6
+    rows = [(p, 0, p, p * p / 2, 1, LINEAR.iteration_time(p, 0, p, 1)) for p in (16, 64, 128, 256, 512, 768)]
+    rows += [(0, d, c, 0, 0, LINEAR.iteration_time(0, d, c)) for d, c in ((1, 70), (2, 140), (4, 280), (8, 560), (1, 800))]
+    fits = calibrate_fit.fit_rows(np.array(rows, dtype=float), None)
+    assert fits.chosen == "linear" and fits.in_sample["linear"] < 1e-6 and fits.unidentified == ()
+    fit = fits.linear
     for f in costmodel.LINEAR_FIELDS:
         assert getattr(fit, f) == pytest.approx(getattr(LINEAR, f), rel=1e-3, abs=1e-12)
 
@@ -134,7 +135,7 @@ def test_error_mid_sweep_names_probe_and_status(fake_vllm, tmp_path, capsys):
     fake_vllm.mode = "error_500"
     assert _calibrate(fake_vllm.url, tmp_path / "p.yaml") == 1
     line = _one_line_error(capsys)
-    assert "/v1/completions: probe 'prefill" in line and "HTTP 500" in line
+    assert "/v1/completions: probe '" in line and "HTTP 500" in line
     assert list(tmp_path.iterdir()) == []
 
 
@@ -142,7 +143,7 @@ def test_probe_timeout_names_probe_and_limit(fake_vllm, tmp_path, capsys):
     fake_vllm.mode = "hang"
     assert _calibrate(fake_vllm.url, tmp_path / "p.yaml", "--probe-timeout", "0.5") == 1
     line = _one_line_error(capsys)
-    assert "probe 'prefill" in line and "timed out after 0.5 s" in line
+    assert "/v1/completions: probe '" in line and "timed out after 0.5 s" in line
     assert list(tmp_path.iterdir()) == []
 
 
@@ -199,7 +200,8 @@ def test_decode_rows_count_the_batch_a_capped_server_ran():
 
     from fleet.emulator import EmulatorSettings, make_app
 
-    spec = calibrate.SweepSpec(prefill_tokens=(16, 256), repeats=1, concurrencies=(1, 2, 16), decode_tokens=24)
+    spec = calibrate.SweepSpec(prefill_tokens=(16, 256), batches=(1, 2), contexts=(32,), long_context_fraction=0.01,
+                               mixed_prefill_tokens=(), decode_tokens=24, max_concurrency=16, max_rounds=1)
 
     async def run() -> calibrate.Result:
         server = TestServer(make_app(EmulatorSettings(max_num_seqs=4, block_size=32)), host="127.0.0.1")
@@ -211,8 +213,8 @@ def test_decode_rows_count_the_batch_a_capped_server_ran():
             await server.close()
 
     res = asyncio.run(run())
-    assert [p.decode_seqs for p in res.probes if p.name.startswith("decode")] == [1, 2, 4]
-    assert res.max_num_seqs == 4
+    assert res.max_num_seqs == 4 and res.batch_cap == 4
+    assert {p.decode_seqs for p in res.probes if p.kind == "decode"} == {1, 2, 4}
 
 
 def test_a_repeated_sweep_does_not_prefill_from_the_previous_sweeps_cache():
@@ -230,7 +232,7 @@ def test_a_repeated_sweep_does_not_prefill_from_the_previous_sweeps_cache():
         try:
             info = await calibrate.discover(client, None)
             texts = [calibrate._Text(nonce="same"), calibrate._Text(nonce="same"), calibrate._Text(), calibrate._Text()]
-            return [await calibrate._probe(client, info, t, "prefill", 256, 1, 1, []) for t in texts]
+            return [await calibrate._probe_prefill(client, info, t, 256) for t in texts]
         finally:
             await client.close()
             await server.close()

@@ -1,0 +1,61 @@
+"""The emulator as the oracle: `fleet calibrate` against a server whose true profile is known must give back a
+profile that predicts what the known one predicts (tests/bench/calibration_oracle.py has the full run and the
+figures' command). TTFT and E2E p50 within 10 %, p99 within 20 %, on a steady workload and one near saturation;
+the fitted parameters' spread over three calibrations under 10 %."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from tests.bench import calibration_oracle as oracle
+
+pytestmark = pytest.mark.slow
+
+P50, P99, SPREAD = 0.10, 0.20, 0.10
+
+
+def _check(workloads: list[list[dict]]) -> list[str]:
+    """Each workload's percentile errors (median over calibrations) against the limits; what failed."""
+    failed = []
+    for w in range(len(workloads[0])):
+        for key, limit in (("ttft_p50_s", P50), ("e2e_p50_s", P50), ("ttft_p99_s", P99), ("e2e_p99_s", P99)):
+            err = statistics.median(run[w]["errors"][key] for run in workloads)
+            if err > limit:
+                rate = workloads[0][w]["rate_rps"]
+                failed.append(f"{rate:.1f} req/s {key}: {err:.1%} > {limit:.0%} "
+                              f"(known {workloads[0][w]['known'][key]:.3f} s, fitted {workloads[0][w]['fitted'][key]:.3f} s)")
+    return failed
+
+
+def test_calibration_recovers_a_roofline_profile_run_to_run(tmp_path):
+    doc = oracle.run(["roofline"], calibrations=3, budget_s=75, workdir=tmp_path, progress=False)["roofline"]
+    assert all(r["chosen"] == "roofline" for r in doc["runs"]), [(r["chosen"], r["held_out"]) for r in doc["runs"]]
+    assert not _check([r["workloads"] for r in doc["runs"]]), oracle.report({"roofline": doc})
+    assert max(doc["spread"].values()) < SPREAD, doc["spread"]
+
+
+def test_calibration_recovers_a_linear_profile(tmp_path):
+    doc = oracle.run(["linear"], calibrations=1, budget_s=75, workdir=tmp_path, progress=False)["linear"]
+    assert not _check([r["workloads"] for r in doc["runs"]]), oracle.report({"linear": doc})
+
+
+def test_a_linear_form_fitted_on_a_narrow_sweep_is_not_chosen_over_the_roofline():
+    """Held-out choice: rows from a roofline server, the linear form scores worse on iterations it did not see."""
+    import numpy as np
+
+    from fleet import calibrate_fit
+    from simulator import costmodel
+
+    truth = costmodel.load_profile("llama3-8b-a100")
+    rows = []
+    for p in (16, 128, 512, 2048, 8192):
+        rows.append((p, 0, p, p * p / 2, 1, truth.iteration_time(p, 0, p, p * p / 2)))
+    for b in (1, 4, 16, 64):
+        for ctx in (64, 512, 2048):
+            rows.append((0, b, b * ctx, 0.0, 0, truth.iteration_time(0, b, b * ctx)))
+    fits = calibrate_fit.fit_rows(np.array(rows, dtype=float), costmodel.load_profile("llama3-8b-h100"))
+    assert fits.chosen == "roofline"
+    assert fits.held_out["roofline"] < 0.01 < fits.held_out["linear"]
+    assert fits.roofline.prefill_mfu == pytest.approx(truth.prefill_mfu * truth.peak_flops / fits.roofline.peak_flops, rel=1e-3)
