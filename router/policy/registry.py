@@ -49,26 +49,36 @@ def is_learned(name: str) -> bool:
 
 
 @cache
-def _card_late_binding(card: Path, mtime_ns: int) -> bool:
+def _late_binding_of(path: Path, mtime_ns: int) -> bool:
+    """The training configuration's env.late_binding: from the card (the .json beside the model, as `trainer export
+    --card` writes it), else from the model's own metadata (`training_config`, kept by a copy of the file alone)."""
     try:
-        data = json.loads(card.read_text())
-        return bool(data["training"]["config"]["env"].get("late_binding", False))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        config = json.loads(path.with_suffix(".json").read_text())["training"]["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            import onnxruntime as ort
+
+            meta = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).get_modelmeta()
+            config = json.loads(meta.custom_metadata_map.get("training_config", "{}"))
+        except Exception:  # noqa: BLE001 - a model that does not load is reported where it is loaded
+            return False
+    try:
+        return bool(config["env"].get("late_binding", False))
+    except (KeyError, TypeError, AttributeError):
         return False
 
 
 def trained_behind_late_binding(name: str) -> bool:
-    """True for a model whose card (the .json beside the .onnx, as `trainer export --card` writes it) says it was
-    trained behind late binding (env.late_binding): served at its best with late binding on."""
+    """True for a model trained behind late binding (its training configuration's env.late_binding): served at its
+    best with late binding on."""
     path = model_path(name)
     if path is None or name in BASELINES:
         return False
-    card = path.with_suffix(".json")
     try:
-        mtime = card.stat().st_mtime_ns
+        mtime = path.stat().st_mtime_ns
     except OSError:
         return False
-    return _card_late_binding(card, mtime)
+    return _late_binding_of(path, mtime)
 
 
 def make_policy(name: str, seed: int | None = None, **kwargs) -> Policy:

@@ -170,6 +170,14 @@ def test_every_shipped_model_is_a_policy_name_and_learned_is_the_recommended_one
         assert Path(policy.describe()["path"]) == MODELS_DIR / f"{name}.onnx"
         assert policy.describe()["load_error"] is None
     assert make_policy("learned").describe()["version"] == make_policy("late-fleet").describe()["version"]
+
+
+def test_a_copy_of_a_model_trained_behind_late_binding_turns_it_on_without_its_card(tmp_path):
+    """deploy/ copies the shipped model onto a volume (policy.onnx, no card): its own metadata says how it trained."""
+    for name, late in (("late-fleet", True), ("any-fleet", False)):
+        copy = tmp_path / f"{name}-copy.onnx"
+        copy.write_bytes(shipped_models()[name].read_bytes())
+        assert build_settings(replicas=[REPLICA], policy=str(copy)).late_binding is late
     assert make_policy("learned").describe()["version"].startswith("late-fleet")
 
 
