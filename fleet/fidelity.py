@@ -789,7 +789,8 @@ def _main(args: argparse.Namespace) -> int:
                 runs = []
                 for k in range(args.calibrations + 1):
                     try:
-                        res = calibrate(url, model, SweepSpec(budget_s=args.calibrate_budget), announce=log if k == 0 else (lambda m: None),
+                        spec = SweepSpec(budget_s=args.calibrate_budget, max_num_seqs=known_seqs[i])
+                        res = calibrate(url, model, spec, announce=log if k == 0 else (lambda m: None),
                                         progress=not args.quiet)
                     except CalibrationError as e:
                         raise FidelityError(str(e)) from None
