@@ -98,7 +98,7 @@ class Scenario:
 # Named groups of built-in scenarios kept out of the default suite (`all`, `scenario_names()`): each is a
 # subdirectory of SCENARIOS_DIR; its scenarios load by name like the suite's and the group name selects them all.
 SCENARIO_GROUPS: dict[str, str] = {
-    "shapes": "fleet shapes the suite lacks: 2, 8 and 32 replicas, and GPU speed mixes up to ~8x (issue 16)",
+    "shapes": "fleet shapes the suite lacks: 2, 8 and 32 replicas, and GPU speed mixes up to ~8x",
 }
 
 

@@ -241,7 +241,7 @@ COMMANDS = {
     "evaluate": ("the learned policy and every baseline on the same seeds: table with 95%% CIs, plots", _evaluate_arguments, _evaluate),
     "export": ("export a checkpoint to ONNX (normalisation folded in) and check parity with torch", _export_arguments, _export),
 }
-from trainer.fleet_cli import FLEET_COMMANDS  # noqa: E402 - finetune/follow (issue 12) live in their own module
+from trainer.fleet_cli import FLEET_COMMANDS  # noqa: E402 - finetune/follow live in their own module
 
 COMMANDS |= FLEET_COMMANDS
 

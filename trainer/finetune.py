@@ -1,4 +1,4 @@
-"""Fine-tune a shipped policy on the fleet's own decision log (issue 12).
+"""Fine-tune a shipped policy on the fleet's own decision log.
 
 The shipped network's warm start is a TTFT regression on exactly the features the router logs
 (trainer/latency.py): its logit reads as `log(predicted TTFT) = c - logit / LOGIT_SCALE`. Here the

@@ -1,4 +1,4 @@
-"""`trainer finetune` and `trainer follow`: learn from the fleet's decision log (issue 12)."""
+"""`trainer finetune` and `trainer follow`: learn from the fleet's decision log."""
 
 from __future__ import annotations
 

@@ -6,12 +6,12 @@ per-request policy: the policy still picks the replica, but only among those the
 
 Rule, in order: with nothing in flight anywhere (no completion could release the queue) it dispatches at
 once; a queue timeout (the head waited `timeout_s`) and a full queue dispatch the request at once, to the
-policy's pick over every healthy replica (until session 11 a timeout went to the least-loaded replica by
+policy's pick over every healthy replica (formerly a timeout went to the least-loaded replica by
 outstanding count: on a fleet of mixed speeds that is the slowest one, and the policy's pick lowered p99 TTFT
 behind late binding by 0.1-0.3x of the best heuristic's on the code mixes, docs/model-card.md); FIFO: a new arrival queues
 behind held requests; a replica has room while its outstanding count is below its concurrency limit and the
 prompt tokens awaiting their first token there would clear in the time the slowest replica clears its limit
-(`speed_scales`; until session 19 the same token limit held for every replica, which on a ~8x speed mix sent
+(`speed_scales`; formerly the same token limit held for every replica, which on a ~8x speed mix sent
 requests to the slow replicas while the fast ones were far from full); the policy picks among those (callers
 pass it `restrict(view, candidates)`, and a scoring policy behind FallbackPolicy also the whole view as its
 context, so a learned policy scores the fleet it was trained on); otherwise hold. Nothing is ever dropped. The

@@ -1,4 +1,4 @@
-"""Does learning from the fleet make the policy hold on fleets it was not trained on? (issues 16 and 12, simulated)
+"""Does learning from the fleet make the policy hold on fleets it was not trained on? (simulated)
 
 For each scenario (default: the `shapes` group, fleets the training never saw), as an operator would run it:
 1. the shipped policy routes the scenario's TRAIN windows (the first 40 minutes of its traces) with a share

@@ -6,7 +6,7 @@ least-loaded replica) and with the overload guard off (the staleness guard kept)
 prints per scenario the share of decisions handed to least-outstanding by each guard and the p99 TTFT.
 
     python tests/bench/guard_fallbacks.py --scenarios heterogeneous,slowdown --seeds 3 --workers 2
-    python tests/bench/guard_fallbacks.py --scenarios shapes --seeds 5     # the fleet shapes (issue 16)
+    python tests/bench/guard_fallbacks.py --scenarios shapes --seeds 5     # the fleet shapes
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ detected. It sends each request where that work, times that speed, is smallest (
 expected-wait rule on true values). It is greedy, so it is a yardstick, not a bound: a router
 that plans ahead could do better still.
 
-A second yardstick adds late binding (issue 16): the same perfect information, but a request waits in a
+A second yardstick adds late binding: the same perfect information, but a request waits in a
 router-side FIFO queue while no replica has room (its waiting queue empty, a free batch slot, and less
 prefill work queued than one iteration's token budget) and the head of the queue goes to the replica that
 frees first (the cheapest with room). That is one shared queue instead of one queue per replica.

@@ -1,4 +1,4 @@
-"""Random fleets: learned policies against every heuristic on many fleets that neither the suite nor the shapes hold (issue 16).
+"""Random fleets: learned policies against every heuristic on many fleets that neither the suite nor the shapes hold.
 
 Each instance is one suite scenario's traffic (its EVAL window unless `--split train`) on a random fleet drawn as
 training draws them (trainer/instances.py `random_fleet`): 2-32 replicas in 1-3 groups of any profile in

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/router_bench.py [--duration 20] [--wrk-duration 10] [--workers 1,2]
         [--vllm-router .venv-vr/bin/vllm-router] [--policy least-outstanding] [--json]
-    # the learned policy's added latency next to least-outstanding's, in one run (issue 13):
+    # the learned policy's added latency next to least-outstanding's, in one run:
     .venv/bin/python tests/bench/router_bench.py --policy least-outstanding,learned --replicas 16 --no-wrk
     # what the lean listener (router/lean.py) saves: each router beside itself with it off
     .venv/bin/python tests/bench/router_bench.py --policy learned --workers 1,2 --aiohttp-listener

@@ -1,4 +1,4 @@
-"""The learning deployments (issue 12): router + `trainer follow` sharing the decision-log and model
+"""The learning deployments: router + `trainer follow` sharing the decision-log and model
 volumes, in Kubernetes (deploy/k8s/examples/learning) and compose (docker-compose.learning.yml).
 Checked: schemas, that both containers see the same volumes with the right write access, that the
 router config is valid RouterSettings with auto-promotion, and that the trainer's arguments are

@@ -164,7 +164,7 @@ def test_compare_late_timeout_sets_the_held_requests_wait_and_is_checked(capsys)
 
 
 def test_compare_late_room_runs_the_rule_in_tokens_or_time_and_says_which(capsys):
-    """--late-room tokens: the awaiting-prefill limit the same for every replica (the rule before session 19);
+    """--late-room tokens: the awaiting-prefill limit the same for every replica (the earlier rule);
     on the ~8x conversation mix least-outstanding+late routes differently; per-request rows are untouched."""
     docs = {}
     for room in ("time", "tokens"):

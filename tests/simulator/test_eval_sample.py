@@ -1,4 +1,4 @@
-"""EVAL workloads differ between seeds where the window allows (issue 16, item 4); a seed still fixes them."""
+"""EVAL workloads differ between seeds where the window allows; a seed still fixes them."""
 
 from __future__ import annotations
 

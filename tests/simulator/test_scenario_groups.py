@@ -1,4 +1,4 @@
-"""Scenario groups: the fleet shapes of issue 16 load by name and by group, and stay out of the suite `all`."""
+"""Scenario groups: the fleet shapes load by name and by group, and stay out of the suite `all`."""
 
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def test_untrained_network_with_wait_prior_ranks_like_expected_wait():
         n += 1
         obs, mask, _r, done, _ = env.step(pick)
     # one definition (mean TPOT of the measured replicas): they agree on every decision; with the
-    # fleet's median in the heuristic (before issue 14) 4 of these 80 differed
+    # fleet's median in the heuristic, as it once was, 4 of these 80 differed
     assert n == 80 and agree == n
 
 

@@ -1,4 +1,4 @@
-"""The second and third shipped models (issue 16): each card names the configuration that trained it, and that file
+"""The second and third shipped models: each card names the configuration that trained it, and that file
 still says so."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""run.validation_fleets: random fleets in every TRAIN evaluation, and `best.pt` selected on them too (issue 16)."""
+"""run.validation_fleets: random fleets in every TRAIN evaluation, and `best.pt` selected on them too."""
 
 from __future__ import annotations
 
