@@ -44,6 +44,8 @@ _HAND_OVER = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"
 MAX_HEADERS = 100
 # Response headers the lean writer sets itself.
 _OWN = frozenset({"content-length", "transfer-encoding", "connection", "date", "server", "keep-alive"})
+# Statuses whose answer has no body, no Content-Length and no Transfer-Encoding (RFC 9110 8.6, 6.4.1; as aiohttp).
+_NO_BODY = frozenset({204, 304, *range(100, 200)})
 
 
 class LeanHead:
@@ -123,7 +125,8 @@ def _header_bytes(headers: Any) -> list[bytes]:
 
 
 class LeanRequest:
-    """What the Proxy reads of a request served here: its headers, the client's address and the whole body."""
+    """What the Proxy reads of a request served here: its headers, the client's address and the whole body, and
+    how to answer it (router.transport.Downstream)."""
 
     __slots__ = ("headers", "remote", "body", "_conn")
 
@@ -140,14 +143,27 @@ class LeanRequest:
         return LeanSent(status)
 
     def stream(self, status: int, headers: Any) -> LeanStream:
-        """A chunked response; its head goes out with the first write (one send, as aiohttp's writer does)."""
+        """A chunked response; its head goes out with the first write (one send, as aiohttp's writer does).
+        Content-Type defaults as aiohttp's does; a status without a body gets its head alone."""
         conn = self._conn
         if conn.transport is None or conn.transport.is_closing():
             raise ConnectionResetError("client disconnected")
+        if status in _NO_BODY:
+            return _LeanHeadOnly(conn, b"".join([b"HTTP/1.1 %d %s\r\n" % (status, _reason(status)),
+                                                 *_header_bytes(headers), b"Date: ", http_date(), _end(conn.close_after)]))
         return LeanStream(conn, b"".join([
             b"HTTP/1.1 %d %s\r\n" % (status, _reason(status)), *_header_bytes(headers),
-            b"Transfer-Encoding: chunked\r\nDate: ", http_date(),
-            b"\r\nConnection: close\r\n\r\n" if conn.close_after else b"\r\n\r\n"]))
+            b"" if "Content-Type" in headers else b"Content-Type: application/octet-stream\r\n",
+            b"Transfer-Encoding: chunked\r\nDate: ", http_date(), _end(conn.close_after)]))
+
+    def refuse(self, resp: web.Response) -> web.Response:
+        """The router's refusal, as is: the connection writes it (the body was read whole)."""
+        return resp
+
+
+def _end(close: bool) -> bytes:
+    """The rest of the Date line and the head's end."""
+    return b"\r\nConnection: close\r\n\r\n" if close else b"\r\n\r\n"
 
 
 class LeanSent:
@@ -179,6 +195,20 @@ class LeanStream:
     async def write_eof(self, data: bytes = b"") -> None:
         head, self._head = self._head, b""
         self._conn.write(b"%s%x\r\n%s\r\n0\r\n\r\n" % (head, len(data), data) if data else head + b"0\r\n\r\n")
+        await self._conn.drain()
+
+
+class _LeanHeadOnly(LeanStream):
+    """The answer of a status without a body (204, 304): its head, whatever is written."""
+
+    __slots__ = ()
+
+    async def write(self, data: bytes) -> None:
+        pass
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        head, self._head = self._head, b""
+        self._conn.write(head)
         await self._conn.drain()
 
 
@@ -299,13 +329,18 @@ class LeanConnection(asyncio.Protocol):
         self.send(resp.status, resp.reason.encode("latin-1"), resp.headers, body)
 
     def send(self, status: int, reason: bytes, headers: Any, body: bytes) -> None:
-        """A whole response with a Content-Length body."""
+        """A whole response with a Content-Length body (none for 204, 304, 1xx). Content-Type defaults to
+        application/octet-stream on a body that is not empty (RFC 9110 8.3, as aiohttp)."""
         close = self.close_after or self._closing or "close" in headers.get("Connection", "").lower()
         parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason), *_header_bytes(headers)]
-        if "Content-Type" not in headers:
-            parts.append(b"Content-Type: application/octet-stream\r\n")
-        parts += (b"Content-Length: %d\r\nDate: " % len(body), http_date(),
-                  b"\r\nConnection: close\r\n\r\n" if close else b"\r\n\r\n", body)
+        if status in _NO_BODY:
+            body = b""
+            parts.append(b"Date: ")
+        else:
+            if body and "Content-Type" not in headers:
+                parts.append(b"Content-Type: application/octet-stream\r\n")
+            parts.append(b"Content-Length: %d\r\nDate: " % len(body))
+        parts += (http_date(), _end(close), body)
         self.write(b"".join(parts))
         self.close_after = close
 

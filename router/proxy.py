@@ -23,8 +23,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from router.h1client import H1Client, H1Response
-from router.lean import LeanRequest, LeanSent, LeanStream
+from router.h1client import H1Client, ReaderTimeoutError
+from router.lean import LeanSent, LeanStream
 from router.errors import BadRequest, error_response, sse_error_event
 from router.models import names_unknown_model, no_replica_response, unknown_model
 from router.outlier import Inflight
@@ -34,6 +34,7 @@ from router.replicas import Replica, ReplicaSet
 from router.routing import Route, Router
 from router.settings import RouterSettings
 from router.telemetry import RouterMetrics
+from router.transport import AiohttpRequest, Downstream, UpstreamResponse, refuse, upstreams
 from router.upstream import UpstreamError, classify, request_headers, response_headers
 
 log = logging.getLogger("router.proxy")
@@ -41,7 +42,7 @@ log = logging.getLogger("router.proxy")
 # What a generation request gets: aiohttp's response to send, or the lean listener's already sent.
 Answer = web.StreamResponse | LeanStream | LeanSent
 # The first attempt started before the request's task ran: its route and, when sent, the upstream response due.
-_Started = tuple[Route, Awaitable[H1Response] | None]
+_Started = tuple[Route, Awaitable[UpstreamResponse] | None]
 
 
 async def _ready(answer: Answer) -> Answer:
@@ -77,15 +78,6 @@ def route_headers(route: Route, upstream_headers, replica_header: bool) -> Any:
 
 class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
-
-
-def _refuse(exc: BadRequest, request: web.Request | LeanRequest) -> web.Response:
-    """The 4xx of a refused request; the connection is closed if its body was not read to the end (a slow,
-    broken or oversized body is not worth draining; a lean request's body is always whole)."""
-    resp = exc.response()
-    if isinstance(request, web.BaseRequest) and request.body_exists and not request.content.is_eof():
-        resp.force_close()
-    return resp
 
 
 def _code_class(status: int) -> str:
@@ -163,7 +155,7 @@ class Proxy:
         self.router = router
         self.metrics = metrics
         self._session = session_getter
-        self._h1 = h1_getter
+        self._upstreams = upstreams(settings.lean_client, h1_getter, session_getter)  # by URL scheme
         self.draining = False
         self.inflight = 0
         self._children: dict[tuple[str, str, str], _Children] = {}
@@ -181,55 +173,47 @@ class Proxy:
     # --- OpenAI generation endpoints ---------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.generate(request, chat=False)
+        return await self._generate(request, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.generate(request, chat=True)
+        return await self._generate(request, chat=True)
 
-    def generate(self, request: web.Request | LeanRequest, chat: bool) -> Awaitable[Answer]:
-        """A completion or chat completion, from aiohttp's request or the lean listener's (router.lean): an
-        awaitable of the response to send, or for a stream of the one already sent.
+    async def _generate(self, request: web.Request, chat: bool) -> Answer:
+        """A generation request through aiohttp's server side: its body read, then as from the lean listener."""
+        try:
+            raw = b"" if self.draining else await self._read_body(request)
+        except BadRequest as exc:
+            return refuse(exc.response(), request)
+        return await self.generate(AiohttpRequest(request, raw), chat)
 
-        A lean request's body is in hand, so its start runs now, before the caller's task first runs: parsing,
-        the decision and, on an idle kept-alive connection, the send upstream (the event loop's turn before the
-        task starts was 30-40 us of each request's wait at low load). The awaitable must be run, or what the start
+    def generate(self, request: Downstream, chat: bool) -> Awaitable[Answer]:
+        """A completion or chat completion whose body is in hand (router.transport.Downstream): an awaitable of
+        the response to send, or for a stream of the one already sent.
+
+        Its start runs now, before the caller's task first runs: parsing, the decision and, on an idle
+        kept-alive connection, the send upstream (on the lean listener the event loop's turn before the task
+        starts was 30-40 us of each request's wait at low load). The awaitable must be run, or what the start
         took stays taken: router.lean cancels a request only after its task's first step."""
-        if not isinstance(request, LeanRequest):
-            return self._generate(request, chat)
         t0 = time.perf_counter()
-        admitted = self._admit(request, request.body, chat)
+        admitted = self._admit(request, chat)
         if not isinstance(admitted, tuple):
             return _ready(admitted)
         body, info = admitted
+        raw = request.body
         path = GENERATION_PATHS[chat]
         headers = request_headers(request.headers, request.remote)
-        first = self._start_now(info, request.body, headers, path)
+        first = self._start_now(info, raw, headers, path)
         self.inflight += 1
-        return self._run(request, request.body, info, headers, body.get("stream") is True, t0, path, first)
+        return self._run(request, raw, info, headers, body.get("stream") is True, t0, path, first)
 
-    async def _generate(self, request: web.Request, chat: bool) -> Answer:
-        t0 = time.perf_counter()
-        try:
-            raw = None if self.draining else await self._read_body(request)
-        except BadRequest as exc:
-            return _refuse(exc, request)
-        admitted = self._admit(request, raw, chat)
-        if not isinstance(admitted, tuple):
-            return admitted
-        body, info = admitted
-        self.inflight += 1
-        return await self._run(request, raw, info, request_headers(request.headers, request.remote),
-                               body.get("stream") is True, t0, GENERATION_PATHS[chat], None)
-
-    def _admit(self, request: web.Request | LeanRequest, raw: bytes | None, chat: bool
-               ) -> tuple[dict[str, Any], RequestInfo] | web.Response:
+    def _admit(self, request: Downstream, chat: bool) -> tuple[dict[str, Any], RequestInfo] | web.Response:
         """(the body, what routing reads of it), or the refusal: draining, not JSON, invalid, an unknown model."""
         if self.draining:
             return error_response(503, "router is shutting down", "server_error", code="draining",
                                   headers={"Connection": "close"})
         try:
             try:
-                body = loads(raw)
+                body = loads(request.body)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise BadRequest(f"request body is not valid JSON: {exc}") from None
             except RecursionError:
@@ -239,7 +223,7 @@ class Proxy:
                 raise refused
             return body, self.router.request_info(body, chat, request.headers)
         except BadRequest as exc:
-            return _refuse(exc, request)
+            return request.refuse(exc.response())
 
     def _start_now(self, info: RequestInfo, raw: bytes, headers, path: str) -> _Started | None:
         """The first attempt's decision and, on an idle kept-alive connection with room under the limit, its
@@ -252,12 +236,12 @@ class Proxy:
             return None
         try:
             url = route.replica.url
-            return route, self._h1().pool(url).send_now(path, raw, headers) if url.scheme == "http" else None
+            return route, self._upstreams[url.scheme].send_now(url, path, raw, headers)
         except BaseException:
             self.router.release(route)
             raise
 
-    async def _run(self, request: web.Request | LeanRequest, raw: bytes, info: RequestInfo, headers, stream: bool,
+    async def _run(self, request: Downstream, raw: bytes, info: RequestInfo, headers, stream: bool,
                    t0: float, path: str, first: _Started | None) -> Answer:
         try:
             return await self._forward(request, raw, info, headers, stream, t0, path, first)
@@ -287,7 +271,7 @@ class Proxy:
             raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")
         return raw
 
-    async def _forward(self, request: web.Request | LeanRequest, raw: bytes, info: RequestInfo, headers,
+    async def _forward(self, request: Downstream, raw: bytes, info: RequestInfo, headers,
                        stream: bool, t0: float, path: str, first: _Started | None) -> Answer:
         tried: set[str] = set()
         last: UpstreamError | None = None
@@ -342,27 +326,25 @@ class Proxy:
                 self.metrics.client_caused_failures.labels(kind).inc()
 
     async def _attempt(
-        self, request: web.Request | LeanRequest, route: Route, raw: bytes, headers, stream: bool, t0: float, can_retry: bool,
-        path: str, sent: Awaitable[H1Response] | None = None,
+        self, request: Downstream, route: Route, raw: bytes, headers, stream: bool, t0: float, can_retry: bool,
+        path: str, sent: Awaitable[UpstreamResponse] | None = None,
     ) -> Answer:
         """One upstream attempt (`sent`: the request already on its way, from _start_now). Raises UpstreamError
         only while nothing has reached the client."""
         rep = route.replica
         route.stream = stream
         ch = self.children(route)
-        resp: aiohttp.ClientResponse | H1Response | None = None
+        resp: UpstreamResponse | None = None
         clean = False  # the upstream body was read to its end: the connection may be reused
         outlier = rep.outlier
         inflight: Inflight | None = None
         try:
             try:
-                url = rep.url
                 if sent is not None:
                     post = sent
-                elif url.scheme == "http":  # the lean keep-alive client; https goes through aiohttp's session
-                    post = self._h1().pool(url).post(path, raw, headers)
                 else:
-                    post = self._session().post(url.with_path(path), data=raw, headers=headers)
+                    url = rep.url
+                    post = self._upstreams[url.scheme].post(url, path, raw, headers)
                 if stream:  # the first byte is due within first_byte_timeout_s
                     async with asyncio.timeout(self._first_byte_timeout) as cm:
                         inflight = Inflight(cm, None)
@@ -396,13 +378,10 @@ class Proxy:
                 e2e = now - t0
                 route.outcome = Outcome(status < 300, None, e2e)
                 answer_headers = route_headers(route, resp.headers, self._replica_header)
-                if isinstance(request, LeanRequest):  # sent now: the accounting below is off the client's wait
-                    try:
-                        out = request.respond(status, answer_headers, first)
-                    except ConnectionError as exc:
-                        raise _ClientGone() from exc
-                else:
-                    out = web.Response(status=status, body=first, headers=answer_headers)
+                try:  # the lean listener sends it now: the accounting below is off the client's wait
+                    out = request.respond(status, answer_headers, first)
+                except ConnectionError as exc:
+                    raise _ClientGone() from exc
                 self._judge(rep, status, stream, now - t0 if stream and route.found_idle else None)
                 ch.e2e.observe(e2e)
                 ch.codes[_code_class(status)].inc()
@@ -435,7 +414,7 @@ class Proxy:
             self.replicas.record_success(rep, stream, idle_ttfb_s)
 
     async def _stream(
-        self, request: web.Request | LeanRequest, route: Route, resp: aiohttp.ClientResponse | H1Response, first: bytes, t0: float,
+        self, request: Downstream, route: Route, resp: UpstreamResponse, first: bytes, t0: float,
         ch: _Children, inflight: Inflight,
     ) -> Answer:
         rep = route.replica
@@ -447,11 +426,7 @@ class Proxy:
         last_t = 0.0
         chunk = first
         try:
-            if isinstance(request, LeanRequest):
-                out = request.stream(resp.status, headers)
-            else:
-                out = web.StreamResponse(status=resp.status, headers=headers)
-                await out.prepare(request)
+            out = request.stream(resp.status, headers)
         except ConnectionError as exc:
             raise _ClientGone() from exc
         content = resp.content
@@ -489,11 +464,15 @@ class Proxy:
                         chunk += more
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 kind = classify(exc)
-                self.metrics.upstream_errors.labels(rep.id, kind).inc()
-                self.replicas.record_failure(rep, True)
+                if isinstance(exc, ReaderTimeoutError):  # the client stopped reading: not the replica's fault
+                    log.info("stream from %s cut after %d events: the client read nothing for %s s", rep.id, events,
+                             self.settings.idle_timeout_s)
+                else:
+                    self.metrics.upstream_errors.labels(rep.id, kind).inc()
+                    self.replicas.record_failure(rep, True)
+                    log.info("stream from %s broke after %d events: %s", rep.id, events, exc)
                 ch.codes["error"].inc()
                 route.outcome = Outcome(False, ttft, time.perf_counter() - t0, events)
-                log.info("stream from %s broke after %d events: %s", rep.id, events, exc)
                 try:
                     await out.write(sse_error_event(f"upstream {rep.id} failed mid-stream ({kind})"))
                     await out.write_eof()
@@ -531,7 +510,7 @@ class Proxy:
         try:
             raw = await self._read_body(request) if request.can_read_body else None
         except BadRequest as exc:
-            return _refuse(exc, request)
+            return refuse(exc.response(), request)
         upstream_path = encode_path(path)
         tried: set[str] = set()
         for _ in range(self.settings.max_retries + 1):

@@ -76,6 +76,9 @@ class RouterSettings(BaseSettings):
                              "many times")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest request body accepted")
     max_connections: int = Field(0, ge=0, description="upstream connection pool size; 0 = unlimited")
+    lean_client: bool = Field(True, description="send generation requests to plain-http replicas with the lean "
+                              "HTTP/1.1 client (router/h1client.py) instead of aiohttp's client; https replicas "
+                              "always use aiohttp's")
     passthrough_paths: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_PASSTHROUGH_PATHS),
         description="paths besides /v1/completions and /v1/chat/completions forwarded to a replica (GET/POST); "

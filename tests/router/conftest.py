@@ -7,6 +7,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
 
@@ -30,6 +31,16 @@ FAST = dict(
 )
 
 
+# Each side's transport: the lean listener or aiohttp's server side downstream, h1client or aiohttp's client
+# upstream (plain-http replicas). The ids read downstream-upstream.
+TRANSPORTS = {
+    "lean-h1": dict(lean_listener=True, lean_client=True),
+    "lean-aiohttp": dict(lean_listener=True, lean_client=False),
+    "aiohttp-h1": dict(lean_listener=False, lean_client=True),
+    "aiohttp-aiohttp": dict(lean_listener=False, lean_client=False),
+}
+
+
 async def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
     """Poll until `cond()`; the timeout is an outer bound for a busy host, never what a test asserts."""
     deadline = asyncio.get_running_loop().time() + timeout
@@ -48,4 +59,11 @@ async def fakes() -> AsyncIterator[Callable[..., Awaitable[list[FakeVllm]]]]:
 @pytest_asyncio.fixture
 async def router_client() -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
     async with router_apps(FAST) as start:
+        yield start
+
+
+@pytest_asyncio.fixture(params=list(TRANSPORTS))
+async def router_paths(request: pytest.FixtureRequest) -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
+    """router_client on each of the four transport paths (a test that uses it runs four times)."""
+    async with router_apps({**FAST, **TRANSPORTS[request.param]}) as start:
         yield start

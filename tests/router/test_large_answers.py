@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -19,9 +20,12 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
+from router.app import METRICS, REPLICAS
 from router.h1client import HIGH_WATER, H1Client
 from router.settings import RouterSettings
 from router.upstream import classify, make_h1_client, make_session
+from tests.fakes.scripted_replica import ScriptedReplica, chunked
+from tests.router.conftest import wait_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -226,11 +230,11 @@ async def test_a_reader_that_takes_in_time_gets_everything_however_long_it_takes
     server.close()
 
 
-async def test_a_1mb_answer_through_the_router_returns_whole_and_ejects_nobody(fakes, router_client):
+async def test_a_1mb_answer_through_the_router_returns_whole_and_ejects_nobody(fakes, router_paths):
     """Through the running router with a peer to retry on: the old client hung on such an answer until the stall
     detector (here 2 s) ejected the healthy replica and ran the request again on the next one."""
     a, b = await fakes(2)
-    client = await router_client([a.url, b.url], admin_token="t", stall_timeout_s=2)
+    client = await router_paths([a.url, b.url], admin_token="t", stall_timeout_s=2)
     n = 120_000  # about 1.1 MB of " tok<i>"
     async with asyncio.timeout(60):
         for _ in range(2):
@@ -242,3 +246,37 @@ async def test_a_1mb_answer_through_the_router_returns_whole_and_ejects_nobody(f
     assert a.requests + b.requests == 2  # nothing ran twice
     listed = await (await client.get("/admin/replicas", headers={"Authorization": "Bearer t"})).json()
     assert [(r["ejections"], r["routable"], r["breaker"]["trips"]) for r in listed["replicas"]] == [({}, True, 0)] * 2
+
+
+@pytest.mark.parametrize("lean_listener", [True, False], ids=["lean", "aiohttp"])
+async def test_a_client_that_stops_reading_a_stream_is_not_the_replicas_fault(fakes, router_client, lean_listener):
+    """A stream the client stops reading: the router stops reading the replica (HIGH_WATER unread), and once
+    idle_timeout_s passes without the router taking, h1client drops the replica's connection (the replica is
+    freed). The client, reading again, gets what came before and an error event; the replica is not blamed."""
+    event = b"data: " + b"x" * (MB - 8) + b"\n\n"
+    replica = ScriptedReplica({"big": chunked(200, [event] * 16, [("Content-Type", "text/event-stream")])})
+    url = await replica.start()
+    try:
+        client = await router_client([url], idle_timeout_s=0.5, first_byte_timeout_s=10, lean_listener=lean_listener)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client's kernel holds little
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (client.host, client.port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+        body = json.dumps({"model": "tiny", "prompt": "big", "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        async with asyncio.timeout(60):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            await wait_for(lambda: replica.drops == 1, timeout=50)  # reading nothing meanwhile
+            rest = await reader.read()  # to the end: the router closes the connection
+        writer.close()
+    finally:
+        await replica.stop()
+    assert b'"error"' in rest[-300:] and b"upstream" in rest[-300:]
+    assert rest.count(b"x" * 1000) < 16 * (MB // 1000)  # cut: not all 16 MB came
+    rid = url.removeprefix("http://")
+    assert client.app[METRICS].registry.get_sample_value(
+        "llm_router_upstream_errors_total", {"replica": rid, "kind": "timeout"}) is None
+    rep = client.app[REPLICAS].by_id[rid]
+    assert rep.breaker.consecutive_failures == 0 and rep.routable

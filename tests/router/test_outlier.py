@@ -64,10 +64,10 @@ async def test_replica_breaking_every_stream_is_ejected_then_readmitted(fakes, r
     assert 'llm_router_replica_ejections_total{reason="stream_failures"' in await admin.text()
 
 
-async def test_hanging_replica_does_not_hold_a_non_streamed_request(fakes, router_client):
+async def test_hanging_replica_does_not_hold_a_non_streamed_request(fakes, router_paths):
     a, b = await fakes(2, token_delay_s=0.01)
     a.mode = "hang"
-    client = await router_client([a.url, b.url], policy="round-robin", stall_timeout_s=0.5,
+    client = await router_paths([a.url, b.url], policy="round-robin", stall_timeout_s=0.5,
                                  breaker_failure_threshold=100, health_interval_s=0.05)
     api = oai(client)
     loop = asyncio.get_running_loop()

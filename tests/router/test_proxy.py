@@ -29,9 +29,9 @@ def sample(client, name: str, **labels) -> float | None:
     return client.app[METRICS].registry.get_sample_value(name, labels)
 
 
-async def test_non_streaming_completion_and_chat(fakes, router_client):
+async def test_non_streaming_completion_and_chat(fakes, router_paths):
     a, b = await fakes(2)
-    client = await router_client([a.url, b.url])
+    client = await router_paths([a.url, b.url])
     api = oai(client)
     r = await api.completions.create(model="tiny", prompt="hello there", max_tokens=3)
     assert r.choices[0].text == " tok0 tok1 tok2"
@@ -47,9 +47,9 @@ async def test_non_streaming_completion_and_chat(fakes, router_client):
     assert total == 2
 
 
-async def test_streaming_passthrough_measures_ttft(fakes, router_client):
+async def test_streaming_passthrough_measures_ttft(fakes, router_paths):
     (a,) = await fakes(1, token_delay_s=0.01)
-    client = await router_client([a.url])
+    client = await router_paths([a.url])
     api = oai(client)
     stream = await api.completions.create(model="tiny", prompt="x", max_tokens=5, stream=True)
     texts = [ch.choices[0].text async for ch in stream]
@@ -116,9 +116,9 @@ async def test_bad_input_gets_openai_error(fakes, router_client, payload, status
     assert a.requests == 0
 
 
-async def test_bad_chat_messages_and_oversized_body(fakes, router_client):
+async def test_bad_chat_messages_and_oversized_body(fakes, router_paths):
     (a,) = await fakes(1)
-    client = await router_client([a.url], max_body_bytes=2048)
+    client = await router_paths([a.url], max_body_bytes=2048)
     resp = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": "hi"})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages"
     resp = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"content": "x"}]})
@@ -202,10 +202,10 @@ async def test_no_healthy_replica_is_503(fakes, router_client):
     assert (await client.get("/health")).status == 200
 
 
-async def test_retry_before_first_byte_goes_to_another_replica(fakes, router_client):
+async def test_retry_before_first_byte_goes_to_another_replica(fakes, router_paths):
     a, b = await fakes(2)
     a.mode = "error_500"
-    client = await router_client([a.url, b.url], policy="round-robin", breaker_failure_threshold=100)
+    client = await router_paths([a.url, b.url], policy="round-robin", breaker_failure_threshold=100)
     api = oai(client)
     for i in range(4):
         r = await api.completions.create(model="tiny", prompt="x", max_tokens=1, stream=bool(i % 2))
@@ -220,11 +220,11 @@ async def test_retry_before_first_byte_goes_to_another_replica(fakes, router_cli
     assert outstanding(client) == 0
 
 
-async def test_connect_error_and_first_byte_timeout_are_retried(fakes, router_client):
+async def test_connect_error_and_first_byte_timeout_are_retried(fakes, router_paths):
     a, b = await fakes(2)
     b.mode = "hang_stream"
     dead = "http://127.0.0.1:9"  # discard port: nothing listens
-    client = await router_client([dead, a.url, b.url], policy="round-robin", health_failure_threshold=100,
+    client = await router_paths([dead, a.url, b.url], policy="round-robin", health_failure_threshold=100,
                                  breaker_failure_threshold=100, max_retries=2)
     for r in client.app[REPLICAS].ordered:  # treat the dead one as healthy, serving the model, until requests fail on it
         r.probe_ok, r.models, r.models_known = True, frozenset({"tiny"}), True
@@ -243,19 +243,19 @@ async def test_connect_error_and_first_byte_timeout_are_retried(fakes, router_cl
     assert outstanding(client) == 0
 
 
-async def test_all_attempts_fail_gives_5xx_openai_error(fakes, router_client):
+async def test_all_attempts_fail_gives_5xx_openai_error(fakes, router_paths):
     (a,) = await fakes(1)
     a.mode = "error_500"
-    client = await router_client([a.url], breaker_failure_threshold=100)
+    client = await router_paths([a.url], breaker_failure_threshold=100)
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert resp.status == 500  # the replica's own answer on the last attempt
     assert outstanding(client) == 0
 
 
-async def test_reset_mid_stream_is_an_error_not_a_hang(fakes, router_client):
+async def test_reset_mid_stream_is_an_error_not_a_hang(fakes, router_paths):
     (a,) = await fakes(1)
     a.mode = "reset_mid_stream"
-    client = await router_client([a.url], breaker_failure_threshold=100)
+    client = await router_paths([a.url], breaker_failure_threshold=100)
     stream = await oai(client).completions.create(model="tiny", prompt="x", max_tokens=6, stream=True)
     got = []
     with pytest.raises(openai.APIError):
@@ -269,9 +269,9 @@ async def test_reset_mid_stream_is_an_error_not_a_hang(fakes, router_client):
                   kind="reset") == 1
 
 
-async def test_client_disconnect_mid_stream_releases_slot_once(fakes, router_client):
+async def test_client_disconnect_mid_stream_releases_slot_once(fakes, router_paths):
     (a,) = await fakes(1, token_delay_s=0.05)
-    client = await router_client([a.url])
+    client = await router_paths([a.url])
     async with aiohttp.ClientSession() as s:
         resp = await s.post(client.make_url("/v1/completions"),
                             json={"model": "tiny", "prompt": "x", "max_tokens": 200, "stream": True})
@@ -287,10 +287,10 @@ async def test_client_disconnect_mid_stream_releases_slot_once(fakes, router_cli
     assert tracker.outstanding == 0
 
 
-async def test_client_disconnect_before_first_byte_releases_slot(fakes, router_client):
+async def test_client_disconnect_before_first_byte_releases_slot(fakes, router_paths):
     (a,) = await fakes(1)
     a.mode = "hang"
-    client = await router_client([a.url])
+    client = await router_paths([a.url])
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(s.post(client.make_url("/v1/completions"),
                                           json={"model": "tiny", "prompt": "x"}))
@@ -303,9 +303,9 @@ async def test_client_disconnect_before_first_byte_releases_slot(fakes, router_c
     assert client.app[REPLICAS].ordered[0].tracker.outstanding == 0
 
 
-async def test_hop_by_hop_headers_are_stripped_both_ways(fakes, router_client):
+async def test_hop_by_hop_headers_are_stripped_both_ways(fakes, router_paths):
     (a,) = await fakes(1)
-    client = await router_client([a.url])
+    client = await router_paths([a.url])
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, headers={
         "Connection": "keep-alive, X-Drop-Me", "X-Drop-Me": "1", "TE": "trailers", "Proxy-Authorization": "p",
         "Keep-Alive": "timeout=5", "X-Keep-Me": "2",

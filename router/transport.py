@@ -1,0 +1,167 @@
+"""The proxy's two sides, one interface each, so `Proxy` reads the same code whichever transport carries a request.
+
+Downstream, a generation request whose body is in hand (`Downstream`): the lean listener's `LeanRequest`
+(router/lean.py) or `AiohttpRequest` here, around aiohttp's web.Request. Each answers with `respond` (a whole
+answer), `stream` (a chunked one, written with `write` / `write_eof`) or `refuse` (a 4xx from the router).
+
+Upstream, a replica's answer (`UpstreamResponse`): h1client's H1Response or aiohttp's ClientResponse, which
+already read alike (status, headers, a body read with readany / read_nowait / at_eof, read, release, close). An
+`Upstream` sends a request: `H1Upstream` with the lean client (plain http only), `SessionUpstream` with aiohttp's.
+`upstreams` picks one per URL scheme from the settings, so a request costs a dict lookup, no branch.
+
+`lean_listener: false` and `lean_client: false` force aiohttp's side (the library path) on each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from router.h1client import H1Client
+
+
+class StreamOut(Protocol):
+    """A chunked answer to the client. Writes to a client that is gone raise ConnectionError."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self, data: bytes = b"") -> None: ...
+
+
+class Downstream(Protocol):
+    """A generation request with its whole body, and how to answer it."""
+
+    headers: Mapping[str, str]
+    remote: str | None
+    body: bytes
+
+    def respond(self, status: int, headers: Any, body: bytes) -> Any:
+        """A whole answer: what the request's handler returns (sent now on the lean listener). May raise
+        ConnectionError when the client is gone."""
+
+    def stream(self, status: int, headers: Any) -> StreamOut:
+        """A chunked answer; its head goes out with the first write. May raise ConnectionError."""
+
+    def refuse(self, resp: web.Response) -> web.Response:
+        """The router's own 4xx or 503, ready to return."""
+
+
+class UpstreamBody(Protocol):
+    async def readany(self) -> bytes: ...
+
+    def read_nowait(self) -> bytes: ...
+
+    def at_eof(self) -> bool: ...
+
+
+class UpstreamResponse(Protocol):
+    status: int
+    headers: Mapping[str, str]
+    content: UpstreamBody
+
+    async def read(self) -> bytes: ...
+
+    def release(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class Upstream(Protocol):
+    def send_now(self, url: URL, path: str, raw: bytes, headers: CIMultiDict[str]) -> Awaitable[UpstreamResponse] | None:
+        """The request sent now (an idle kept-alive connection with room under the limit), its response due from
+        the awaitable (await it once); None: nothing sent, call `post`."""
+
+    def post(self, url: URL, path: str, raw: bytes, headers: CIMultiDict[str]) -> Awaitable[UpstreamResponse]:
+        """Sends the request; the awaitable gives the response once its head arrived (the body is read after)."""
+
+
+class H1Upstream:
+    """router.h1client's pools (plain http only)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: Callable[[], H1Client]) -> None:
+        self._client = client  # the client exists once the app starts
+
+    def send_now(self, url: URL, path: str, raw: bytes, headers: CIMultiDict[str]) -> Awaitable[UpstreamResponse] | None:
+        return self._client().pool(url).send_now(path, raw, headers)
+
+    def post(self, url: URL, path: str, raw: bytes, headers: CIMultiDict[str]) -> Awaitable[UpstreamResponse]:
+        return self._client().pool(url).post(path, raw, headers)
+
+
+class SessionUpstream:
+    """aiohttp's ClientSession (http and https)."""
+
+    __slots__ = ("_session",)
+
+    def __init__(self, session: Callable[[], aiohttp.ClientSession]) -> None:
+        self._session = session
+
+    def send_now(self, url: URL, path: str, raw: bytes, headers: CIMultiDict[str]) -> None:
+        return None  # aiohttp's client sends once awaited
+
+    def post(self, url: URL, path: str, raw: bytes, headers: CIMultiDict[str]) -> Awaitable[UpstreamResponse]:
+        return self._session().post(url.with_path(path), data=raw, headers=headers)  # type: ignore[return-value]
+
+
+def upstreams(lean_client: bool, h1: Callable[[], H1Client],
+              session: Callable[[], aiohttp.ClientSession]) -> dict[str, Upstream]:
+    """The Upstream of each replica URL scheme."""
+    library = SessionUpstream(session)
+    return {"http": H1Upstream(h1) if lean_client else library, "https": library}
+
+
+class _LazyStream(web.StreamResponse):
+    """aiohttp's StreamResponse, prepared by its first write (the lean listener's stream sends its head with its
+    first chunk too): `stream` stays synchronous on both sides."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: web.Request, status: int, headers: Any) -> None:
+        super().__init__(status=status, headers=headers)
+        self._request = request
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self.prepared:
+            await self.prepare(self._request)
+        await super().write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if not self.prepared:
+            await self.prepare(self._request)
+        await super().write_eof(data)
+
+
+class AiohttpRequest:
+    """A generation request that came through aiohttp's server side, its body read (Proxy._read_body)."""
+
+    __slots__ = ("_request", "headers", "remote", "body")
+
+    def __init__(self, request: web.Request, body: bytes) -> None:
+        self._request = request
+        self.headers = request.headers
+        self.remote = request.remote
+        self.body = body
+
+    def respond(self, status: int, headers: Any, body: bytes) -> web.Response:
+        return web.Response(status=status, body=body, headers=headers)
+
+    def stream(self, status: int, headers: Any) -> web.StreamResponse:
+        return _LazyStream(self._request, status, headers)
+
+    def refuse(self, resp: web.Response) -> web.Response:
+        return refuse(resp, self._request)
+
+
+def refuse(resp: web.Response, request: web.BaseRequest) -> web.Response:
+    """A refusal of an aiohttp request closes its connection if its body was not read to the end (a slow, broken
+    or oversized body is not worth draining)."""
+    if request.body_exists and not request.content.is_eof():
+        resp.force_close()
+    return resp
