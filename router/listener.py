@@ -145,8 +145,9 @@ class GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._close or self._force_close:
             return
-        # at a head's start: the first request, or a kept-alive connection waiting for the next (a head pipelined
-        # behind a body is held to max_field_size per line and aiohttp's header count only)
+        # Measured here: aiohttp's parser bounds a line (max_field_size) and the header count, not the head. At a
+        # head's start (the first request, or a kept-alive connection waiting for the next) the head is measured
+        # whole; one pipelined behind a body meets aiohttp's own limits, answered 431 as well (handle_error).
         at_head = data and not self._messages and not self._request_in_progress and (
             self._request_count == 0 or (self._waiter is not None and not self._waiter.done()))
         if data:
