@@ -160,7 +160,7 @@ class DecisionLogWriter:
         self._queue.put(_STOP)  # blocks only at shutdown, when the queue is full
         t.join(timeout_s)
         self._thread = None
-        if self._fd is not None:
+        if self._fd is not None and not t.is_alive():  # a writer still stuck in a write keeps its file (and fd number)
             os.close(self._fd)
             self._fd = None
 
