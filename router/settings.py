@@ -228,6 +228,17 @@ class RouterSettings(BaseSettings):
     workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port and the host's in-flight "
                          "load (router.workers); 1 = a single process")
 
+    # shared fleet view across router processes on several hosts (router/fleet_view.py)
+    shared_state: str | None = Field(None, description="redis://HOST:PORT/DB (or rediss://, unix://) of a Redis or "
+                                     "Valkey that the fleet's routers share their in-flight counts through; unset = "
+                                     "each router decides on its own counts")
+    shared_state_interval_s: float = Field(0.01, gt=0, le=1.0, description="seconds between syncs with shared_state "
+                                           "(publish this router's changed counts, read the others' sums)")
+    shared_state_ttl_s: float = Field(2.0, gt=0, description="a router that stops syncing (dead, cut off) stops "
+                                      "counting in the others' views after this long")
+    shared_state_timeout_s: float = Field(0.2, gt=0, description="a sync unanswered this long fails: the router "
+                                          "decides on its own counts until one succeeds")
+
     @field_validator("passthrough_paths", mode="before")
     @classmethod
     def _split_paths(cls, v: Any) -> Any:
@@ -354,6 +365,15 @@ class RouterSettings(BaseSettings):
             self.late_binding = trained_behind_late_binding(self.policy)
         if self.scrape_timeout_s > self.scrape_interval_s:
             raise ValueError(f"scrape_timeout_s={self.scrape_timeout_s}: must not exceed scrape_interval_s={self.scrape_interval_s}")
+        if self.shared_state is not None:
+            scheme = self.shared_state.partition("://")[0] if "://" in self.shared_state else ""
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ValueError(f"shared_state={redact_url(self.shared_state)!r}: expected redis://HOST:PORT/DB, "
+                                 "rediss://... or unix://PATH")
+            if self.shared_state_ttl_s <= self.shared_state_interval_s + self.shared_state_timeout_s:
+                raise ValueError(f"shared_state_ttl_s={self.shared_state_ttl_s}: must exceed shared_state_interval_s "
+                                 f"+ shared_state_timeout_s ({self.shared_state_interval_s + self.shared_state_timeout_s:g}), "
+                                 "or live routers would expire between syncs")
         return self
 
 
@@ -396,9 +416,17 @@ def build_settings(config_file: str | Path | None = None, *, explicit_none: Iter
     return RouterSettings(**merged)
 
 
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) shown as "<redacted>"."""
+    u = URL(url)
+    return str(u.with_password("REDACTED")).replace("REDACTED", "<redacted>") if u.password else url
+
+
 def redacted(settings: RouterSettings) -> dict[str, Any]:
-    """The effective settings as JSON values, secrets (the admin token) shown as "<redacted>"."""
+    """The effective settings as JSON values, secrets (the admin token, a URL's password) shown as "<redacted>"."""
     data = settings.model_dump(mode="json")
+    if data.get("shared_state"):
+        data["shared_state"] = redact_url(data["shared_state"])
     for name, field in RouterSettings.model_fields.items():
         if field.annotation is not None and "SecretStr" in str(field.annotation) and data.get(name) is not None:
             data[name] = "<redacted>"
