@@ -37,10 +37,6 @@ class Query:
         return bool(re.search(r'llm_router_ab_|arm="(treatment|control)"', self.expr))
 
     @property
-    def needs_candidate(self) -> bool:  # a fine-tuned candidate's model card (trainer follow)
-        return "llm_router_policy_candidate_mae_log_ttft" in self.expr
-
-    @property
     def needs_shadow(self) -> bool:
         return "llm_router_shadow_" in self.expr
 

@@ -18,8 +18,9 @@ What "returns data" means: a non-empty result with at least one finite sample. D
 and the variable query must return data. A whole alert expression must evaluate without error but
 may be empty (its threshold is not crossed under healthy traffic: that is the point); each of its
 "signals" (every and/or/unless operand with its trailing threshold comparison removed, see
-queries.alert_signals) must return data. Queries on A/B (arm control/treatment, llm_router_ab_*)
-and shadow metrics are checked for data only when the router has --ab-treatment / --shadow-policy.
+queries.alert_signals) must return data. The router runs an A/B split, a shadow policy and automatic
+promotion, and a candidate (the shipped model with a fine-tuning card beside it) is reloaded into the treatment
+arm before the traffic, so every panel, the candidate's prediction error included, has data.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +50,8 @@ from .tools import require_tool
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 TRAFFIC_S = 5.0
+ADMIN_TOKEN = "observability-test-token"
+CANDIDATE_CARD = {"finetune": {"validation_before": {"mae_log_ttft": 0.61}, "validation_after": {"mae_log_ttft": 0.42}}}
 
 
 def free_port() -> int:
@@ -127,8 +131,6 @@ class Prometheus:
 class Stack:
     prometheus: Prometheus
     router_url: str
-    ab: bool
-    shadow: bool
     traffic: dict
 
 
@@ -141,7 +143,20 @@ def router_help() -> str:
     return r.stdout
 
 
-def drive_traffic(base_url: str, ab: bool, seconds: float) -> dict:
+def load_candidate(router_url: str, tmp: Path) -> None:
+    """What `trainer follow` hands over: a model with its card (NAME.json) beside it, reloaded into the treatment."""
+    from router.policy.registry import DEFAULT_MODEL_PATH
+
+    model = Path(shutil.copy(DEFAULT_MODEL_PATH, tmp / "candidate.onnx"))
+    model.with_suffix(".json").write_text(json.dumps(CANDIDATE_CARD))
+    req = urllib.request.Request(f"{router_url}/admin/policy/reload", method="POST",
+                                 data=json.dumps({"path": str(model), "arm": "treatment"}).encode(),
+                                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200, r.read()
+
+
+def drive_traffic(base_url: str, seconds: float) -> dict:
     """Mixed OpenAI traffic for `seconds`; returns counts per outcome."""
     import openai
 
@@ -197,7 +212,7 @@ def stack(tmp_path_factory) -> Stack:
     prometheus_bin = require_tool("prometheus")
     tmp = tmp_path_factory.mktemp("observability")
     help_text = router_help()
-    ab, shadow = "--ab-treatment" in help_text, "--shadow-policy" in help_text
+    assert "--ab-treatment" in help_text and "--shadow-policy" in help_text, help_text
     procs = Processes()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
@@ -224,19 +239,20 @@ def stack(tmp_path_factory) -> Stack:
             # late binding with one request per replica: the 4 clients outnumber the routable replicas, so
             # requests are held and the late-binding panels have data
             "late_binding": True, "late_binding_max_num_seqs": 1, "late_binding_timeout_s": 0.5,
+            # a model reloaded into the treatment arm is a candidate: its card's prediction error is exported
+            "ab_auto_promote": True, "admin_token": ADMIN_TOKEN,
         }))
         router_port = free_port()
         router_url = f"http://127.0.0.1:{router_port}"
         cmd = [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(router_port),
                *(arg for url in (*fakes, dead) for arg in ("--replica", url)),
-               "--policy", "least-outstanding", "--config", str(config)]
-        if shadow:
-            cmd += ["--shadow-policy", "round-robin"]
-        if ab:
-            cmd += ["--ab-treatment", "power-of-two", "--ab-share", "0.5"]
+               "--policy", "learned", "--config", str(config)]
+        # automatic promotion judges learned arms only: the shipped model on both, until the candidate arrives
+        cmd += ["--shadow-policy", "round-robin", "--ab-treatment", "learned", "--ab-share", "0.5"]
         router_log = tmp / "router.log"
         router = procs.start("router", cmd, router_log, env)
         wait_for("router /ready", lambda: http_get(f"{router_url}/ready")[0] == 200, 60, router, router_log)
+        load_candidate(router_url, tmp)
 
         prom_port = free_port()
         prom_config = tmp / "prometheus.yml"
@@ -256,29 +272,20 @@ def stack(tmp_path_factory) -> Stack:
         wait_for("first scrape of the router", lambda: prom.query('up{job="routewise-router"} == 1'), 30,
                  prom_proc, prom_log)
 
-        traffic = drive_traffic(router_url, ab, TRAFFIC_S)
+        traffic = drive_traffic(router_url, TRAFFIC_S)
         # Prometheus has scraped everything once its copy of the request counter matches the router's.
         want = router_requests_total(router_url)
         wait_for(f"prometheus to see {want} requests", lambda: any(
             float(s["value"][1]) == want for s in prom.query("sum(llm_router_requests_total)")), 30, prom_proc, prom_log)
         wait_for("alert rules evaluated", lambda: all(
             r["health"] != "unknown" for g in prom.api("rules")["groups"] for r in g["rules"]), 30, prom_proc, prom_log)
-        yield Stack(prom, router_url, ab, shadow, traffic)
+        yield Stack(prom, router_url, traffic)
     finally:
         procs.stop_all()
 
 
 def has_finite_sample(result: list[dict]) -> bool:
     return any(math.isfinite(float(s["value"][1])) for s in result)
-
-
-def skip_unless_supported(q: Query, stack: Stack) -> None:
-    if q.needs_ab and not stack.ab:
-        pytest.skip("router serve has no --ab-treatment yet: A/B metrics not produced")
-    if q.needs_candidate:
-        pytest.skip("no fine-tuned candidate in this stack: tests/serving/test_promotion.py checks the gauge")
-    if q.needs_shadow and not stack.shadow:
-        pytest.skip("router serve has no --shadow-policy yet: shadow metrics not produced")
 
 
 def test_traffic_mix_reached_the_router(stack: Stack) -> None:
@@ -288,15 +295,12 @@ def test_traffic_mix_reached_the_router(stack: Stack) -> None:
 
 @pytest.mark.parametrize("q", dashboard_queries(), ids=lambda q: q.id)
 def test_dashboard_query_returns_data(q: Query, stack: Stack) -> None:
-    skip_unless_supported(q, stack)
     result = stack.prometheus.query(q.expr)
     assert has_finite_sample(result), f"{q.id}: no finite sample for {q.expr}\n{result}"
 
 
 @pytest.mark.parametrize("q", alert_queries(), ids=lambda q: q.id)
 def test_alert_expression(q: Query, stack: Stack) -> None:
-    if q.must_have_data:
-        skip_unless_supported(q, stack)
     result = stack.prometheus.query(q.expr)  # raises on a parse or evaluation error
     if q.must_have_data:
         assert has_finite_sample(result), f"{q.id}: no finite sample for {q.expr}\n{result}"
