@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from fleet import calibrate_fit
+from fleet import calibrate_check, calibrate_fit
 from simulator import costmodel
 
 _WORDS = (
@@ -261,7 +261,7 @@ class Probe:
     """One timed engine iteration shape: the row a fit sees, and how it was measured."""
 
     name: str
-    kind: str  # prefill | decode | mixed
+    kind: str  # prefill | decode (shared: decode over one cached prefix) | mixed
     prefill_tokens: int
     decode_seqs: int
     context_tokens: int
@@ -301,6 +301,15 @@ def plan_round(spec: SweepSpec, info: ServerInfo, cap: int) -> list[Step]:
             if ctx + out > 0.8 * limit or b * (ctx + out) > spec.kv_share * info.kv_cache_tokens or waves > 4:
                 continue
             steps.append(Step("decode", ctx, b, out))
+    if info.enable_prefix_caching:
+        # Long contexts at large batches without paying their prefill: the batch shares one cached prefix (each
+        # sequence still reads all of its context), which separates the per-iteration overhead from the weights'
+        # bandwidth in the roofline (both are constant across short-context decodes).
+        for b in sorted({min(16, cap), cap}):
+            for ctx in sorted({2048, long_ctx}):
+                out = spec.decode_tokens
+                if ctx + 16 + out <= 0.8 * limit and ctx + b * (16 + out) <= spec.kv_share * info.kv_cache_tokens:
+                    steps.append(Step("shared", ctx, b, out))
     decoders = min(16, cap)
     for n in spec.mixed_prefill_tokens:
         if n + decoders <= spec.max_num_batched_tokens and n <= 0.8 * limit and decoders > 0:
@@ -367,9 +376,14 @@ async def _probe_decode(client: Client, info: ServerInfo, text: _Text, step: Ste
     """`concurrency` streams at once; one iteration's time from their steady window, client-side (the server's
     inter-token histogram mixes in the staggered prefill's iterations). None when the server ran them in waves
     (over its batch limit) or the window was too short."""
-    name = f"decode {step.prompt_tokens} tokens x{step.concurrency} +{step.max_tokens} out"
+    name = f"{step.kind} {step.prompt_tokens} tokens x{step.concurrency} +{step.max_tokens} out"
+    if step.kind == "shared":  # one prefix for the batch, cached by a first request, and a short tail each
+        prefix = text.prompt(step.prompt_tokens)
+        prompts = [f"{prefix} {text.prompt(16)}" for _ in range(step.concurrency)]
+        await client.complete(info.model, f"{prefix} {text.prompt(16)}", 1, name)
+    else:
+        prompts = [text.prompt(step.prompt_tokens) for _ in range(step.concurrency)]
     before = await client.metrics(name)
-    prompts = [text.prompt(step.prompt_tokens) for _ in range(step.concurrency)]
     times: list[list[float]] = [[] for _ in prompts]
     stop, here = asyncio.Event(), []
     watcher = asyncio.create_task(_watch(client, name, stop, here))
@@ -399,7 +413,7 @@ async def _probe_decode(client: Client, info: ServerInfo, text: _Text, step: Ste
         source, mid = "client steady decode window", (w0 + w1) / 2
     gen = [sum(1 for x in t if x <= mid) if mid is not None else step.max_tokens / 2 for t in times]
     context = sum(r[2] + g for r, g in zip(results, gen))
-    return Probe(name, "decode", 0, step.concurrency, round(context), 0.0, 0, seconds, source,
+    return Probe(name, step.kind, 0, step.concurrency, round(context), 0.0, 0, seconds, source,
                  statistics.mean(r[0] for r in results))
 
 
@@ -527,7 +541,7 @@ async def _calibrate(url: str, model: str | None, spec: SweepSpec, base: costmod
         cap, limit, probes = await _batch_cap(client, info, text, spec, seen)
         requests += 0 if spec.max_num_seqs is not None else spec.max_concurrency
         plan = plan_round(spec, info, cap)
-        per_round = sum(s.concurrency + (s.kind == "mixed") for s in plan)
+        per_round = sum(s.concurrency + (s.kind in ("mixed", "shared")) for s in plan)
         announce(
             f"calibrate: {info.url} ({info.model}, max_model_len {info.max_model_len}, KV {info.kv_cache_tokens} tokens, "
             f"block {info.block_size}, batch limit {limit if limit else f'>= {cap}'}): rounds of {len(plan)} probes, "
@@ -547,11 +561,11 @@ async def _calibrate(url: str, model: str | None, spec: SweepSpec, base: costmod
                         break
                     if step.kind == "prefill":
                         probe = await _probe_prefill(client, info, text, step.prompt_tokens)
-                    elif step.kind == "decode":
+                    elif step.kind in ("decode", "shared"):
                         probe = await _probe_decode(client, info, text, step, seen)
                     else:
                         probe = await _probe_mixed(client, info, text, step, spec.probe_timeout_s)
-                    requests += step.concurrency + (step.kind == "mixed")
+                    requests += step.concurrency + (step.kind in ("mixed", "shared"))
                     if probe is not None:
                         probes.append(probe)
                     bar.update(1)
@@ -659,6 +673,27 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+async def replay(url: str, model: str, requests, chars_per_token: float, timeout_s: float) -> list[tuple[float, float, int]]:
+    """Each request (`SimRequest`) sent at its arrival offset; (client TTFT, client E2E, prompt tokens the server
+    counted) per request."""
+    client = Client(url, timeout_s)
+    text = _Text()
+    if math.isfinite(chars_per_token):
+        text.chars_per_token = 0.95 * chars_per_token
+    t0 = time.perf_counter()
+
+    async def one(r) -> tuple[float, float, int]:
+        prompt = text.prompt(r.prompt_tokens)
+        await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.perf_counter()))
+        ttft, e2e, prompt_tokens, _ = await client.complete(model, prompt, r.output_tokens, "validation")
+        return ttft, e2e, prompt_tokens
+
+    try:
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+    finally:
+        await client.close()
+
+
 # ---------------------------------------------------------------- `fleet calibrate` (thin CLI)
 
 
@@ -692,8 +727,6 @@ def main(args) -> int:
     import sys
 
     import yaml
-
-    from fleet import calibrate_check
 
     def fail(message: str) -> int:
         print(f"fleet calibrate: error: {message}", file=sys.stderr)
@@ -737,10 +770,11 @@ def main(args) -> int:
                                         max_num_batched_tokens=args.max_num_batched_tokens, block_size=srv["block_size"],
                                         max_model_len=res.info.max_model_len)
         limit = min(res.info.max_model_len, res.info.kv_cache_tokens)
+        rate, requests = calibrate_check.validation_requests(args.output, server, args.validate_load, args.validate_seconds,
+                                                             prompt_median=min(600, limit / 8), output_median=min(120, limit / 16))
         try:
-            v = calibrate_check.validate(args.server, res.info.model, args.output, server, res.chars_per_token,
-                                         args.validate_load, args.validate_seconds, prompt_median=min(600, limit / 8),
-                                         output_median=min(120, limit / 16), timeout_s=args.probe_timeout * 4)
+            measured = asyncio.run(replay(args.server, res.info.model, requests, res.chars_per_token, args.probe_timeout * 4))
+            v = calibrate_check.judge(args.output, server, rate, requests, measured)
         except CalibrationError as e:
             print(f"fleet calibrate: error: validation: {e}", file=sys.stderr)
             return 1

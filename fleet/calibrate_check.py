@@ -1,16 +1,15 @@
 """What a calibrated profile predicts, and the self-check that holds it to the server it was measured on.
 
 `predict` simulates a request list on a fleet of one profile (least-outstanding routing, no scrape noise) and
-returns TTFT and E2E p50/p99. `validate` replays a short Poisson workload against the live server at a stated
-share of the fitted profile's capacity, simulates the same requests (their real prompt token counts, arrival
-offsets and output lengths) with the fitted profile, and sets predicted against measured.
+returns TTFT and E2E p50/p99. The self-check after a calibration: `validation_requests` draws a short Poisson
+workload at a stated share of the fitted profile's capacity, `fleet.calibrate.replay` sends it to the live server,
+and `judge` simulates the same requests (their real prompt token counts, arrival offsets and output lengths) with
+the fitted profile and sets predicted against measured.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -103,43 +102,24 @@ class Validation:
         return "\n".join(lines)
 
 
-async def _replay(url: str, model: str, requests: Sequence[SimRequest], chars_per_token: float,
-                  timeout_s: float) -> list[tuple[float, float, int]]:
-    """Each request sent at its arrival offset; (client TTFT, client E2E, prompt tokens the server counted)."""
-    from fleet.calibrate import Client, _Text
-
-    client = Client(url, timeout_s)
-    text = _Text()
-    if math.isfinite(chars_per_token):
-        text.chars_per_token = 0.95 * chars_per_token
-    t0 = time.perf_counter()
-
-    async def one(r: SimRequest) -> tuple[float, float, int]:
-        prompt = text.prompt(r.prompt_tokens)
-        await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.perf_counter()))
-        ttft, e2e, prompt_tokens, _ = await client.complete(model, prompt, r.output_tokens, "validation")
-        return ttft, e2e, prompt_tokens
-
-    try:
-        return await asyncio.gather(*(one(r) for r in requests))
-    finally:
-        await client.close()
-
-
-def validate(url: str, model: str, profile_path: str | Path, server: Server, chars_per_token: float, load: float,
-             seconds: float, prompt_median: float, output_median: float, seed: int = 0,
-             timeout_s: float = 120.0) -> Validation:
-    """Replay `seconds` of Poisson arrivals at `load` x the fitted capacity against the server, and simulate them."""
+def validation_requests(profile_path: str | Path, server: Server, load: float, seconds: float, prompt_median: float,
+                        output_median: float, seed: int = 0) -> tuple[float, list[SimRequest]]:
+    """(rate, requests): `seconds` of Poisson arrivals at `load` x the fitted profile's capacity."""
     profile = costmodel.load_profile(str(profile_path))
     rate = load * capacity_rps(profile, server.max_num_seqs, prompt_median, output_median)
     n = max(20, int(rate * seconds))
-    requests = lognormal_requests(n, rate, prompt_median, output_median, seed,
-                                  max_len=server.max_model_len or profile.max_model_len)
-    measured_raw = asyncio.run(_replay(url, model, requests, chars_per_token, timeout_s))
+    return rate, lognormal_requests(n, rate, prompt_median, output_median, seed,
+                                    max_len=server.max_model_len or profile.max_model_len)
+
+
+def judge(profile_path: str | Path, server: Server, rate: float, requests: Sequence[SimRequest],
+          measured: Sequence[tuple[float, float, int]], seed: int = 0) -> Validation:
+    """The replay's measured (client TTFT, client E2E, server-counted prompt tokens) per request against the same
+    requests simulated with the profile."""
     replayed = [SimRequest(request_id=r.request_id, arrival_s=r.arrival_s, prompt_tokens=max(1, m[2]),
-                           output_tokens=r.output_tokens) for r, m in zip(requests, measured_raw)]
-    ttft = np.array([m[0] for m in measured_raw])
-    e2e = np.array([m[1] for m in measured_raw])
-    measured = {"ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-                "e2e_p50_s": float(np.percentile(e2e, 50)), "e2e_p99_s": float(np.percentile(e2e, 99))}
-    return Validation(rate, n, requests[-1].arrival_s, measured, predict(profile_path, replayed, 1, server, seed))
+                           output_tokens=r.output_tokens) for r, m in zip(requests, measured)]
+    ttft = np.array([m[0] for m in measured])
+    e2e = np.array([m[1] for m in measured])
+    got = {"ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+           "e2e_p50_s": float(np.percentile(e2e, 50)), "e2e_p99_s": float(np.percentile(e2e, 99))}
+    return Validation(rate, len(requests), requests[-1].arrival_s, got, predict(profile_path, replayed, 1, server, seed))
