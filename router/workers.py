@@ -172,7 +172,10 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process
         return True
-    return True
+    try:  # a zombie has exited: an orphaned worker waits as one where nothing reaps orphans (some containers' init)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def worker_settings(settings: RouterSettings, slot: int) -> RouterSettings:
