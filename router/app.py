@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router import fleet_view
 from router.admin import admin_routes
 from router.listener import openai_errors
 from router.models import models_handler
@@ -81,6 +82,17 @@ def handler_args(settings: RouterSettings) -> dict[str, Any]:
             "lingering_time": 1.0}
 
 
+def fleet_sync(settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics,
+               shared: tuple[SharedLoad, int] | None) -> fleet_view.FleetSync:
+    """The shared fleet view's sync loop (settings.shared_state): a single process publishes its own counts; with
+    --workers N, worker 0 publishes the host's."""
+    return fleet_view.FleetSync(
+        settings.shared_state, fleet_view.load_source(replicas.cluster), metrics.registry,  # type: ignore[arg-type]
+        router_id=fleet_view.router_id(worker=shared is not None), publisher=shared is None or shared[1] == 0,
+        interval_s=settings.shared_state_interval_s, ttl_s=settings.shared_state_ttl_s,
+        timeout_s=settings.shared_state_timeout_s, on_change=replicas.notify)
+
+
 def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.monotonic,
                shared: tuple[SharedLoad, int] | None = None) -> web.Application:
     """The public app. With settings.ops_port, /metrics and /admin/* live on app[OPS_APP] instead (serve it
@@ -91,9 +103,10 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
                           middlewares=[openai_errors])
     metrics = RouterMetrics()
     session_getter = lambda: app[SESSION]  # noqa: E731 - the session exists once the app starts
-    cluster = None if shared is None else SharedClusterTracker(
-        shared[0], shared[1], prefix_capacity_blocks=settings.prefix_capacity_blocks)
+    tracker_cls = SharedClusterTracker if settings.shared_state is None else fleet_view.FleetSharedClusterTracker
+    cluster = None if shared is None else tracker_cls(shared[0], shared[1], prefix_capacity_blocks=settings.prefix_capacity_blocks)
     replicas = ReplicaSet(settings, session_getter, clock, metrics, cluster)
+    fleet = None if settings.shared_state is None else fleet_sync(settings, replicas, metrics, shared)
     router = Router(settings, replicas, metrics, clock)
     sync = None if shared is None else WorkerSync(shared[0], replicas, router.serving.reloaders)
     proxy = Proxy(settings, replicas, router, metrics, session_getter, lambda: app[H1])
@@ -148,7 +161,15 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         if router.holds is not None:
             router.holds.close()  # held requests are dispatched now, within the drain
 
+    async def fleet_ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(fleet.run(), name="fleet-view")  # type: ignore[union-attr]
+        yield
+        await _cancel(task)
+        await fleet.close()  # type: ignore[union-attr]
+
     app.cleanup_ctx.extend([session_ctx, replicas_ctx, scraper_ctx, router.serving.cleanup_ctx, heap_ctx])
+    if fleet is not None:
+        app.cleanup_ctx.insert(2, fleet_ctx)  # after the replicas are known, before the first request
     app.on_shutdown.append(on_shutdown)
 
     exposed = metrics.registry if shared is None else metrics.multiprocess_registry()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -29,7 +30,7 @@ def format_validation_error(exc: ValidationError) -> str:
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
         parts.append(f"{field}: {' '.join(err['msg'].removeprefix('Value error, ').split())}{shown}")
-    return "invalid settings: " + "; ".join(parts)
+    return "invalid router settings: " + "; ".join(parts)
 
 
 def _field_flags(group: argparse._ArgumentGroup, taken: set[str]) -> None:
@@ -188,6 +189,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"router: {error} (allow_fallback_start=true serves least-outstanding instead)", file=sys.stderr)
             return 2
         print(f"router: {error}; starting on the fallback, least-outstanding (allow_fallback_start)", file=sys.stderr)
+    if settings.shared_state is not None:
+        from router import fleet_view
+
+        missing = fleet_view.check_client()
+        if missing is not None:
+            print(f"router: {missing}", file=sys.stderr)
+            return 2
+        if settings.workers > 1:  # the workers publish their host's share under one id (router.fleet_view)
+            os.environ[fleet_view.HOST_ID_ENV] = fleet_view.new_host_id()
     if settings.decision_log_dir is not None:
         try:
             check_directory(settings.decision_log_dir)

@@ -1,0 +1,306 @@
+"""A fleet view shared by router processes on several hosts, on Redis or Valkey (setting `shared_state`).
+
+Every `shared_state_interval_s` (10 ms), off the requests' path, one pipelined round trip per router:
+  - publish: the entries of this router's own in-flight counts per replica (router.policy.remote_load) that
+    changed since the last batch, into the hash routewise:{fleet}:load:<router id>, whose TTL
+    (`shared_state_ttl_s`) every tick renews: the heartbeat. A router that dies stops renewing it and its share
+    expires; the others drop it from the set of routers on their next read.
+  - read: every other router's hash (the set routewise:{fleet}:routers names them); their sums per replica are
+    folded into this router's trackers, so it decides on its own counts (instant) plus the others' (as of the
+    last tick).
+A tick that fails or takes longer than `shared_state_timeout_s` drops the others' counts at once (this router
+decides on its own, as without shared state), counts llm_router_shared_state_errors_total and logs once per
+episode; ticks go on with a backoff up to 1 s until Redis answers. llm_router_shared_state_age_seconds is the
+age of the others' counts in use. No request ever waits for Redis.
+
+With `--workers N` the host's workers already share their counts (router.shared): worker 0 publishes the
+host's sums under the host's id, which every worker of the host shares (the parent sets it before forking), and
+each worker reads the other hosts only. One writer per host keeps Redis's load per host that of one router, and
+a restarted worker 0 publishes under the same id, so the host's share never counts twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from prometheus_client import Counter, Gauge, CollectorRegistry
+
+from router.policy.remote_load import SHARED_FIELDS, ZERO, Counts, RemoteLoad, own_counts
+from router.settings import redact_url
+from router.shared import FIELDS as HOST_FIELDS
+from router.shared import SharedClusterTracker, SharedReplicaTracker
+
+log = logging.getLogger("router.fleet_view")
+
+KEY_PREFIX = "routewise:{fleet}"  # {fleet}: a Redis Cluster hash tag, every key in one slot
+ROUTERS_KEY = f"{KEY_PREFIX}:routers"
+HEARTBEAT_FIELD = "_hb"  # always written: the hash exists while its router lives
+HOST_ID_ENV = "_ROUTEWISE_FLEET_HOST_ID"  # set by `router serve --workers N` before forking (router.cli)
+MAX_BACKOFF_S = 1.0
+_HOST_INDEX = [HOST_FIELDS.index(f) for f in SHARED_FIELDS]
+
+
+def load_key(router_id: str) -> str:
+    return f"{KEY_PREFIX}:load:{router_id}"
+
+
+def new_host_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def router_id(worker: bool) -> str:
+    """This router's id in the fleet view: a worker of `--workers N` takes its host's (the parent's); a single
+    process makes its own (never from the environment, which a child process may have inherited)."""
+    if worker:
+        return os.environ.get(HOST_ID_ENV) or f"{socket.gethostname()}-{os.getppid()}"
+    return new_host_id()
+
+
+def encode(c: Counts) -> str:
+    return " ".join(map(str, c))
+
+
+def decode(value: str) -> Counts | None:
+    try:
+        parts = tuple(int(x) for x in value.split())
+    except ValueError:
+        return None
+    return parts if len(parts) == len(SHARED_FIELDS) else None  # type: ignore[return-value]
+
+
+class LoadSource(Protocol):
+    def own(self) -> dict[str, Counts]: ...
+    def apply(self, sums: Mapping[str, Counts]) -> bool: ...
+
+
+class FleetState:
+    """The sync's bookkeeping, no I/O (tests drive it with a fake clock): what to publish, the peers to read, the
+    merge of their hashes, error episodes, backoff and the view's age."""
+
+    def __init__(self, router_id: str, interval_s: float, clock: Callable[[], float]) -> None:
+        self.router_id = router_id
+        self.interval_s = interval_s
+        self.clock = clock
+        self.published: dict[str, Counts] = {}  # what Redis holds of ours (cleared when it may have lost it)
+        self.peers: list[str] = []  # the other routers, from the last read of the set
+        self.dead: list[str] = []  # peers whose hash had expired: dropped from the set on the next tick
+        self.last_ok: float | None = None
+        self.started = clock()
+        self.failing_since: float | None = None
+        self.failures = 0  # in the current episode
+
+    def batch(self, own: Mapping[str, Counts]) -> tuple[dict[str, str], list[str], int]:
+        """(fields to write: the entries that changed plus the heartbeat, fields to delete: replicas this router
+        no longer has, how many written fields are new to Redis)."""
+        pub = self.published
+        fields = {rid: encode(c) for rid, c in own.items() if pub.get(rid) != c}
+        new = sum(1 for rid in fields if rid not in pub) + (0 if pub else 1)  # the heartbeat is new on a full write
+        fields[HEARTBEAT_FIELD] = f"{time.time():.3f}"
+        return fields, [rid for rid in pub if rid not in own], new
+
+    def wrote(self, own: Mapping[str, Counts], added: int, expected_new: int) -> None:
+        """The batch from `own` was written; Redis said `added` of its fields were new. More than expected: the
+        hash had expired or Redis restarted empty, so the next batch is a full one."""
+        self.published = dict(own) if added <= expected_new else {}
+
+    def merge(self, members: set[str], hashes: list[dict[str, str]], host_id: str) -> dict[str, Counts]:
+        """The other routers' sums per replica, from `hashes` (the current peers', in order); the next peers are
+        `members` but this router's host."""
+        sums: dict[str, list[int]] = {}
+        dead = []
+        for peer, h in zip(self.peers, hashes):
+            if not h:
+                dead.append(peer)
+                continue
+            for rid, value in h.items():
+                if rid == HEARTBEAT_FIELD:
+                    continue
+                c = decode(value)
+                if c is None:
+                    continue  # not ours to judge: another version's field
+                acc = sums.get(rid)
+                if acc is None:
+                    sums[rid] = list(c)
+                else:
+                    for i, v in enumerate(c):
+                        acc[i] += v
+        self.dead = dead
+        self.peers = sorted(m for m in members if m != host_id and m not in dead)
+        return {rid: tuple(v) for rid, v in sums.items()}  # type: ignore[misc]
+
+    def succeeded(self) -> float | None:
+        """A tick went through; the length of the failure episode it ends, if any."""
+        now = self.clock()
+        self.last_ok = now
+        if self.failing_since is None:
+            return None
+        episode, self.failing_since, self.failures = now - self.failing_since, None, 0
+        return episode
+
+    def failed(self) -> bool:
+        """A tick failed: True if it starts an episode (log it). Redis may have lost our hash meanwhile."""
+        self.failures += 1
+        self.published = {}
+        self.peers, self.dead = [], []
+        if self.failing_since is None:
+            self.failing_since = self.clock()
+            return True
+        return False
+
+    def next_delay(self, tick_started: float) -> float:
+        """Seconds to wait before the next tick: the interval from the last start, or a doubling backoff while
+        failing (at most MAX_BACKOFF_S)."""
+        if self.failing_since is None:
+            return max(0.0, tick_started + self.interval_s - self.clock())
+        return min(MAX_BACKOFF_S, self.interval_s * 2 ** min(self.failures, 20))
+
+    def age(self) -> float:
+        """Age of the others' counts in use (since the start, before the first good tick)."""
+        return self.clock() - (self.last_ok if self.last_ok is not None else self.started)
+
+
+class FleetSharedClusterTracker(SharedClusterTracker):
+    """`--workers N` with shared state: views read the host's sums (router.shared) plus the other hosts' (the
+    fleet view's latest), added at each refresh."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.remote: dict[str, Counts] = {}
+        super().__init__(*args, **kwargs)
+
+    def refresh(self) -> None:
+        super().refresh()
+        remote = self.remote
+        if not remote:
+            return
+        for t in self.trackers:
+            r = remote.get(t.replica_id)
+            if r is not None and isinstance(t, SharedReplicaTracker):
+                total = list(t._total)
+                for i, v in zip(_HOST_INDEX, r):
+                    total[i] += v
+                t._total = total
+
+    def own(self) -> dict[str, Counts]:
+        """The host's counts (every worker's)."""
+        self.refresh()
+        remote = self.remote
+        return {t.replica_id: own_counts(t, remote.get(t.replica_id, ZERO)) for t in self.trackers
+                if isinstance(t, SharedReplicaTracker)}
+
+    def apply(self, sums: Mapping[str, Counts]) -> bool:
+        if sums == self.remote:
+            return False
+        self.remote = dict(sums)
+        self.refresh()
+        return True
+
+
+def load_source(cluster: Any) -> LoadSource:
+    return cluster if isinstance(cluster, FleetSharedClusterTracker) else RemoteLoad(cluster)
+
+
+def check_client() -> str | None:
+    """Why shared_state cannot work here (one line), or None."""
+    try:
+        import redis.asyncio  # noqa: F401
+    except ImportError:
+        return "shared_state needs the redis package: pip install 'routewise[redis]'"
+    return None
+
+
+class FleetSync:
+    """The sync loop of one router process (see the module's docstring)."""
+
+    def __init__(self, url: str, source: LoadSource, registry: CollectorRegistry, *, router_id: str, publisher: bool,
+                 interval_s: float, ttl_s: float, timeout_s: float, on_change: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic, multiprocess: bool = False) -> None:
+        from redis.asyncio import from_url
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self.url, self.source, self.publisher = url, source, publisher
+        self.router_id, self.key = router_id, load_key(router_id)
+        self.ttl_ms, self.timeout_s = max(1, int(ttl_s * 1000)), timeout_s
+        self.on_change = on_change
+        self.clock = clock
+        self.state = FleetState(router_id, interval_s, clock)
+        # no retries inside the client: a failed tick is the retry unit, and it must never take longer than timeout_s
+        self.client = from_url(url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                               retry=Retry(NoBackoff(), 0), health_check_interval=0, client_name="routewise")
+        self.errors = Counter("llm_router_shared_state_errors", "Syncs with the shared fleet view (shared_state) that "
+                              "failed or timed out; until one succeeds the router decides on its own in-flight counts.",
+                              registry=registry)
+        self.age = Gauge("llm_router_shared_state_age_seconds", "Age of the other routers' in-flight counts this "
+                         "router decides on (time since its last successful sync with shared_state).",
+                         registry=registry, multiprocess_mode="livemax")
+
+    async def tick(self) -> None:
+        """One round trip: publish, read, fold. Never raises (but CancelledError)."""
+        st = self.state
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            own = expected_new = None
+            if self.publisher:
+                own = self.source.own()
+                fields, gone, expected_new = st.batch(own)
+                pipe.hset(self.key, mapping=fields)
+                if gone:
+                    pipe.hdel(self.key, *gone)
+                pipe.pexpire(self.key, self.ttl_ms)
+                pipe.sadd(ROUTERS_KEY, self.router_id)
+            if st.dead:
+                pipe.srem(ROUTERS_KEY, *st.dead)
+            pipe.smembers(ROUTERS_KEY)
+            for peer in st.peers:
+                pipe.hgetall(load_key(peer))
+            res = await asyncio.wait_for(pipe.execute(), self.timeout_s)
+            n_peers = len(st.peers)
+            members, hashes = res[-1 - n_peers], res[len(res) - n_peers:]
+            sums = st.merge(set(members), hashes, self.router_id)
+            if own is not None:
+                st.wrote(own, int(res[0]), expected_new)  # type: ignore[arg-type]
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Redis down, slow, or answering garbage: the local view
+            self.errors.inc()
+            if st.failed():
+                log.warning("shared state %s: %s; deciding on this router's own in-flight counts until it answers",
+                            redact_url(self.url), f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            sums = {}
+        else:
+            episode = st.succeeded()
+            if episode is not None:
+                log.info("shared state %s answers again after %.1f s: deciding on the fleet's in-flight counts",
+                         redact_url(self.url), episode)
+        if self.source.apply(sums):
+            self.on_change()  # others' completions may free room a held request waits for
+        self.age.set(st.age())
+
+    async def run(self) -> None:
+        while True:
+            started = self.clock()
+            await self.tick()
+            await asyncio.sleep(self.state.next_delay(started))
+
+    async def close(self) -> None:
+        """Leaves the fleet view at once (a router that stops cleanly does not wait for its TTL)."""
+        try:
+            if self.publisher:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.delete(self.key)
+                pipe.srem(ROUTERS_KEY, self.router_id)
+                await asyncio.wait_for(pipe.execute(), self.timeout_s)
+        except Exception:  # noqa: BLE001 - best effort: the TTL removes it anyway
+            pass
+        finally:
+            try:
+                await self.client.aclose()
+            except Exception:  # noqa: BLE001
+                pass
