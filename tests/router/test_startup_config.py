@@ -87,7 +87,7 @@ def test_allow_fallback_start_serves_least_outstanding(broken_model):
     ("- a\n- b\n", ".yaml", "expected a mapping of settings"),
     ("prot: 80\n", ".yaml", "unknown setting(s) prot"),
     (b"\xff\xfe\x00bad", ".yaml", "not text"),
-    ("port: 99999\nlate_binding_timeout_s: -1\n", ".yaml", "invalid settings: port:"),
+    ("port: 99999\nlate_binding_timeout_s: -1\n", ".yaml", "invalid router settings: port:"),
 ])
 def test_a_config_file_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, content, suffix, cause):
     cfg = tmp_path / f"router{suffix}"
@@ -98,7 +98,7 @@ def test_a_config_file_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, cont
     for workers in ("1", "2"):
         line = one_line(serve("--config", str(cfg), "--workers", workers))
         assert cause in line
-        assert str(cfg) in line or cause.startswith("invalid settings")
+        assert str(cfg) in line or cause.startswith("invalid router settings")
 
 
 def test_a_directory_or_unreadable_config_file_is_named(tmp_path):
