@@ -84,7 +84,8 @@ class SharedLoad:
                 if exc.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"router.shared: another worker held the write lock over {WRITE_LOCK_WAIT_S:.0f} s") from None
+                    raise TimeoutError(f"router.shared: another worker held the write lock over "
+                                       f"{WRITE_LOCK_WAIT_S:.0f} s") from None
                 time.sleep(0.001)
         try:
             yield
@@ -161,7 +162,8 @@ class SharedLoad:
         self.counters[slot] = 0
 
     def close(self) -> None:
-        del self.counters, self.draining, self.names, self.command_head, self.command_body  # release the buffer exports before closing
+        # release the buffer exports before closing
+        del self.counters, self.draining, self.names, self.command_head, self.command_body
         try:
             self.mem.close()
         except BufferError:  # trackers still hold views of it: the mapping goes with them

@@ -4,10 +4,10 @@ The parent binds one SO_REUSEPORT listening socket per worker (so a port in use 
 parent, and the kernel spreads new connections evenly over the workers by hash; one shared socket lets
 the busiest-awake worker accept nearly all of them), creates the shared in-flight load (router.shared)
 and the prometheus_client multiprocess directory, then forks the workers, each running the ordinary app
-on its own sockets. A restarted worker's socket stays open in the parent, so its backlog waits for it. Every worker probes and
-scrapes the replicas itself: that keeps each worker's health, breaker and scrape state exactly as one
-router's (no staleness across processes) for N small scrapes per interval per replica, which at
-N = cores is negligible next to vLLM's own /metrics cost.
+on its own sockets. A restarted worker's socket stays open in the parent, so its backlog waits for it.
+Every worker probes and scrapes the replicas itself: that keeps each worker's health, breaker and scrape
+state exactly as one router's (no staleness across processes) for N small scrapes per interval per
+replica, which at N = cores is negligible next to vLLM's own /metrics cost.
 
 SIGTERM/SIGINT to the parent is passed to every worker, which drains as a single router does; the
 parent then removes the metrics directory. A worker that dies is restarted with its slot of in-flight
@@ -89,9 +89,9 @@ def port_guard(host: str, port: int) -> socket.socket | _FdHolder:
             guard.close()
             if exc.errno != errno.EADDRINUSE:
                 raise
-            raise ListenError(errno.EADDRINUSE, host, port, f"another routewise router{_guard_holder(key)} is serving it") from None
-        guard.set_inheritable(False)  # not across exec; forked workers keep it
-        return guard
+            why = f"another routewise router{_guard_holder(key)} is serving it"
+            raise ListenError(errno.EADDRINUSE, host, port, why) from None
+        return guard  # forked workers keep it open (not across exec: Python's descriptors are not inheritable)
     import fcntl
 
     path = Path(tempfile.gettempdir()) / (key.replace(":", "-").replace("/", "_") + ".lock")

@@ -221,7 +221,7 @@ async def test_a_worker_killed_while_it_syncs_leaves_the_others_serving_and_foll
         sv = w.by_pid[survivor]
         deadline = asyncio.get_running_loop().time() + 60
         while not await asyncio.wait_for(_draining(sv, w.url, rid), 30):
-            assert asyncio.get_running_loop().time() < deadline, "a drain through the restarted worker did not reach the survivor"
+            assert asyncio.get_running_loop().time() < deadline, "a drain did not reach the survivor"
             await asyncio.sleep(0.05)
         before = reps[0].requests
         for _ in range(3):
@@ -299,7 +299,7 @@ def test_only_metrics_folders_whose_processes_are_all_gone_are_cleaned(tmp_path)
         f"routewise-metrics-{dead}-a": [f"counter_{dead}.db"],  # parent and writers gone: removed
         f"routewise-metrics-{dead}-b": [f"counter_{alive}.db"],  # a writer still runs: kept
         f"routewise-metrics-{alive}-c": [],  # its parent runs: kept
-        "routewise-metrics-old1": [f"gauge_livesum_{dead}.db", f"histogram_{dead}.db"],  # no pid in the name: by its files
+        "routewise-metrics-old1": [f"gauge_livesum_{dead}.db", f"histogram_{dead}.db"],  # no pid in the name: files
         "routewise-metrics-old2": [],  # nothing to judge by: kept
         f"other-{dead}": [f"counter_{dead}.db"],  # not ours: kept
     }
