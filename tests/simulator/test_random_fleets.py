@@ -42,6 +42,23 @@ def test_summary_divides_by_the_best_heuristic_per_instance_and_by_the_best_sing
     assert "| m | 1.000 |" in text and "| m | 1.000 / 0.500 | 0.500 / 0.500 | 2.000 / 2.000 |" in text
 
 
+def test_late_rows_are_over_the_best_per_request_heuristic_and_over_the_best_late_one():
+    """--late: `<model>+late` over the best per-request heuristic (as the plain rows) and, as vs_best_late, over the
+    best heuristic behind late binding on the same instance."""
+    late = {h + "+late": 20.0 for h in random_fleets.HEURISTICS}
+    rows = [
+        _row("a", 1, 3, 1.5, late | {"least-outstanding": 2.0, "expected-wait+late": 1.0, "m": 2.0, "m+late": 1.0}),
+        _row("a", 2, 8, 3.0, late | {"least-outstanding": 4.0, "expected-wait+late": 8.0, "m": 2.0, "m+late": 2.0}),
+    ]
+    doc = random_fleets.summarise(rows, ["m"])
+    assert set(doc["models"]) == {"m", "m+late"}
+    assert doc["models"]["m"]["vs_best_late"] == pytest.approx(math.sqrt(2.0 / 1.0 * 2.0 / 8.0))
+    s = doc["models"]["m+late"]
+    assert s["vs_best_per_instance"] == pytest.approx(math.sqrt(1.0 / 2.0 * 2.0 / 4.0))  # 0.5 each
+    assert s["vs_best_late"] == pytest.approx(math.sqrt(1.0 / 1.0 * 2.0 / 8.0))
+    assert "over the best late heuristic 0.500 |" in random_fleets.format_summary(doc)
+
+
 def test_scenarios_get_disjoint_seed_blocks_apart_from_training_and_validation_seeds():
     specs = random_fleet_specs(["a", "b"], 3, random_fleets.SEED_BASE, 100)
     seeds = [s.seed for s in specs]
