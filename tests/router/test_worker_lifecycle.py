@@ -145,13 +145,23 @@ async def _complete(s: aiohttp.ClientSession, url: str) -> None:
         pytest.fail("a worker did not answer a completion within 30 s (blocked?)")
 
 
+# Workers learn of the parent's death twice: the parent-death signal (Linux) and the pipe (everywhere). This
+# prelude leaves them the pipe only, by asking prctl for an option that does not exist.
+PIPE_ONLY = """
+import router.workers
+router.workers.PR_SET_PDEATHSIG = -1
+"""
+
+
 @pytest.mark.timeout(240)
-async def test_workers_exit_with_a_killed_parent_the_port_is_freed_and_the_next_router_cleans_up(fakes, tmp_path):
+@pytest.mark.parametrize("prelude", ["", PIPE_ONLY], ids=["death-signal-and-pipe", "pipe-only"])
+async def test_workers_exit_with_a_killed_parent_the_port_is_freed_and_the_next_router_cleans_up(
+        prelude, fakes, tmp_path):
     reps = await fakes(2)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {"TMPDIR": str(tmp)}  # the routers' metrics folders land here, not in the host's /tmp
-    async with router(reps, tmp_path, "--policy", "least-outstanding", env=env) as w:
+    async with router(reps, tmp_path, "--policy", "least-outstanding", prelude=prelude, env=env) as w:
         pids, port = set(w.by_pid), w.port  # type: ignore[attr-defined]
         [left] = tmp.glob("routewise-metrics-*")
         await _complete(next(iter(w.by_pid.values())), w.url)
