@@ -30,7 +30,8 @@ DECISION_BUCKETS = geometric_buckets(6.25e-6, 0.05, 2**0.25)
 UPSTREAM_ERROR_KINDS = ("connect", "timeout", "reset", "http_5xx", "stalled", "other")
 
 REPLICA_GAUGES = {
-    "llm_router_outstanding_requests": "Requests the router has in flight to the replica.",
+    "llm_router_outstanding_requests": "Requests the router has in flight to the replica (with shared_state, plus the "
+                                       "other routers' as of the last sync).",
     "llm_router_replica_healthy": "1 if the replica receives traffic (health probe, circuit breaker, not drained).",
     "llm_router_replica_waiting_requests": "Last scraped vllm:num_requests_waiting.",
     "llm_router_replica_running_requests": "Last scraped vllm:num_requests_running.",

@@ -173,7 +173,8 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     rows: dict[str, tuple[str, str, str, str]] = {}
     # every optional feature on, so that a metric registered only with one of them is listed too
     for settings in ({}, {"late_binding": True, "shadow_policy": "least-outstanding",
-                          "ab_treatment": "least-outstanding", "ab_share": 0.1}):
+                          "ab_treatment": "least-outstanding", "ab_share": 0.1,
+                          "shared_state": "redis://127.0.0.1:9/0"}):
         registry = app_registry(**settings)
         for collector in list(registry._collector_to_names):
             if isinstance(collector, MetricWrapperBase):
