@@ -16,7 +16,8 @@ the next head right after a held request is routed), so holding time counts in T
 
 Several routers (`ClusterConfig.routers` = N > 1): requests reach router `arrival index mod N` (a Service
 in front of N router pods); each router has its own `ClusterTracker`, so it sees only the requests it
-routed itself, while scrapes and health changes reach every router.
+routed itself, while scrapes and health changes reach every router. With `shared_state_lag_s` the routers share
+their in-flight counts, each seeing the others' as of that lag (simulator/shared_state.py).
 
 Models: a replica group may list the models it serves (`ReplicaGroup.models`) and a request name one
 (`SimRequest.model`); the view a decision returns then has every replica outside the model's marked unhealthy
@@ -58,6 +59,7 @@ from router.policy.types import ClusterView, Outcome, RequestInfo, make_request_
 from simulator.config import ClusterConfig
 from simulator.costmodel import load_profile
 from simulator.replica import COMPLETE, ReqState, Replica
+from simulator.shared_state import LaggedFleetView
 from simulator.types import RequestRecord, SimRequest
 
 REJECTED_PROMPT_TOO_LONG = "prompt_too_long"  # RequestRecord.error of a request vLLM refuses
@@ -107,6 +109,9 @@ class ClusterSim:
         block_tokens = self.requests[0].block_tokens if self.requests else 512
         self.routers = [ClusterTracker(list(self.replica_ids), prefix_block_tokens=block_tokens) for _ in range(config.routers)]
         self.tracker = self.routers[0]
+        self._fleet: LaggedFleetView | None = None  # routers sharing their in-flight counts (simulator/shared_state.py)
+        if config.routers > 1 and config.shared_state_lag_s is not None:
+            self._fleet = LaggedFleetView(self.routers, config.shared_state_lag_s)
         self.estimator = TokenEstimator(rel_error_sigma=config.estimator_sigma)
         self.records: list[RequestRecord] = [
             RequestRecord(r.request_id, "", r.arrival_s, r.prompt_tokens, r.output_tokens, tenant=r.tenant)
@@ -202,6 +207,8 @@ class ClusterSim:
                     for tr in trackers:
                         if tr.healthy:  # the common case of _decide, inlined
                             self._pending = (x, info, t)  # type: ignore[assignment]
+                            if self._fleet is not None:
+                                self._fleet.before_view(x % n_routers, t)
                             return routers[x % n_routers].view(t, info), info  # type: ignore[arg-type,return-value]
                 d = self._decide(x, t)
                 if d is not None:
@@ -257,7 +264,8 @@ class ClusterSim:
         if self._pending is None:
             raise RuntimeError("no pending decision: call next_decision() first")
         idx, _info, _t = self._pending
-        if not any(tr.outstanding for router in self.routers for tr in router.trackers):
+        if not (any(tr.outstanding for router in self.routers for tr in router.trackers) if self._fleet is None
+                else self._fleet.own_in_flight()):
             raise RuntimeError(f"request {idx}: held with nothing in flight, so no completion would ever release it")
         self._pending = None
         self._decisions_queued += 1
@@ -313,6 +321,9 @@ class ClusterSim:
                 )
             self._handle(kind, x, y, t)
         self._advance_integrals(self.now_s)
+        if self._fleet is not None:
+            for load in self._fleet.loads:
+                load.apply({})  # every router's own counts (0), not the others' last ones
         return sorted(self.records, key=attrgetter("request_id"))
 
     def waiting_for_first_token(self) -> int:
@@ -519,6 +530,8 @@ class ClusterSim:
             self._push(min(later), P_DECISION, E_RETRY, idx)
             return None
         self._pending = (idx, info, t)  # type: ignore[assignment]
+        if self._fleet is not None:
+            self._fleet.before_view(idx % len(self.routers), t)
         view = self._router_of(idx).view(t, info)
         return (view if m is None else restrict(view, m)), info  # type: ignore[return-value]
 

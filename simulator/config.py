@@ -63,6 +63,10 @@ class ClusterConfig(_Strict):
         description="router instances sharing the traffic round-robin (several pods behind a Service): each keeps "
         "its own router-side state (in-flight counts, first tokens, prefix index); scraped stats reach all of them",
     )
+    shared_state_lag_s: float | None = Field(
+        None, ge=0, description="routers > 1 sharing their in-flight counts (the live router's --shared-state): each "
+        "sees the others' as of this many seconds ago (its sync interval plus a round trip); None = not shared",
+    )
 
     def replica_count(self) -> int:
         return sum(g.count for g in self.replicas)
