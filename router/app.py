@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import fleet_view
 from router.admin import admin_routes
+from router.endpoints import ENDPOINTS
 from router.listener import openai_errors
 from router.models import models_handler
 from router.proxy import Proxy
@@ -184,6 +185,7 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         web.post("/v1/completions", proxy.completions),
         web.post("/v1/chat/completions", proxy.chat_completions),
         web.get("/v1/models", models_handler(replicas)),  # the union of the replicas' lists
+        *(web.post(path, proxy.endpoint) for path in ENDPOINTS),  # vLLM's other client endpoints, routed
         web.route("*", "/v1/{tail:.*}", proxy.passthrough),  # allow-listed paths only (Proxy.passthrough)
         *probes,
     ])

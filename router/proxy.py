@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from router.h1client import H1Client, ReaderTimeoutError
 from router.lean import LeanSent, LeanStream
+from router.endpoints import ENDPOINTS, Endpoint, default_model_ok, parse, parse_form
 from router.errors import BadRequest, error_response, sse_error_event
 from router.models import names_unknown_model, no_replica_response, unknown_model
 from router.outlier import Inflight
@@ -386,10 +387,11 @@ class Proxy:
                 ch.e2e.observe(e2e)
                 ch.codes[_code_class(status)].inc()
                 return out
-            self._judge(rep, status, stream, now - t0 if route.found_idle else None)
+            tokens = path in GENERATION_PATHS  # a token per SSE event: TTFT and ITL recorded
+            self._judge(rep, status, stream, now - t0 if tokens and route.found_idle else None)
             inflight.response = resp
             inflight.timeout = None
-            return await self._stream(request, route, resp, first, t0, ch, inflight)
+            return await self._stream(request, route, resp, first, t0, ch, inflight, tokens)
         except _ClientGone:
             ch.codes["error"].inc()
             return web.Response(status=499)  # nobody reads it; aiohttp needs a return value
@@ -415,8 +417,11 @@ class Proxy:
 
     async def _stream(
         self, request: Downstream, route: Route, resp: UpstreamResponse, first: bytes, t0: float,
-        ch: _Children, inflight: Inflight,
+        ch: _Children, inflight: Inflight, tokens: bool = True,
     ) -> Answer:
+        """Passes the replica's stream on chunk by chunk. `tokens`: each SSE event is a token (completions, chat):
+        the first one's time is the TTFT; other endpoints' events (a response's lifecycle, a transcription's
+        deltas) record none."""
         rep = route.replica
         headers = route_headers(route, resp.headers, self._replica_header)
         outlier = rep.outlier
@@ -446,11 +451,11 @@ class Proxy:
                     n -= 1
                     done = True
                 if n > 0:
-                    if ttft is None:
+                    if tokens and ttft is None:
                         ttft = now - t0
                         ch.ttft.observe(ttft)
                         self.router.on_first_token(route, ttft)
-                    else:  # events that arrived together share the gap since the previous read
+                    elif tokens:  # events that arrived together share the gap since the previous read
                         ch.itl.observe((now - last_t) / n)
                     last_t = now
                     events += n
@@ -483,12 +488,57 @@ class Proxy:
         ch.e2e.observe(e2e)
         ch.codes["2xx" if done or events else "error"].inc()
         route.tpot_s = (e2e - ttft) / (events - 1) if ttft is not None and events > 1 else None
-        route.outcome = Outcome(True, ttft, e2e, events)
+        route.outcome = Outcome(True, ttft, e2e, events if tokens else 0)
         try:
             await out.write_eof(chunk)  # the last chunk, or b"" when the replica's end came alone
         except ConnectionError as exc:
             raise _ClientGone() from exc
         return out
+
+    # --- vLLM's other client endpoints (router.endpoints) ---------------------------------------
+
+    async def endpoint(self, request: web.Request) -> web.StreamResponse:
+        """Embeddings, responses, tokenizer, score, rerank, pooling, audio: routed by model and load like
+        generation (the same view, policy, late binding and retries), no TTFT recorded."""
+        t0 = time.perf_counter()
+        ep = ENDPOINTS.get(request.path)
+        if ep is None:
+            return error_response(404, f"unknown path {request.path[:200]!r}", code="not_found")
+        if self.draining:
+            return error_response(503, "router is shutting down", "server_error", code="draining",
+                                  headers={"Connection": "close"})
+        try:
+            raw = await self._read_body(request)
+            parsed = parse(ep, self._decode(ep, raw, request.headers), self.settings.max_tokens_limit)
+            if parsed.model is not None:
+                if (refused := unknown_model(self.replicas, parsed.model)) is not None:
+                    raise refused
+            elif not default_model_ok(r.models for r in self.replicas.ordered if r.models_known):
+                raise BadRequest("'model' is required: the replicas serve different models ("
+                                 + ", ".join(sorted(self.replicas.known_models)[:20]) + ")", param="model")
+        except BadRequest as exc:
+            return refuse(exc.response(), request)
+        info = self.router.endpoint_info(parsed, request.headers)
+        headers = request_headers(request.headers, request.remote)
+        first: _Started | None = None
+        if not ep.engine or self.router.holds is None:  # the tokenizer is no engine work: never held
+            try:
+                first = self.router.route(info), None
+            except NoHealthyReplica:
+                pass
+        self.inflight += 1
+        return await self._run(AiohttpRequest(request, raw), raw, info, headers, parsed.stream, t0, ep.path, first)
+
+    @staticmethod
+    def _decode(ep: Endpoint, raw: bytes, headers) -> Any:
+        if ep.form:
+            return parse_form(raw, headers.get("Content-Type", ""))
+        try:
+            return loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply") from None
 
     # --- other endpoints ---------------------------------------------------------------------
 

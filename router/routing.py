@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from router.endpoints import Parsed
 from router.hold_queue import HoldQueue
 from router.models import no_replica_message
 from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
@@ -233,6 +234,17 @@ class Router:
             text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
             routing_key(headers or {}, user if isinstance(user, str) else None, request_id),
             body.get("model"),
+        )
+
+    def endpoint_info(self, parsed: Parsed, headers: Any = None) -> RequestInfo:
+        """RequestInfo of a request to one of vLLM's other endpoints (router.endpoints), as `request_info`'s."""
+        request_id = f"r{next(self._ids)}"
+        text = parsed.text
+        tokens = parsed.token_ids + (self.estimator.from_text(text) if text else 0)
+        return make_request_info(
+            request_id, max(1, tokens), parsed.max_tokens,
+            text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
+            routing_key(headers or {}, parsed.user, request_id), parsed.model,
         )
 
     def select_runner(self, request: RequestInfo) -> PolicyRunner:

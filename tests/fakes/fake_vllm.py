@@ -14,6 +14,10 @@ returned asyncio.Event is set (it holds its slot meanwhile, whatever the host's 
 `models`:           the ids it serves (default: [model]); `adapters` maps a LoRA adapter id to its base model (listed
                     in /v1/models with that `parent`, as vLLM does). A generation request for any other model gets
                     vLLM's 404 naming it. `models_mode`: ok | garbage (/v1/models answers a non-list).
+vLLM's other client endpoints (ENDPOINT_PATHS: embeddings, responses, tokenize, detokenize, score, rerank, pooling,
+classify, audio transcriptions and translations) answer in vLLM's shapes, a stream where vLLM streams; each records
+(path, model) in `endpoint_calls`, a model not given standing for its first. `internal_calls` counts requests to
+vLLM's internal /reset_prefix_cache (which a router must never forward).
 Whatever the mode, like real vLLM on input it chokes on: a request still carrying `Content-Encoding` or whose
 prompt contains POISON gets a 500 (a failure the request causes, not the replica).
 """
@@ -36,6 +40,8 @@ class FakeVllm:
         self.models_mode = "ok"
         self.model_requests = 0  # GET /v1/models received
         self.served_models: list[str] = []  # the model of each generation request it answered
+        self.endpoint_calls: list[tuple[str, str]] = []  # (path, model) of each other endpoint's request answered
+        self.internal_calls = 0
         self.tokens = tokens
         self.token_delay_s = token_delay_s
         self.mode = "ok"
@@ -67,6 +73,8 @@ class FakeVllm:
             web.get("/health", self._health),
             web.get("/metrics", self._metrics),
             web.post("/v1/echo/{tail:.*}", self._echo),
+            *(web.post(path, self._endpoint) for path in ENDPOINT_PATHS),
+            web.post("/reset_prefix_cache", self._internal),
         ])
         return app
 
@@ -103,6 +111,43 @@ class FakeVllm:
 
     async def _echo(self, request: web.Request) -> web.Response:
         return web.json_response({"path": request.path, "query": dict(request.query), "body": await request.text()})
+
+    async def _internal(self, request: web.Request) -> web.Response:
+        self.internal_calls += 1
+        return web.Response(text="")
+
+    async def _endpoint(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's other client endpoints: the model checked as for generation, then an answer in vLLM's shape."""
+        path = request.path
+        self.requests += 1
+        self.headers.append(dict(request.headers))
+        if path.startswith("/v1/audio/"):
+            form = await request.post()
+            body = {k: v for k, v in form.items() if isinstance(v, str)}
+            body["file_bytes"] = sum(len(v.file.read()) for v in form.values() if not isinstance(v, str))
+            stream = body.get("stream") == "true"
+        else:
+            body = await request.json()
+            stream = body.get("stream") is True
+        self.bodies.append(body)
+        model = body.get("model") or self.models[0]
+        if not self.serves(model):
+            return web.json_response({"error": {"message": f"The model `{model}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        if self.mode == "error_500":
+            return web.json_response({"error": {"message": "engine dead", "type": "InternalServerError",
+                                                "param": None, "code": 500}}, status=500)
+        if self.mode == "first_byte_delay":
+            await asyncio.sleep(self.first_byte_delay_s)
+        self.endpoint_calls.append((path, model))
+        if stream:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for event in endpoint_events(path, model):
+                await resp.write(event)
+            await resp.write_eof()
+            return resp
+        return web.json_response(endpoint_answer(path, model, body))
 
     def metrics_text(self) -> str:
         kv_name = "vllm:gpu_cache_usage_perc" if self.metrics_mode == "legacy" else "vllm:kv_cache_usage_perc"
@@ -250,3 +295,57 @@ class FakeVllm:
             raise
         finally:
             self.active -= 1
+
+
+ENDPOINT_PATHS = ("/v1/embeddings", "/pooling", "/classify", "/v1/responses", "/tokenize", "/detokenize", "/v1/score",
+                  "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/audio/transcriptions", "/v1/audio/translations")
+
+
+def endpoint_answer(path: str, model: str, body: dict) -> dict:
+    """A non-streamed answer in the shape vLLM gives on `path` (vllm/entrypoints/*/protocol.py)."""
+    now = int(time.time())
+    usage = {"prompt_tokens": 3, "total_tokens": 3, "completion_tokens": 0}
+    if path == "/v1/embeddings":
+        n = len(body["input"]) if isinstance(body.get("input"), list) and body["input"] and isinstance(body["input"][0], str) else 1
+        return {"id": "embd-fake", "object": "list", "created": now, "model": model, "usage": usage,
+                "data": [{"object": "embedding", "index": i, "embedding": [0.1, 0.2, 0.3]} for i in range(n)]}
+    if path in ("/pooling", "/classify"):
+        return {"id": "pool-fake", "object": "list", "created": now, "model": model, "usage": usage,
+                "data": [{"index": 0, "object": "pooling", "data": [0.5, 0.5]}]}
+    if path == "/v1/responses":
+        return {"id": "resp_fake", "object": "response", "created_at": now, "model": model, "status": "completed",
+                "output": [{"type": "message", "id": "msg_fake", "role": "assistant", "status": "completed",
+                            "content": [{"type": "output_text", "text": f"hello from {model}", "annotations": []}]}],
+                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "usage": {"input_tokens": 3, "output_tokens": 3, "total_tokens": 6,
+                          "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens_details": {"reasoning_tokens": 0}}}
+    if path == "/tokenize":
+        return {"count": 3, "max_model_len": 1024, "tokens": [1, 2, 3], "token_strs": None}
+    if path == "/detokenize":
+        return {"prompt": " ".join(f"t{t}" for t in body.get("tokens", []))}
+    if path in ("/v1/score", "/score"):
+        return {"id": "score-fake", "object": "list", "created": now, "model": model, "usage": usage,
+                "data": [{"index": 0, "object": "score", "score": 0.75}]}
+    if path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        docs = body.get("documents") or []
+        return {"id": "rerank-fake", "model": model, "usage": {"total_tokens": 3},
+                "results": [{"index": i, "document": {"text": d}, "relevance_score": 1.0 / (i + 1)}
+                            for i, d in enumerate(docs)]}
+    return {"text": f"transcribed by {model}"}  # /v1/audio/transcriptions, /v1/audio/translations
+
+
+def endpoint_events(path: str, model: str) -> list[bytes]:
+    """A streamed answer as vLLM sends it on `path`: a response's lifecycle events, or a transcription's deltas."""
+    if path == "/v1/responses":
+        base = {"id": "resp_fake", "object": "response", "created_at": 0, "model": model, "output": [],
+                "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+        events = [("response.created", {"response": {**base, "status": "in_progress"}}),
+                  ("response.output_text.delta", {"item_id": "msg_fake", "output_index": 0, "content_index": 0,
+                                                  "delta": "hello", "logprobs": []}),
+                  ("response.completed", {"response": {**base, "status": "completed"}})]
+        return [f"event: {t}\ndata: {json.dumps({'type': t, 'sequence_number': i, **d})}\n\n".encode()
+                for i, (t, d) in enumerate(events)]
+    chunks = [{"id": "trsc-fake", "object": "transcription.chunk", "created": 0, "model": model,
+               "choices": [{"delta": {"content": w}, "finish_reason": None}]} for w in ("hello", " world")]
+    return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
