@@ -289,8 +289,10 @@ class Proxy:
             except NoHealthyReplica:
                 break
             rep = route.replica
+            members = self.replicas.members(info.model)  # another replica of the request's model to retry on
             can_retry = attempt < self.settings.max_retries and any(
-                r.routable and r is not rep and r.id not in tried for r in self.replicas.ordered
+                r.routable and r is not rep and r.id not in tried and (members is None or i in members)
+                for i, r in enumerate(self.replicas.ordered)
             )
             try:
                 out = await self._attempt(request, route, raw, headers, stream, t0, can_retry, path, sent)
@@ -300,7 +302,7 @@ class Proxy:
                 self.metrics.upstream_errors.labels(rep.id, exc.kind).inc()
                 if exc.kind == "connect":  # nothing the request carries can cause this
                     self.replicas.record_failure(rep, stream)
-                else:
+                elif exc.kind != "stale_model":  # a list read again, not the replica's health
                     suspects.append((rep, exc.kind))
                 if not can_retry:
                     break
@@ -371,6 +373,9 @@ class Proxy:
             status = route.status = resp.status
             if names_unknown_model(status, first, route.request.model):  # its list is stale: read it again
                 self.replicas.refresh_models_of(rep)
+                if can_retry:  # and try a replica that serves the model, before the first byte as for a 5xx
+                    route.outcome = Outcome(False, None, None)
+                    raise UpstreamError("stale_model", f"{rep.id}: does not serve `{route.request.model}`")
             if status >= 500 and can_retry:
                 route.outcome = Outcome(False, None, None)
                 raise UpstreamError("http_5xx", f"{rep.id}: HTTP {status}")

@@ -27,7 +27,7 @@ ITL_BUCKETS = geometric_buckets(0.001, 60.0, 1.2)
 # quarter-octave (x1.19) from 6.25 us to 50 ms: 100 us and 200 us, the decision-latency targets, are bounds
 DECISION_BUCKETS = geometric_buckets(6.25e-6, 0.05, 2**0.25)
 
-UPSTREAM_ERROR_KINDS = ("connect", "timeout", "reset", "http_5xx", "stalled", "other")
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "reset", "http_5xx", "stalled", "stale_model", "other")
 
 REPLICA_GAUGES = {
     "llm_router_outstanding_requests": "Requests the router has in flight to the replica (with shared_state, plus the "

@@ -51,11 +51,11 @@ class UpstreamError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind  # connect | timeout | reset | http_5xx | stalled | other: a metric label
+        self.kind = kind  # connect | timeout | reset | http_5xx | stalled | stale_model | other: a metric label
 
     @property
     def status(self) -> int:
-        return 504 if self.kind == "timeout" else 502
+        return 504 if self.kind == "timeout" else 404 if self.kind == "stale_model" else 502
 
 
 def classify(exc: BaseException) -> str:

@@ -140,12 +140,27 @@ async def test_a_replica_answering_404_for_its_model_has_its_list_read_again(fak
     client = await router_client([a.url, b.url], policy="round-robin", **QUIET)
     reads = a.model_requests
     a.models = ["other"]  # a stops serving alpha; the router's list is stale
-    statuses = [(await post(client, "alpha"))[0] for _ in range(2)]  # round-robin: one of them goes to a
-    assert sorted(statuses) == [200, 404]
+    statuses = [(await post(client, "alpha", stream=i == 1))[0] for i in range(2)]  # round-robin: one goes to a
+    assert statuses == [200, 200]  # a's 404 is retried on b before the first byte
+    assert a.requests == 1 and not a.served_models and len(b.served_models) == 2
+    assert sample(client, "llm_router_retries_total", reason="stale_model") == 1
     await wait_for(lambda: a.model_requests > reads and client.app[REPLICAS].members("alpha") is not None)
     assert [(await post(client, "alpha"))[0] for _ in range(6)] == [200] * 6
-    assert "alpha" not in a.served_models and len(b.served_models) == 7
+    assert a.requests == 1 and len(b.served_models) == 8
     assert client.app[REPLICAS].known_models == {"alpha", "other"}
+    assert client.app[REPLICAS].by_id[a.url.removeprefix("http://")].routable  # a 404 is no failure of a
+
+
+async def test_a_404_with_no_other_replica_of_the_model_reaches_the_client(fakes, router_client):
+    (a,) = await fakes(1, models=["alpha"])
+    (b,) = await fakes(1, models=["beta"])
+    client = await router_client([a.url, b.url], **QUIET)
+    a.models = ["other"]  # stale: the router still takes a for alpha's only replica
+    status, body = await post(client, "alpha")
+    assert status == 404 and "`alpha`" in body["error"]["message"]  # vLLM's own answer
+    a.models, a.mode = ["alpha"], "error_500"
+    assert (await post(client, "alpha"))[0] == 500  # nor is a 5xx retried on a replica of another model
+    assert b.requests == 0 and not sample(client, "llm_router_retries_total", reason="stale_model")
 
 
 async def test_garbage_model_list_serves_nothing_and_is_counted(fakes, router_client):
