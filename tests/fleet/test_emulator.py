@@ -135,9 +135,7 @@ async def test_repeated_long_prompt_hits_the_prefix_cache():
     async with emulator(profile="llama3-8b-a100") as (server, client):
         first = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
         m1 = await scrape(server)
-        t0 = time.perf_counter()
         second = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
-        t_second = time.perf_counter() - t0
         other = await client.completions.create(model="tiny", prompt="different " + prompt, max_tokens=2)
         m2 = await scrape(server)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -146,7 +144,6 @@ async def test_repeated_long_prompt_hits_the_prefix_cache():
     assert m1["vllm:prefix_cache_hits_total"] == 0
     assert m2["vllm:prefix_cache_hits_total"] == 49 * 16
     assert m2["vllm:prefix_cache_queries_total"] == first.usage.prompt_tokens * 2 + other.usage.prompt_tokens
-    assert t_second < 2.0
 
 
 async def test_faster_profile_gives_lower_latency():

