@@ -140,7 +140,8 @@ def listeners(settings: RouterSettings) -> tuple[list[list[socket.socket]], list
             s.close()
         if isinstance(exc, ListenError):
             raise
-        raise ListenError(exc.errno, host, port, (exc.strerror or str(exc)).lower()) from None
+        why = (exc.strerror or str(exc)).split(" (while attempting to bind")[0]  # socket.create_server's suffix
+        raise ListenError(exc.errno, host, port, why.lower()) from None
     return socks, guards
 
 
