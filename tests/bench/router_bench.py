@@ -13,6 +13,8 @@
     # this checkout beside an older commit, in one run
     git worktree add /tmp/before <commit> && cp router/policy/_fastnet*.so /tmp/before/router/policy/
     .venv/bin/python tests/bench/router_bench.py --policy learned --baseline-tree /tmp/before
+    # what the shared fleet view's 10 ms sync costs the requests: each router beside itself with --shared-state
+    .venv/bin/python tests/bench/router_bench.py --policy learned --shared-state --no-wrk
 
 Starts a trivial fast backend (raw asyncio HTTP server answering OpenAI-shaped completions,
 streamed or not, plus /health, /metrics, /v1/models), the router in a subprocess per --workers
@@ -234,6 +236,21 @@ def wait_port(port: int, path: str = "/health", timeout: float = 30.0) -> None:
     raise RuntimeError(f"nothing answered 200 on 127.0.0.1:{port}{path} within {timeout}s")
 
 
+def wait_tcp(port: int, timeout: float = 30.0) -> None:
+    """Until a Redis on the port answers PING."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"no redis-server answered on 127.0.0.1:{port} within {timeout}s")
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -371,6 +388,9 @@ def main() -> int:
                     help="also measure a bare Python proxy (raw asyncio protocols, no routing): the latency floor "
                     "of any Python router on this host, and its max requests/s (non-streaming only: it frames by "
                     "Content-Length)")
+    ap.add_argument("--shared-state", action="store_true",
+                    help="each router beside itself with --shared-state on a redis-server (the bench starts one, and an "
+                    "idle peer router publishing to it): what the shared fleet view's sync costs the requests")
     ap.add_argument("--no-wrk", action="store_true", help="skip (b), the wrk throughput runs")
     ap.add_argument("--stream-latency", action="store_true",
                     help="also (a'): the added time to first token of streamed completions at the same rate, the "
@@ -451,6 +471,17 @@ def main() -> int:
             variants["-aiohttp"] = ({"ROUTEWISE_LEAN_LISTENER": "0"}, REPO)
         if args.baseline_tree:
             variants["-baseline"] = ({}, Path(args.baseline_tree).resolve())
+        if args.shared_state:  # a redis-server of its own, and an idle peer router, so there is a share to read
+            redis_port = free_port()
+            procs.append(subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                           "--appendonly", "no"], stdout=subprocess.DEVNULL, start_new_session=True))
+            wait_tcp(redis_port)
+            shared = {"ROUTEWISE_SHARED_STATE": f"redis://127.0.0.1:{redis_port}/0"}
+            variants["-shared"] = (shared, REPO)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(free_port()), *replicas,
+                 "--policy", "least-outstanding", "--log-level", "warning"], cwd=REPO, start_new_session=True,
+                env={**os.environ, **shared}))
         for n in (int(w) for w in args.workers.split(",")):
             for policy in policies:
                 for suffix, (env, tree) in variants.items():

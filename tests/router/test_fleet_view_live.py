@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.fleet_view import FleetSync
-from router.policy.remote_load import ZERO, RemoteLoad
+from router.policy.remote_load import RemoteLoad
 from router.policy.tracking import ClusterTracker
 from router.policy.types import RequestInfo
-from tests.fakes.redis_server import RedisServer, redis_server
+from tests.fakes.redis_server import redis_server
 from tests.router.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
