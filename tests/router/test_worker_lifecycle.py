@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 
 from router.shared import SharedLoad
-from router.workers import clean_stale_metrics_dirs
+from router.workers import ListenError, clean_stale_metrics_dirs, port_guard
 from tests.router.test_workers import AUTH, ROOT, TOKEN, Workers, _draining, _free_port
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
@@ -343,3 +343,33 @@ def test_a_process_killed_while_writing_the_shared_state_blocks_no_one():
         assert load.column("r1:1") == 1 and load.column("r0:1") == 0
     finally:
         load.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_port_guard_refuses_a_second_holder_and_dies_with_its_holder():
+    """The guard closes the window in which two routers starting at once both pass the probe bind."""
+    port = _free_port()
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a router process holding the guard of 127.0.0.1:port
+        try:
+            guard = port_guard("127.0.0.1", port)  # noqa: F841 - held until this process is killed
+            os.write(ready_w, b"1")
+            os.read(hold_r, 1)  # until killed
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        with pytest.raises(ListenError) as err:
+            port_guard("127.0.0.1", port)
+        assert f"cannot listen on 127.0.0.1:{port}: another routewise router" in err.value.strerror
+        if sys.platform.startswith("linux"):
+            assert f"(pid {pid})" in err.value.strerror
+        port_guard("127.0.0.2", port).close()  # another address is another guard (the probe judges overlaps)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, hold_r, hold_w):
+            os.close(fd)
+    port_guard("127.0.0.1", port).close()  # released with its holder's death
