@@ -1,4 +1,4 @@
-"""Live late binding: a bounded FIFO of requests held while no replica has room (`router serve --late-binding`).
+"""Live late binding: a bounded queue of requests held while no replica has room (`router serve --late-binding`).
 
 The rule is router.policy.late_binding's `decide`, the one the simulator runs: a request arriving while no
 healthy replica is below its concurrency limit waits here, and the head is offered again whenever an event
@@ -7,9 +7,14 @@ or drain/restore, membership changes, a scrape, and a timer at the head's queue 
 The policy then picks among the replicas with room (a timeout goes to its pick over every healthy replica, a
 full queue or an idle fleet to the policy's pick over every healthy one).
 
-Late binding holds per model: each model has its own FIFO, and the rule judges the view of that model's replicas
+Late binding holds per model: each model has its own queue, and the rule judges the view of that model's replicas
 only (router.policy.model_routing), so a held request waits for room on a replica of its own model and never
 behind, or for, requests of another.
+
+Deadline first: when a replica has room, the held request with the earliest TTFT deadline (arrival + its target,
+router.slo) goes, not the oldest; requests without a target go after every one with, oldest first (so a fleet
+without targets is FIFO). The queue timeout still goes by arrival: the oldest held request that has waited
+late_binding_timeout_s goes at once, whatever the deadlines.
 
 Nothing is dropped or left hanging: a client that disconnects while held leaves the queue (its future is
 cancelled); with no healthy replica a held request is answered at once as without late binding (503); at
@@ -29,7 +34,10 @@ completions reach it through the worker-sync tick (0.1 s) or the next scrape.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -67,6 +75,49 @@ class _Held:
     info: RequestInfo
     arrived_s: float
     future: asyncio.Future
+    deadline_s: float = math.inf  # arrival + TTFT target (inf: none)
+    seq: int = 0  # arrival order, the tie-break
+    gone: bool = False  # dispatched or removed (left lazily in the other order's structure)
+
+
+class _ModelQueue:
+    """One model's held requests in arrival order (the timeout and the timer go by the oldest) and deadline order
+    (room goes to the earliest deadline), the one left behind lazily when the other takes a request."""
+
+    __slots__ = ("fifo", "edf", "live")
+
+    def __init__(self) -> None:
+        self.fifo: deque[_Held] = deque()
+        self.edf: list[tuple[float, int, _Held]] = []
+        self.live = 0
+
+    def __len__(self) -> int:
+        return self.live
+
+    def push(self, held: _Held) -> None:
+        self.fifo.append(held)
+        heapq.heappush(self.edf, (held.deadline_s, held.seq, held))
+        self.live += 1
+
+    def take(self, held: _Held) -> bool:
+        """Marks it gone; False if it already was."""
+        if held.gone:
+            return False
+        held.gone = True
+        self.live -= 1
+        return True
+
+    def oldest(self) -> _Held | None:
+        fifo = self.fifo
+        while fifo and fifo[0].gone:
+            fifo.popleft()
+        return fifo[0] if fifo else None
+
+    def earliest(self) -> _Held | None:
+        edf = self.edf
+        while edf and edf[0][2].gone:
+            heapq.heappop(edf)
+        return edf[0][2] if edf else None
 
 
 def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
@@ -92,7 +143,8 @@ class HoldQueue(Generic[R]):
         self._release = release
         self.metrics = metrics
         self.clock = clock
-        self._queues: dict[str | None, deque[_Held]] = {}  # by model: a FIFO each
+        self._queues: dict[str | None, _ModelQueue] = {}  # by model
+        self._seq = itertools.count()
         self._held = 0  # requests held, over every model
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled = False
@@ -137,10 +189,13 @@ class HoldQueue(Generic[R]):
         d = decide(view, self.limits(view), len(queue) if queue else 0, False, 0.0, self.config)
         if d.reason != "hold":
             return self._go(info, d.reason, self._only(d.reason, d.candidates), None, view, started)
-        held = _Held(info, self.clock(), asyncio.get_running_loop().create_future())
+        now = self.clock()
+        target = info.ttft_target_s
+        held = _Held(info, now, asyncio.get_running_loop().create_future(),
+                     math.inf if target is None else now + target, next(self._seq))
         if queue is None:
-            queue = self._queues[info.model] = deque()
-        queue.append(held)
+            queue = self._queues[info.model] = _ModelQueue()
+        queue.push(held)
         self._held += 1
         self.metrics.held_requests.set(self._held)
         self._arm()
@@ -181,9 +236,9 @@ class HoldQueue(Generic[R]):
         route.wall_s -= route.held_s  # the decision log's `t` stays the arrival (replays read it as such)
         return route
 
-    def _release_head(self, queue: deque[_Held], reason: str, only: tuple[int, ...] | None, view: ClusterView | None,
-                      started: float | None = None) -> None:
-        head = queue.popleft()
+    def _let_go(self, queue: _ModelQueue, head: _Held, reason: str, only: tuple[int, ...] | None,
+                 view: ClusterView | None, started: float | None = None) -> None:
+        queue.take(head)
         self._held -= 1
         if reason == "no_healthy":
             self._dispatches[reason].inc()
@@ -202,39 +257,41 @@ class HoldQueue(Generic[R]):
         except Exception:  # noqa: BLE001 - never hold a request because the rule failed
             log.exception("late binding failed; dispatching every held request")
             for queue in self._queues.values():
-                while queue:
-                    if queue[0].future.done():
-                        queue.popleft()
+                while (head := queue.oldest()) is not None:
+                    if head.future.done():
+                        queue.take(head)
                         self._held -= 1
                     else:
-                        self._release_head(queue, "error", None, None)
+                        self._let_go(queue, head, "error", None, None)
         finally:
             for model in [m for m, q in self._queues.items() if not q]:
                 del self._queues[model]
             self.metrics.held_requests.set(self._held)
             self._arm()
 
-    def _pump_queue(self, queue: deque[_Held]) -> None:
-        """Offers one model's head until the rule holds it (the view: that model's replicas)."""
-        while queue:
-            head = queue[0]
+    def _pump_queue(self, queue: _ModelQueue) -> None:
+        """Offers one model's head until the rule holds it (the view: that model's replicas). The head is the
+        earliest deadline, or the oldest request once it has waited the queue timeout."""
+        while (oldest := queue.oldest()) is not None:
+            now = self.clock()
+            head = oldest if now - oldest.arrived_s >= self.config.timeout_s else queue.earliest()
+            assert head is not None  # the oldest is live, so some deadline is
             if head.future.done():  # cancelled, not yet removed
-                queue.popleft()
+                queue.take(head)
                 self._held -= 1
                 continue
-            now = self.clock()
             started = time.perf_counter()
             view = self.view(head.info)
             if not any(r.healthy for r in view.replicas):
-                self._release_head(queue, "no_healthy", None, view)
+                self._let_go(queue, head, "no_healthy", None, view)
                 continue
             if self.closed:
-                self._release_head(queue, "shutdown", None, view, started)
+                self._let_go(queue, head, "shutdown", None, view, started)
                 continue
             d = decide(view, self.limits(view), len(queue) - 1, True, now - head.arrived_s, self.config)
             if d.reason == "hold":
                 break
-            self._release_head(queue, d.reason, self._only(d.reason, d.candidates), view, started)
+            self._let_go(queue, head, d.reason, self._only(d.reason, d.candidates), view, started)
 
     def _arm(self) -> None:
         """One timer, at the earliest head's queue timeout (a head that is not due yet holds its model's later ones
@@ -242,15 +299,14 @@ class HoldQueue(Generic[R]):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        heads = [q[0].arrived_s for q in self._queues.values() if q]
+        heads = [h.arrived_s for q in self._queues.values() if (h := q.oldest()) is not None]
         if heads:
             delay = min(heads) + self.config.timeout_s - self.clock()
             self._timer = asyncio.get_running_loop().call_later(max(0.0, delay) + _TIMER_SLACK_S, self._pump)
 
     def _remove(self, held: _Held) -> None:
-        try:
-            self._queues[held.info.model].remove(held)
-        except (KeyError, ValueError):
+        queue = self._queues.get(held.info.model)
+        if queue is None or not queue.take(held):
             return
         self._held -= 1
         self.metrics.held_requests.set(self._held)

@@ -309,8 +309,10 @@ class Proxy:
                 self.metrics.retries.labels(exc.kind).inc()
             else:
                 self._settle(suspects, route.status is not None and route.status < 500, stream)
+                self.router.targets.done(info, route.outcome, stream, route.tpot_s, self.replicas.known_models)
                 return out
         self._settle(suspects, False, stream)
+        self.router.targets.done(info, None, stream, None, self.replicas.known_models)
         if last is None:
             return no_replica_response(self.replicas, info.model)
         return error_response(last.status, f"upstream failed: {last}", "server_error", code=f"upstream_{last.kind}")

@@ -33,6 +33,7 @@ from router.serving.arms import routing_key
 from router.serving.layer import ServingLayer
 from router.serving.shadow import ShadowResult
 from router.settings import RouterSettings, is_learned
+from router.slo import Targets
 from router.telemetry import RouterMetrics
 
 log = logging.getLogger("router.routing")
@@ -209,6 +210,7 @@ class Router:
             settings, metrics.registry, self.arms, lambda name: guarded_policy(name, settings), policy_label, clock,
         )
         self._ids = itertools.count(1)
+        self.targets = Targets(settings, metrics)  # latency targets: headers, per-model defaults, attainment
         self._model_decisions: dict[str, Any] = {}  # metric children by model label
         self.holds: HoldQueue[Route] | None = None  # late binding: the first attempt of a request goes through it
         if settings.late_binding:
@@ -227,13 +229,14 @@ class Router:
             max_tokens *= n
         user = body.get("user")
         request_id = f"r{next(self._ids)}"
+        model = body.get("model")
         return make_request_info(
             request_id,
             exact if exact is not None else self.estimator.from_text(text),
             max_tokens if isinstance(max_tokens, int) else None,
             text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
             routing_key(headers or {}, user if isinstance(user, str) else None, request_id),
-            body.get("model"),
+            model, *self.targets.of(headers, model),
         )
 
     def endpoint_info(self, parsed: Parsed, headers: Any = None) -> RequestInfo:
@@ -244,7 +247,7 @@ class Router:
         return make_request_info(
             request_id, max(1, tokens), parsed.max_tokens,
             text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
-            routing_key(headers or {}, parsed.user, request_id), parsed.model,
+            routing_key(headers or {}, parsed.user, request_id), parsed.model, *self.targets.of(headers, parsed.model),
         )
 
     def select_runner(self, request: RequestInfo) -> PolicyRunner:

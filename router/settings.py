@@ -8,12 +8,13 @@ that names the field and the value.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 from yarl import URL
 
@@ -196,6 +197,15 @@ class RouterSettings(BaseSettings):
         "faster than the fleet's slowest replica it runs, by the router's TPOT floors (floored, at most 2, so 1 on a "
         "uniform fleet): room measured in time, not tokens; off: the same token limit for every replica",
     )
+    slo_default_ttft_s: Annotated[dict[str, float], NoDecode] = Field(
+        default_factory=dict, description="TTFT target by model for a request without an x-slo-ttft-ms header "
+        "('*': every model), e.g. {\"llama-8b\": 0.5} or llama-8b=0.5,*=2: late binding dispatches the earliest "
+        "deadline first; attainment in llm_router_slo_attainment_total",
+    )
+    slo_default_tpot_s: Annotated[dict[str, float], NoDecode] = Field(
+        default_factory=dict, description="TPOT target by model for a request without an x-slo-tpot-ms header "
+        "('*': every model), as slo_default_ttft_s; counted in llm_router_slo_attainment_total",
+    )
 
     # serving extensions (shadow, A/B, decision log, hot reload), validated here and passed down
     shadow_policy: str | None = Field(None, description="a second policy that decides on every request without acting")
@@ -302,6 +312,31 @@ class RouterSettings(BaseSettings):
                     raise ValueError(f"late_binding_replica_max_num_seqs: {item!r} is not HOST:PORT=N")
                 out[key] = n
             return out
+        return v
+
+    @field_validator("slo_default_ttft_s", "slo_default_tpot_s", mode="before")
+    @classmethod
+    def _model_targets(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, str):  # JSON object or MODEL=S,...
+            if v.lstrip().startswith("{"):
+                return json.loads(v)
+            v = [p for p in v.split(",") if p.strip()]
+        if isinstance(v, (list, tuple)):
+            out = {}
+            for item in v:
+                key, sep, s = str(item).strip().rpartition("=")
+                if not sep or not key:
+                    raise ValueError(f"{info.field_name}: {item!r} is not MODEL=SECONDS")
+                out[key] = s
+            return out
+        return v
+
+    @field_validator("slo_default_ttft_s", "slo_default_tpot_s")
+    @classmethod
+    def _check_model_targets(cls, v: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        for key, s in v.items():
+            if not math.isfinite(s) or s <= 0:
+                raise ValueError(f"{info.field_name}: {key!r}={s}: need a positive number of seconds")
         return v
 
     @field_validator("late_binding_replica_max_num_seqs")

@@ -153,6 +153,16 @@ class RouterMetrics:
             "llm_router_model_ttft_seconds", "Time to first streamed token by the request's model, at the router.",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.slo_attainment = Counter(
+            "llm_router_slo_attainment", "Requests by latency target (ttft, tpot) and result: met, missed (over it, or "
+            "failed), no_target, unmeasured (a figure the router cannot see: the TTFT of a stream whose events are not "
+            "tokens, the TPOT of an answer that is not a token stream); model as in llm_router_model_decisions.",
+            ["model", "target", "result"], registry=r,
+        )
+        self.slo_header_errors = Counter(
+            "llm_router_slo_header_errors", "x-slo-ttft-ms / x-slo-tpot-ms headers ignored: not a positive number of "
+            "milliseconds.", ["header"], registry=r,
+        )
         self.connections_refused = Counter(
             "llm_router_connections_refused", "Client connections refused with a 503 at a connection cap, by reason: "
             "global_cap, per_client_cap.", ["reason"], registry=r,

@@ -60,6 +60,8 @@ class RequestInfo:
     prefix_blocks: tuple[int, ...] = field(default=())  # chained prefix-block hashes
     key: str | None = None  # stable routing key (user / session) for A/B splits
     model: str | None = None  # the request's `model`: only replicas serving it are candidates (None = any)
+    ttft_target_s: float | None = None  # latency targets (x-slo-ttft-ms / x-slo-tpot-ms or the model's default)
+    tpot_target_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,13 +125,16 @@ class _ViewTwin:
 class _RequestInfoTwin:
     __slots__ = RequestInfo.__slots__
 
-    def __init__(self, request_id, prompt_tokens_est, max_tokens, prefix_blocks, key, model=None) -> None:
+    def __init__(self, request_id, prompt_tokens_est, max_tokens, prefix_blocks, key, model=None, ttft_target_s=None,
+                 tpot_target_s=None) -> None:
         self.request_id = request_id
         self.prompt_tokens_est = prompt_tokens_est
         self.max_tokens = max_tokens
         self.prefix_blocks = prefix_blocks
         self.key = key
         self.model = model
+        self.ttft_target_s = ttft_target_s
+        self.tpot_target_s = tpot_target_s
         self.__class__ = RequestInfo  # type: ignore[assignment]
 
 
@@ -146,5 +151,6 @@ for _twin, _frozen in ((_SnapshotTwin, ReplicaSnapshot), (_ViewTwin, ClusterView
 make_snapshot: Callable[..., ReplicaSnapshot] = _SnapshotTwin  # type: ignore[assignment]
 #: ClusterView(replicas).
 make_view: Callable[[tuple[ReplicaSnapshot, ...]], ClusterView] = _ViewTwin  # type: ignore[assignment]
-#: RequestInfo(request_id, prompt_tokens_est, max_tokens, prefix_blocks, key[, model]), all positional.
+#: RequestInfo(request_id, prompt_tokens_est, max_tokens, prefix_blocks, key[, model, ttft_target_s, tpot_target_s]),
+#: all positional.
 make_request_info: Callable[..., RequestInfo] = _RequestInfoTwin  # type: ignore[assignment]
