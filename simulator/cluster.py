@@ -22,7 +22,10 @@ their in-flight counts, each seeing the others' as of that lag (simulator/shared
 Models: a replica group may list the models it serves (`ReplicaGroup.models`) and a request name one
 (`SimRequest.model`); the view a decision returns then has every replica outside the model's marked unhealthy
 (router.policy.model_routing.members and late_binding.restrict, as the live router does), so every policy decides
-among the model's replicas only. The late-binding queue stays one FIFO here (the live router keeps one per model).
+among the model's replicas only. Late binding holds per model, as the live router's queue: each model's held requests
+are offered one at a time, a held request judged on its model's view; the head offered is the earliest TTFT deadline
+(`hold_order` "deadline", the live router's) or the oldest ("fifo"), and the oldest once it has waited
+`hold_timeout_s` either way.
 
 Crashes: a crashed replica drops everything in flight. The router notices after
 `health_check_delay_s`: the replica is marked unhealthy, its in-flight requests (including any
@@ -70,6 +73,39 @@ P_REPLICA, P_FAULT, P_SAMPLE, P_SCRAPE, P_HEALTH, P_DECISION = range(6)
 E_REPLICA, E_ARRIVAL, E_RETRY, E_SAMPLE, E_SCRAPE, E_CRASH, E_RECOVER, E_SLOW, E_HEALTH = range(9)
 
 CompletionHook = Callable[[str, RequestInfo, Outcome], None]
+
+
+class _HeldQueue:
+    """One model's held requests (indices) in arrival order and by deadline; one taken is dropped lazily from both."""
+
+    __slots__ = ("fifo", "edf", "gone", "live")
+
+    def __init__(self) -> None:
+        self.fifo: deque[int] = deque()
+        self.edf: list[tuple[float, int]] = []
+        self.gone: set[int] = set()
+        self.live = 0
+
+    def push(self, idx: int, deadline_s: float) -> None:
+        self.fifo.append(idx)
+        heapq.heappush(self.edf, (deadline_s, idx))  # idx: arrival order among equal deadlines
+        self.live += 1
+
+    def take(self, idx: int) -> None:
+        self.gone.add(idx)
+        self.live -= 1
+
+    def oldest(self) -> int:
+        fifo, gone = self.fifo, self.gone
+        while fifo[0] in gone:
+            fifo.popleft()
+        return fifo[0]
+
+    def earliest(self) -> int:
+        edf, gone = self.edf, self.gone
+        while edf[0][1] in gone:
+            heapq.heappop(edf)
+        return edf[0][1]
 
 
 class ClusterSim:
@@ -129,8 +165,10 @@ class ClusterSim:
         self._lost: list[list[int]] = [[] for _ in range(n_rep)]
         self._samples: list[list[tuple[int, int, float] | None]] = [[] for _ in range(n_rep)]
         self._pending: tuple[int, RequestInfo, float] | None = None
-        self._held: deque[int] = deque()  # late binding: the router-side FIFO queue (request indices)
-        self._offered: int | None = None  # the held request currently offered as a decision
+        self._held: dict[str | None, _HeldQueue] = {}  # late binding: the router-side queue of each model
+        self._offered: dict[str | None, int] = {}  # by model, the held request currently offered as a decision
+        self.hold_order = "deadline"  # which held request is offered: "deadline" (earliest TTFT deadline) or "fifo"
+        self.hold_timeout_s = float("inf")  # a held request waiting this long is offered first (late binding's timeout)
         self.n_holds = 0
         self._next_arrival = 0
         self._decisions_queued = 0
@@ -235,10 +273,15 @@ class ClusterSim:
             raise ValueError(f"replica {index} ({tr.replica_id}) does not serve model {info.model!r}")
         router = self._router_of(idx)
         self._pending = None
-        if idx == self._offered:
-            self._offered = None
-            if self._held:
-                self._offer_held(t)
+        model = info.model
+        if self._offered.get(model) == idx:
+            del self._offered[model]
+            queue = self._held[model]
+            queue.take(idx)
+            if queue.live:
+                self._offer(model, queue, t)
+            else:
+                del self._held[model]
         router.dispatch(index, info)
         self.records[idx].replica_id = self.replica_ids[index]
         self.n_dispatches += 1
@@ -269,24 +312,54 @@ class ClusterSim:
             raise RuntimeError(f"request {idx}: held with nothing in flight, so no completion would ever release it")
         self._pending = None
         self._decisions_queued += 1
-        if idx == self._offered:
-            self._offered = None
-            self._held.appendleft(idx)
+        model = _info.model
+        if self._offered.get(model) == idx:
+            del self._offered[model]  # back in its queue, where it stayed
         else:
             self.n_holds += 1  # requests that entered the queue (the head offered back and held again is not new)
-            self._held.append(idx)
+            req = self.requests[idx]
+            deadline = float("inf") if req.ttft_target_s is None else req.arrival_s + req.ttft_target_s
+            queue = self._held.get(model)
+            if queue is None:
+                queue = self._held[model] = _HeldQueue()
+            queue.push(idx, deadline if self.hold_order == "deadline" else float("inf"))
 
     @property
     def held(self) -> int:
-        """Requests in the router-side queue (late binding)."""
-        return len(self._held)
+        """Requests in the router-side queues (late binding), those offered now not counted."""
+        return sum(q.live for q in self._held.values()) - len(self._offered)
+
+    def held_besides(self, idx: int) -> int:
+        """Requests held for the model of request `idx`, not counting it or the one offered now (late binding's
+        `queued`: the live router's per-model queue)."""
+        model = self._infos[idx].model  # type: ignore[union-attr]
+        queue = self._held.get(model)
+        if queue is None:
+            return 0
+        return queue.live - (1 if model in self._offered else 0)
+
+    def is_offered(self, idx: int) -> bool:
+        """Request `idx` is a held one offered again (late binding's `is_head`)."""
+        return self._offered.get(self._infos[idx].model) == idx  # type: ignore[union-attr]
 
     def _router_of(self, idx: int) -> ClusterTracker:
         """The router instance request `idx` arrived at."""
         return self.routers[idx % len(self.routers)]
 
     def _offer_held(self, t: float) -> None:
-        self._offered = idx = self._held.popleft()
+        """Offers the head of every model's queue that has none offered."""
+        offered = self._offered
+        for model, queue in self._held.items():
+            if model not in offered:
+                self._offer(model, queue, t)
+
+    def _offer(self, model: str | None, queue: _HeldQueue, t: float) -> None:
+        oldest = queue.oldest()
+        if t - self.requests[oldest].arrival_s >= self.hold_timeout_s:
+            idx = oldest
+        else:
+            idx = queue.earliest()
+        self._offered[model] = idx
         self._push(t, P_DECISION, E_RETRY, idx)
 
     def _reject(self, i: int, idx: int, info: RequestInfo, t: float) -> None:
@@ -456,7 +529,7 @@ class ClusterSim:
                 info = self._infos[idx]
                 tracker.on_complete(info.request_id, (t - st.first_token_s) / (out - 1) if out > 1 else None)  # type: ignore[union-attr]
                 self.n_completed += 1
-                if self._held and self._offered is None:
+                if self._held and len(self._offered) < len(self._held):
                     self._offer_held(t)
                 if hook is not None:
                     hook(
@@ -466,7 +539,7 @@ class ClusterSim:
                     )
             else:
                 tracker.on_first_token(self._infos[idx].request_id, t - st.dispatch_s)  # type: ignore[union-attr]
-                if self._held and self._offered is None:
+                if self._held and len(self._offered) < len(self._held):
                     self._offer_held(t)
                 ft = rec.first_token_s
                 if ft != ft:  # NaN: the request's first first token

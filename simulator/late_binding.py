@@ -35,7 +35,8 @@ def next_choice(sim, limits: list[ReplicaLimit], late: LateBindingConfig, reason
     while (d := sim.next_decision()) is not None:
         view, info = d
         idx = sim._pending[0]
-        dec = decide(view, limits, sim.held, idx == sim._offered, sim.now_s - sim.requests[idx].arrival_s, late)
+        dec = decide(view, limits, sim.held_besides(idx), sim.is_offered(idx), sim.now_s - sim.requests[idx].arrival_s,
+                     late)
         if reasons is not None:
             reasons[dec.reason] += 1
         if dec.reason == "hold":
@@ -47,14 +48,18 @@ def next_choice(sim, limits: list[ReplicaLimit], late: LateBindingConfig, reason
     return None
 
 
-def simulate_late(config, requests, policy, seed: int | None = None, late: LateBindingConfig | None = None):
-    """`simulator.cluster.simulate` with late binding; returns (records, Counter of decision reasons).
+def simulate_late(config, requests, policy, seed: int | None = None, late: LateBindingConfig | None = None,
+                  hold_order: str = "deadline"):
+    """`simulator.cluster.simulate` with late binding; returns (records, Counter of decision reasons). `hold_order`:
+    which held request a freed slot offers first, the earliest TTFT deadline (the live router's) or the oldest
+    ("fifo"); the same without targets.
     `reasons["hold"]` counts hold decisions (a head offered and held again counts again); `sim.n_holds`
     (in `reasons["held_requests"]`) counts requests that entered the queue."""
     from simulator.cluster import ClusterSim, Policy
 
     late = late or LateBindingConfig()
     sim = ClusterSim(config, requests, seed=seed)
+    sim.hold_order, sim.hold_timeout_s = hold_order, late.timeout_s
     policy.reset(seed)
     if type(policy).on_complete is not Policy.on_complete:
         sim.on_complete_hook = policy.on_complete

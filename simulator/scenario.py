@@ -39,6 +39,16 @@ class SloSpec(BaseModel):
     tpot_s: float = Field(gt=0, description="time-per-output-token target, seconds")
 
 
+class SloClassSpec(BaseModel):
+    """A class of requests with their own latency targets (live: the x-slo-ttft-ms / x-slo-tpot-ms headers)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    share: float = Field(gt=0, le=1, description="fraction of the requests drawn into this class")
+    ttft_s: float = Field(gt=0, description="its time-to-first-token target, seconds")
+    tpot_s: float = Field(gt=0, description="its time-per-output-token target, seconds")
+
+
 class ScenarioSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -49,6 +59,18 @@ class ScenarioSpec(BaseModel):
     slo: SloSpec
     time_scale: float = Field(1.0, gt=0, description="load level: synthetic rates x this, trace times / this")
     seeds: int = Field(3, ge=1, description="default number of seeds for comparisons")
+    classes: list[SloClassSpec] = Field(
+        default_factory=list, description="latency-target classes drawn per request by share (the rest: `slo`, no "
+        "target of their own); the arrivals are the same with or without them")
+
+    @model_validator(mode="after")
+    def _classes_sum(self) -> ScenarioSpec:
+        total = sum(c.share for c in self.classes)
+        if total > 1 + 1e-9:
+            raise ValueError(f"classes: the shares sum to {total:g}, more than 1")
+        if len({c.name for c in self.classes}) != len(self.classes):
+            raise ValueError("classes: two classes share a name")
+        return self
 
     @model_validator(mode="after")
     def _faults_in_range(self) -> ScenarioSpec:
@@ -92,13 +114,33 @@ class Scenario:
     def build(self, rng: np.random.Generator) -> tuple[ClusterConfig, list[SimRequest]]:
         workload_rng = np.random.default_rng([int(rng.integers(2**63)), _SPLIT_SALT[self.split]])
         requests = self.spec.workload.build(workload_rng, self.split, self.library, self.spec.time_scale)
+        if self.spec.classes:  # drawn after the workload: the same arrivals as without classes
+            requests = assign_classes(requests, self.spec.classes, np.random.default_rng(int(rng.integers(2**63))))
         return self.spec.cluster.model_copy(deep=True), requests
+
+    def class_targets(self) -> dict[str, Slo]:
+        """Each request class's targets ("" = the requests in no class: the scenario's `slo`)."""
+        return {"": self.slo, **{c.name: Slo(ttft_s=c.ttft_s, tpot_s=c.tpot_s) for c in self.spec.classes}}
+
+
+def assign_classes(requests: list[SimRequest], classes: list[SloClassSpec], rng: np.random.Generator) -> list[SimRequest]:
+    """Each request drawn into a class by share (or none), carrying that class's TTFT target."""
+    edges = np.cumsum([c.share for c in classes])
+    draws = rng.random(len(requests))
+    out = []
+    for req, u in zip(requests, draws):
+        k = int(np.searchsorted(edges, u, side="right"))
+        if k < len(classes):
+            req = dataclasses.replace(req, slo_class=classes[k].name, ttft_target_s=classes[k].ttft_s)
+        out.append(req)
+    return out
 
 
 # Named groups of built-in scenarios kept out of the default suite (`all`, `scenario_names()`): each is a
 # subdirectory of SCENARIOS_DIR; its scenarios load by name like the suite's and the group name selects them all.
 SCENARIO_GROUPS: dict[str, str] = {
     "shapes": "fleet shapes the suite lacks: 2, 8 and 32 replicas, and GPU speed mixes up to ~8x",
+    "slo": "latency-target classes (a scenario's `classes`): deadline-first against FIFO behind late binding",
 }
 
 

@@ -22,6 +22,8 @@ class SimRequest:
     max_tokens: int | None = None  # what the client sent (None = not sent)
     tenant: str = ""
     model: str | None = None  # the request's `model` (None: any replica may serve it)
+    slo_class: str = ""  # its latency-target class (a scenario's `classes`), "" for none
+    ttft_target_s: float | None = None  # its TTFT target (x-slo-ttft-ms live): late binding's deadline
 
 
 @dataclass(slots=True)

@@ -86,7 +86,8 @@ class TrueStateLateBinding(TrueStateGreedy):
 
     def choose_or_hold(self, view: ClusterView, request: RequestInfo) -> int | None:
         sim = self.sim
-        if sim.held and sim._pending[0] != sim._offered:
+        idx = sim._pending[0]
+        if sim.held_besides(idx) and not sim.is_offered(idx):
             return None  # first in, first out: a new arrival queues behind the held ones
         healthy = [i for i, r in enumerate(view.replicas) if r.healthy]
         room = [i for i in healthy if self._has_room(i)]
