@@ -28,11 +28,11 @@ def skip_or_fail(reason: str) -> NoReturn:
 
 def require_compiled_views():
     """The C view builder (router.policy.tracking._compiled). Without the C extension: a skip locally, a failure
-    under CI, which builds it. With the extension built but not bound to the view types (its field table and the
-    classes' slots drifted apart): a failure everywhere, with the reason tracking logged."""
+    under CI, which builds it. An extension built that cannot bind the view and row tables fails the import of
+    router.policy itself, everywhere."""
     from router.policy import fastnet, tracking
 
     if not fastnet.available():
         skip_or_fail("the C extension router.policy._fastnet is not built (no C compiler at install)")
-    assert tracking._compiled is not None, f"C extension built but not used: {tracking.COMPILED_UNBOUND}"
+    assert tracking._compiled is not None, "C extension built but not used by the views"
     return tracking._compiled

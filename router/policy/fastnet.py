@@ -163,7 +163,7 @@ def parity_rows(seed: int = 0) -> list[np.ndarray]:
             rows[:, _COL["present"]] = 1.0
             rows[:, _COL["healthy"]] = (rng.random(width) > 0.2).astype(np.float32)
             rows[:, _COL["prefix_match_frac"]] = rng.uniform(0.0, 1.0, width)  # a share: 0..1
-            rows[:, N_FEATURES - 5:] = rows[0, N_FEATURES - 5:]  # the request block is the same on every row
+            rows[:, len(REPLICA_FEATURES):] = rows[0, len(REPLICA_FEATURES):]  # the request block is the same on every row
             sets.append(rows)
     return sets
 

@@ -4,6 +4,16 @@ Output is a float32 matrix with one row per replica: the replica's own block fol
 request block (repeated on every row), so one permutation-equivariant network serves any
 replica count. Padding rows are all zero, with `present` = 0, and are masked out.
 
+Every column is one row of `REPLICA_COLUMNS` / `REQUEST_COLUMNS`: its name, its source (which
+snapshot field or request attribute it reads, and how: `Source`), its transform and its scale.
+Both builders of the rows follow that table and nothing else: the Python one (`raw_features`,
+generated from the table at import) and the compiled one (`_fastnet.rows`, when the optional C
+extension is built: reading the snapshots from C is most of a decision's cost in Python), which
+receives the table when it binds, below. Adding a feature is a row here (with an existing op),
+the value's source (a snapshot field and what fills it: tracker, scrapers, simulator) and
+retraining; tests/policy/test_features_fast.py holds both builders to a frozen reference, and
+tests/policy/test_feature_table.py shows a new row built alike by both without touching C.
+
 The model's input is `model_inputs(features, mask)`: those rows followed by the cross-replica
 inputs (each replica against the fleet's minimum, mean and maximum, token loads, the expected
 wait), computed here once in numpy so the exported graph is a plain small network. The decision
@@ -11,17 +21,16 @@ log and training data keep the `build_features` rows; the cross-replica columns 
 function of them and the mask.
 
 Change anything here and bump FEATURE_VERSION: the spec hash changes and the router refuses
-models trained against the old contract. `raw_features` has a row-wise and a column-wise path
-(small vs large views), and `build_features` a compiled one (`_fastnet.rows`, when the optional C
-extension is built: reading the snapshots from C is most of a decision's cost in Python): change
-all three, and the reference in tests/policy/test_features_fast.py, which holds them to the same bytes.
+models trained against the old contract.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,46 +39,133 @@ from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 
 try:
     from router.policy import _fastnet as _compiled
-except ImportError:  # built without a C compiler: the numpy path below
+except ImportError:  # built without a C compiler: the Python rows below
     _compiled = None
-else:
-    _compiled.bind_snapshot(ReplicaSnapshot)  # read snapshots by slot offset, not getattr
 
 FEATURE_VERSION = 3  # 3: cross-replica inputs moved from the network into `model_inputs`
-
-# (name, transform, scale): value = transform(x) / scale; transform is "lin" or "log1p".
-REPLICA_FEATURES: tuple[tuple[str, str, float], ...] = (
-    ("present", "lin", 1.0),
-    ("healthy", "lin", 1.0),
-    ("outstanding", "log1p", 3.0),
-    ("outstanding_minus_min", "log1p", 3.0),
-    ("outstanding_prompt_tokens", "log1p", 10.0),
-    ("outstanding_decode_tokens", "log1p", 10.0),
-    ("waiting", "log1p", 3.0),
-    ("running", "log1p", 3.0),
-    ("kv_cache_usage", "lin", 1.0),
-    ("stats_missing", "lin", 1.0),
-    ("stats_age_s", "log1p", 3.0),
-    ("dispatched_since_scrape", "log1p", 3.0),
-    ("kv_capacity_tokens", "log1p", 14.0),
-    ("prefix_match_frac", "lin", 1.0),
-    ("prefix_match_tokens_est", "log1p", 10.0),
-    ("ttft_ema_ms", "log1p", 8.0),
-    ("tpot_ema_ms", "log1p", 5.0),
-    ("latency_missing", "lin", 1.0),
-    ("awaiting_first_token", "log1p", 3.0),
-    ("awaiting_prompt_tokens", "log1p", 10.0),
-)
-REQUEST_FEATURES: tuple[tuple[str, str, float], ...] = (
-    ("req_prompt_tokens_est", "log1p", 10.0),
-    ("req_max_tokens", "log1p", 8.0),
-    ("req_max_tokens_missing", "lin", 1.0),
-    ("req_prefix_blocks", "log1p", 5.0),
-    ("n_healthy", "log1p", 4.0),
-)
-FEATURE_NAMES: tuple[str, ...] = tuple(n for n, _, _ in REPLICA_FEATURES + REQUEST_FEATURES)
-N_FEATURES = len(FEATURE_NAMES)
 STATS_AGE_CAP_S = 3600.0  # an "infinite" age (never scraped) is written as this
+
+
+class Source(NamedTuple):
+    """Where a column's raw value comes from: `op` applied to `names` (snapshot fields, or the request's
+    attributes for the per-request ops), `refs` (earlier or per-request columns, by name) and `x`."""
+
+    op: str
+    names: tuple[str, ...] = ()
+    refs: tuple[str, ...] = ()
+    x: float = 1.0
+
+
+# Replica ops: one value per replica, from its snapshot `r`.
+def const(x: float) -> Source:
+    """x"""
+    return Source("const", x=x)
+
+
+def value(field: str, times: float = 1.0) -> Source:
+    """r.field x times; None (not scraped / measured yet) reads as 0"""
+    return Source("value", (field,), x=times)
+
+
+def flag(field: str) -> Source:
+    """1.0 if r.field is true, else 0.0"""
+    return Source("flag", (field,))
+
+
+def missing(*fields: str) -> Source:
+    """1.0 if any of r.fields is None, else 0.0"""
+    return Source("missing", fields)
+
+
+def capped(field: str, cap: float) -> Source:
+    """min(r.field, cap), and cap where it is not finite"""
+    return Source("capped", (field,), x=cap)
+
+
+def above_min(field: str, among: str) -> Source:
+    """r.field minus its minimum over the replicas whose `among` is true; 0 where r.among is false"""
+    return Source("above_min", (field, among))
+
+
+def share(field: str, of: str) -> Source:
+    """r.field / column `of`, 0.0 where that column is 0"""
+    return Source("share", (field,), (of,))
+
+
+def product(a: str, b: str) -> Source:
+    """column a x column b"""
+    return Source("product", (), (a, b))
+
+
+# Per-request ops: one value for every row of the view.
+def request(attr: str) -> Source:
+    """request.attr; None reads as 0"""
+    return Source("request", (attr,))
+
+
+def request_missing(attr: str) -> Source:
+    """1.0 if request.attr is None, else 0.0"""
+    return Source("request_missing", (attr,))
+
+
+def request_len(attr: str) -> Source:
+    """len(request.attr)"""
+    return Source("request_len", (attr,))
+
+
+def count(among: str) -> Source:
+    """the number of replicas whose `among` is true"""
+    return Source("count", (among,))
+
+
+PER_REQUEST_OPS = frozenset({"request", "request_missing", "request_len", "count"})
+
+
+class Column(NamedTuple):
+    """One model input column: value = transform(max(raw, 0)) / scale, raw from `source`; transform "lin" or "log1p"."""
+
+    name: str
+    source: Source
+    transform: str
+    scale: float
+
+
+REPLICA_COLUMNS: tuple[Column, ...] = (
+    Column("present", const(1.0), "lin", 1.0),
+    Column("healthy", flag("healthy"), "lin", 1.0),
+    Column("outstanding", value("outstanding"), "log1p", 3.0),
+    Column("outstanding_minus_min", above_min("outstanding", among="healthy"), "log1p", 3.0),
+    Column("outstanding_prompt_tokens", value("outstanding_prompt_tokens"), "log1p", 10.0),
+    Column("outstanding_decode_tokens", value("outstanding_decode_tokens"), "log1p", 10.0),
+    Column("waiting", value("waiting"), "log1p", 3.0),
+    Column("running", value("running"), "log1p", 3.0),
+    Column("kv_cache_usage", value("kv_cache_usage"), "lin", 1.0),
+    Column("stats_missing", missing("waiting", "running", "kv_cache_usage"), "lin", 1.0),
+    Column("stats_age_s", capped("stats_age_s", STATS_AGE_CAP_S), "log1p", 3.0),
+    Column("dispatched_since_scrape", value("dispatched_since_scrape"), "log1p", 3.0),
+    Column("kv_capacity_tokens", value("kv_capacity_tokens"), "log1p", 14.0),
+    Column("prefix_match_frac", share("prefix_match_blocks", of="req_prefix_blocks"), "lin", 1.0),
+    Column("prefix_match_tokens_est", product("prefix_match_frac", "req_prompt_tokens_est"), "log1p", 10.0),
+    Column("ttft_ema_ms", value("ttft_ema_s", times=1000.0), "log1p", 8.0),
+    Column("tpot_ema_ms", value("tpot_ema_s", times=1000.0), "log1p", 5.0),
+    Column("latency_missing", missing("ttft_ema_s", "tpot_ema_s"), "lin", 1.0),
+    Column("awaiting_first_token", value("awaiting_first_token"), "log1p", 3.0),
+    Column("awaiting_prompt_tokens", value("awaiting_prompt_tokens"), "log1p", 10.0),
+)
+REQUEST_COLUMNS: tuple[Column, ...] = (
+    Column("req_prompt_tokens_est", request("prompt_tokens_est"), "log1p", 10.0),
+    Column("req_max_tokens", request("max_tokens"), "log1p", 8.0),
+    Column("req_max_tokens_missing", request_missing("max_tokens"), "lin", 1.0),
+    Column("req_prefix_blocks", request_len("prefix_blocks"), "log1p", 5.0),
+    Column("n_healthy", count(among="healthy"), "log1p", 4.0),
+)
+COLUMNS = REPLICA_COLUMNS + REQUEST_COLUMNS
+
+# (name, transform, scale) of each block: what the spec hash and the trainer read
+REPLICA_FEATURES: tuple[tuple[str, str, float], ...] = tuple((c.name, c.transform, c.scale) for c in REPLICA_COLUMNS)
+REQUEST_FEATURES: tuple[tuple[str, str, float], ...] = tuple((c.name, c.transform, c.scale) for c in REQUEST_COLUMNS)
+FEATURE_NAMES: tuple[str, ...] = tuple(c.name for c in COLUMNS)
+N_FEATURES = len(FEATURE_NAMES)
 
 # Cross-replica inputs (`model_inputs`), in column order after the FEATURE_NAMES block.
 _REP_NAMES = tuple(n for n, _, _ in REPLICA_FEATURES)
@@ -104,7 +200,6 @@ FEATURE_SPEC_HASH: str = hashlib.sha256(json.dumps(_spec_document(), sort_keys=T
 _SPECS = REPLICA_FEATURES + REQUEST_FEATURES
 _LOG_COLS = np.array([t == "log1p" for _, t, _ in _SPECS])
 _SCALES = np.array([s for _, _, s in _SPECS], dtype=np.float64)
-_LOG_FLAGS = bytes(_LOG_COLS.astype(np.uint8))
 
 
 def spec_info() -> dict:
@@ -113,152 +208,126 @@ def spec_info() -> dict:
             "model_input_names": list(MODEL_INPUT_NAMES)}
 
 
-# Views up to this many replicas are built row by row in Python; larger ones column-wise in numpy.
-# Both give the same bits (tests/policy/test_features_fast.py); only their speed differs.
-_ROWWISE_MAX_REPLICAS = 32
-
 # Columns addressed by name from the contract's own table, never by position.
 _COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
-_PRESENT, _STATS_MISSING, _LATENCY_MISSING = _COL["present"], _COL["stats_missing"], _COL["latency_missing"]
-_OUT_MINUS_MIN, _AGE = _COL["outstanding_minus_min"], _COL["stats_age_s"]
-_MATCH_FRAC, _MATCH_TOKENS = _COL["prefix_match_frac"], _COL["prefix_match_tokens_est"]
-_LATENCY_MS = [_COL["ttft_ema_ms"], _COL["tpot_ema_ms"]]
-# Feature column of each snapshot field as `_field_columns` lists them (prefix_match_blocks lands in
-# prefix_match_frac and is divided there); the last six may be None (not scraped / measured yet):
-# flagged, then read as 0.
-_FIELD_COLS = np.array([_COL[n] for n in (
-    "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "stats_age_s",
-    "dispatched_since_scrape", "prefix_match_frac", "awaiting_first_token", "awaiting_prompt_tokens",
-    "waiting", "running", "kv_cache_usage", "kv_capacity_tokens", "ttft_ema_ms", "tpot_ema_ms",
-)])
-_NULLABLE_FROM = 9
-_STATS_FIELDS = slice(0, 3)  # of the nullable fields: waiting, running, kv_cache_usage -> stats_missing
-_LATENCY_FIELDS = slice(4, 6)  # ttft, tpot -> latency_missing
-_N_REPLICA = len(REPLICA_FEATURES)
+_MATCH_FRAC = _COL["prefix_match_frac"]
 
 
-def _field_columns(reps: tuple) -> list[list]:
-    # one list comprehension per field: the cheapest way CPython reads a slot of many objects
-    return [
-        [r.healthy for r in reps],
-        [r.outstanding for r in reps],
-        [r.outstanding_prompt_tokens for r in reps],
-        [r.outstanding_decode_tokens for r in reps],
-        [r.stats_age_s for r in reps],
-        [r.dispatched_since_scrape for r in reps],
-        [r.prefix_match_blocks for r in reps],
-        [r.awaiting_first_token for r in reps],
-        [r.awaiting_prompt_tokens for r in reps],
-        [r.waiting for r in reps],
-        [r.running for r in reps],
-        [r.kv_cache_usage for r in reps],
-        [r.kv_capacity_tokens for r in reps],
-        [r.ttft_ema_s for r in reps],
-        [r.tpot_ema_s for r in reps],
-    ]
+# ---- the rows, from the table ------------------------------------------------------------------
+_ARITY = {"const": (0, 0), "value": (1, 0), "flag": (1, 0), "missing": (-1, 0), "capped": (1, 0), "above_min": (2, 0),
+          "share": (1, 1), "product": (0, 2), "request": (1, 0), "request_missing": (1, 0), "request_len": (1, 0),
+          "count": (1, 0)}
 
 
-def _raw_features_rows(view: ClusterView, request: RequestInfo) -> np.ndarray:
-    """raw_features, one Python row per replica: cheaper than numpy's per-call overhead for small views."""
-    reps = view.replicas
-    healthy_out = [r.outstanding for r in reps if r.healthy]
-    min_out = min(healthy_out) if healthy_out else 0
-    n_healthy = len(healthy_out)
-    n_blocks = len(request.prefix_blocks)
-    max_tok = request.max_tokens
-    req = (
-        request.prompt_tokens_est,
-        max_tok if max_tok is not None else 0,
-        1.0 if max_tok is None else 0.0,
-        n_blocks,
-        n_healthy,
-    )
-    rows = []
-    for r in reps:
-        missing = not r.has_stats
-        frac = r.prefix_match_blocks / n_blocks if n_blocks else 0.0
-        lat_missing = r.ttft_ema_s is None or r.tpot_ema_s is None
-        rows.append(
-            (
-                1.0,
-                1.0 if r.healthy else 0.0,
-                r.outstanding,
-                r.outstanding - min_out if r.healthy else 0,
-                r.outstanding_prompt_tokens,
-                r.outstanding_decode_tokens,
-                0 if r.waiting is None else r.waiting,
-                0 if r.running is None else r.running,
-                0.0 if r.kv_cache_usage is None else r.kv_cache_usage,
-                1.0 if missing else 0.0,
-                min(r.stats_age_s, STATS_AGE_CAP_S) if math.isfinite(r.stats_age_s) else STATS_AGE_CAP_S,
-                r.dispatched_since_scrape,
-                0 if r.kv_capacity_tokens is None else r.kv_capacity_tokens,
-                frac,
-                frac * request.prompt_tokens_est,
-                0.0 if r.ttft_ema_s is None else r.ttft_ema_s * 1000.0,
-                0.0 if r.tpot_ema_s is None else r.tpot_ema_s * 1000.0,
-                1.0 if lat_missing else 0.0,
-                r.awaiting_first_token,
-                r.awaiting_prompt_tokens,
-            )
-            + req
-        )
-    return np.array(rows, dtype=np.float64).reshape(len(reps), N_FEATURES)
+def check_table(columns: tuple[Column, ...] = COLUMNS) -> None:
+    """ValueError naming the first column the builders cannot follow: an unknown op or transform, a field the
+    snapshot (or attribute the request) does not have, a reference to a later replica column."""
+    snap, req = {f.name for f in dataclasses.fields(ReplicaSnapshot)}, {f.name for f in dataclasses.fields(RequestInfo)}
+    seen: dict[str, bool] = {}  # name -> per request
+    per_request = {c.name for c in columns if c.source.op in PER_REQUEST_OPS}
+    for c in columns:
+        op, names, refs = c.source.op, c.source.names, c.source.refs
+        if op not in _ARITY:
+            raise ValueError(f"feature column {c.name}: unknown op {op!r}")
+        n_names, n_refs = _ARITY[op]
+        if (len(names) < 1 if n_names < 0 else len(names) != n_names) or len(refs) != n_refs:
+            raise ValueError(f"feature column {c.name}: op {op} takes {n_names} names and {n_refs} column references")
+        known = req if op in PER_REQUEST_OPS and op != "count" else snap
+        for n in names:
+            if n not in known:
+                owner = "RequestInfo" if known is req else "ReplicaSnapshot"
+                raise ValueError(f"feature column {c.name}: {owner} has no {n!r}")
+        for r in refs:
+            if r not in per_request and r not in seen:
+                raise ValueError(f"feature column {c.name}: column {r!r} is neither per request nor before it")
+        if c.transform not in ("lin", "log1p") or not c.scale > 0:
+            raise ValueError(f"feature column {c.name}: transform {c.transform!r}, scale {c.scale!r}")
+        if c.name in seen:
+            raise ValueError(f"feature column {c.name}: listed twice")
+        seen[c.name] = op in PER_REQUEST_OPS
+
+
+def _row_source(columns: tuple[Column, ...]) -> str:
+    """The Python source of `_raw_rows(reps, request) -> list of row tuples`, one expression per column: the same
+    arithmetic as the C builder's ops (rows.c), written as the plain code it replaces, and as fast. As there, a field
+    or attribute that is None (not scraped / measured yet) reads as 0."""
+    var = {c.name: f"c{j}" for j, c in enumerate(columns)}
+    head, among, body = [], {}, []
+
+    def among_list(field: str) -> str:
+        if field not in among:
+            among[field] = f"_among_{field}"
+            head.append(f"{among[field]} = [r for r in reps if r.{field}]")
+        return among[field]
+
+    def get(field: str) -> str:
+        return f"(0 if (_w := r.{field}) is None else _w)"
+
+    for j, c in enumerate(columns):
+        (op, names, refs, x), v = c.source, f"c{j}"
+        a = names[0] if names else None
+        if op == "const":
+            expr = repr(float(x))
+        elif op == "value":
+            expr = f"(0 if (_v := r.{a}) is None else {'_v' if x == 1.0 else f'_v * {float(x)!r}'})"
+        elif op == "flag":
+            expr = f"(1.0 if r.{a} else 0.0)"
+        elif op == "missing":
+            expr = "(1.0 if " + " or ".join(f"r.{n} is None" for n in names) + " else 0.0)"
+        elif op == "capped":
+            expr = f"(min(_v, {float(x)!r}) if _isfinite(_v := {get(a)}) else {float(x)!r})"
+        elif op == "above_min":
+            lst = among_list(names[1])
+            head.append(f"_m{j} = [{get(a)} for r in {lst}]")
+            head.append(f"_m{j} = min(_m{j}) if _m{j} else 0")
+            expr = f"({get(a)} - _m{j} if r.{names[1]} else 0)"
+        elif op == "share":
+            expr = f"({get(a)} / {var[refs[0]]} if {var[refs[0]]} else 0.0)"
+        elif op == "product":
+            expr = f"{var[refs[0]]} * {var[refs[1]]}"
+        elif op == "request":
+            expr = f"(0 if (_v := request.{a}) is None else _v)"
+        elif op == "request_missing":
+            expr = f"(1.0 if request.{a} is None else 0.0)"
+        elif op == "request_len":
+            expr = f"len(request.{a})"
+        else:  # count
+            expr = f"len({among_list(a)})"
+        (head if op in PER_REQUEST_OPS else body).append(f"{v} = {expr}")
+    lines = ["def _raw_rows(reps, request):", *(f"    {s}" for s in head), "    rows = []", "    append = rows.append",
+             "    for r in reps:", *(f"        {s}" for s in body),
+             f"        append(({', '.join(var[c.name] for c in columns)},))", "    return rows"]
+    return "\n".join(lines) + "\n"
+
+
+def _compile_rows(columns: tuple[Column, ...]):
+    check_table(columns)
+    namespace: dict = {"_isfinite": math.isfinite}
+    exec(compile(_row_source(columns), f"<{__name__} rows>", "exec"), namespace)  # noqa: S102 - our own table
+    return namespace["_raw_rows"]
+
+
+def compiled_columns(columns: tuple[Column, ...] = COLUMNS) -> tuple[tuple, ...]:
+    """The table as `_fastnet.bind_rows` takes it: (op, names, refs as column indices, x, log, scale) per column."""
+    index = {c.name: j for j, c in enumerate(columns)}
+    return tuple((c.source.op, c.source.names, tuple(index[r] for r in c.source.refs), float(c.source.x),
+                  c.transform == "log1p", float(c.scale)) for c in columns)
+
+
+_raw_rows = _compile_rows(COLUMNS)
+
+if _compiled is not None:  # the same table, passed to C; an extension that cannot follow it stops the import here
+    try:
+        _compiled.bind_rows(ReplicaSnapshot, compiled_columns())
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ImportError(f"router.policy._fastnet cannot build the feature rows ({exc}): it was built from other "
+                          "sources than router/policy/fastnet_c; rebuild it (pip install -e .)") from exc
 
 
 def raw_features(view: ClusterView, request: RequestInfo) -> np.ndarray:
-    """Untransformed values, float64, shape (n_replicas, N_FEATURES).
-
-    Large views are built column-wise (this runs at every decision): one list comprehension per
-    field, one conversion, and column arithmetic that gives the same bits as the row-wise code
-    (integer fields are exact in float64 below 2**53); tests/policy/test_features_fast.py checks
-    both paths against the original per-replica code on random views.
-    """
-    reps = view.replicas
-    n = len(reps)
-    if n <= _ROWWISE_MAX_REPLICAS:
-        return _raw_features_rows(view, request)
-    cols = _field_columns(reps)
-    g = np.array(cols, dtype=np.float64)  # (fields, n); None -> NaN
-    none = None
-    nan_rows = np.isnan(g[_NULLABLE_FROM:]).any(axis=1)
-    if nan_rows.any():  # None -> 0 plus a flag; a value that really is NaN stays NaN
-        none = np.zeros((len(nan_rows), n), dtype=bool)
-        for k in np.flatnonzero(nan_rows):
-            none[k] = [x is None for x in cols[_NULLABLE_FROM + k]]
-        g[_NULLABLE_FROM:][none] = 0.0
-    raw = np.empty((n, N_FEATURES), dtype=np.float64)
-    raw[:, _FIELD_COLS] = g.T
-    raw[:, _PRESENT] = 1.0
-    if none is None:
-        raw[:, _STATS_MISSING] = 0.0
-        raw[:, _LATENCY_MISSING] = 0.0
-    else:
-        raw[:, _STATS_MISSING] = none[_STATS_FIELDS].any(axis=0)
-        raw[:, _LATENCY_MISSING] = none[_LATENCY_FIELDS].any(axis=0)
-    healthy = g[0] != 0.0
-    out = g[1]
-    healthy_out = out[healthy]
-    n_healthy = len(healthy_out)
-    raw[:, _OUT_MINUS_MIN] = np.where(healthy, out - healthy_out.min(), 0.0) if n_healthy else 0.0
-    age = raw[:, _AGE]
-    raw[:, _AGE] = np.where(np.isfinite(age), np.minimum(age, STATS_AGE_CAP_S), STATS_AGE_CAP_S)
-    raw[:, _LATENCY_MS] *= 1000.0
-    n_blocks = len(request.prefix_blocks)
-    if n_blocks:
-        raw[:, _MATCH_FRAC] /= n_blocks
-    else:
-        raw[:, _MATCH_FRAC] = 0.0
-    np.multiply(raw[:, _MATCH_FRAC], request.prompt_tokens_est, out=raw[:, _MATCH_TOKENS])
-    max_tok = request.max_tokens
-    raw[:, _N_REPLICA:] = (
-        request.prompt_tokens_est,
-        max_tok if max_tok is not None else 0,
-        1.0 if max_tok is None else 0.0,
-        n_blocks,
-        n_healthy,
-    )
-    return raw
+    """Untransformed values, float64, shape (n_replicas, N_FEATURES), in Python (the C rows give the same bits)."""
+    n = len(view.replicas)
+    return np.array(_raw_rows(view.replicas, request), dtype=np.float64).reshape(n, N_FEATURES)
 
 
 def compiled_row_args(view: ClusterView, request: RequestInfo) -> tuple | None:
@@ -267,8 +336,7 @@ def compiled_row_args(view: ClusterView, request: RequestInfo) -> tuple | None:
     if _compiled is None:
         return None
     reps = view.replicas
-    return (reps if type(reps) is tuple else tuple(reps), request.prompt_tokens_est, request.max_tokens,
-            len(request.prefix_blocks), _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S)
+    return (reps if type(reps) is tuple else tuple(reps), request)
 
 
 def build_features(view: ClusterView, request: RequestInfo, pad_to: int | None = None) -> np.ndarray:

@@ -7,11 +7,11 @@ Times are passed in by the caller (this package never reads a clock).
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import math
 
 from router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
-from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo, make_view
+from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo, make_view, slot_builder
 
 try:
     from router.policy import _fastnet as _compiled
@@ -129,35 +129,35 @@ class ReplicaTracker:
         self.dispatched_since_scrape = 0
 
     def snapshot(self, now_s: float, prefix_match_blocks: int = 0) -> ReplicaSnapshot:
-        last = self.last_scrape_s
-        return _Snapshot(self, _INF if last is None else (now_s - last if now_s > last else 0.0), prefix_match_blocks)
+        return _Snapshot(self, now_s, prefix_match_blocks)
 
 
-class _Snapshot:
-    """Builds ReplicaSnapshot(...) of a tracker with plain slot stores (see types.make_snapshot):
-    it runs for every replica at every decision. `stats_age_s` is max(0, now - last scrape)."""
+# How a view fills each ReplicaSnapshot field from its tracker, for the Python builder below and the compiled one
+# alike (bound at the end of this module): from the tracker attribute of the same name, except these.
+SNAPSHOT_SOURCES: dict[str, tuple[str, str | None]] = {
+    "stats_age_s": ("since", "last_scrape_s"),  # max(0, now - last_scrape_s); inf before the first scrape
+    "prefix_match_blocks": ("match", None),  # this request's prefix match, from the cluster's index
+}
 
-    __slots__ = ReplicaSnapshot.__slots__
 
-    def __init__(self, t: ReplicaTracker, stats_age_s: float, prefix_match_blocks: int) -> None:
-        self.replica_id = t.replica_id
-        self.healthy = t.healthy
-        self.outstanding = t.outstanding
-        self.outstanding_prompt_tokens = t.outstanding_prompt_tokens
-        self.outstanding_decode_tokens = t.outstanding_decode_tokens
-        self.waiting = t.waiting
-        self.running = t.running
-        self.kv_cache_usage = t.kv_cache_usage
-        self.kv_capacity_tokens = t.kv_capacity_tokens
-        self.stats_age_s = stats_age_s
-        self.dispatched_since_scrape = t.dispatched_since_scrape
-        self.prefix_match_blocks = prefix_match_blocks
-        self.ttft_ema_s = t.ttft_ema_s
-        self.tpot_ema_s = t.tpot_ema_s
-        self.awaiting_first_token = t.awaiting_first_token
-        self.awaiting_prompt_tokens = t.awaiting_prompt_tokens
-        self.tpot_floor_s = t.tpot_floor_s
-        self.__class__ = ReplicaSnapshot  # type: ignore[assignment]
+def _snapshot_table(snapshot_cls: type = ReplicaSnapshot) -> tuple[tuple[str, str, str | None], ...]:
+    """(field, kind, tracker attribute) for every field of the snapshot class, in order: _fastnet.bind_view's table."""
+    return tuple((f.name, *SNAPSHOT_SOURCES.get(f.name, ("copy", f.name))) for f in dataclasses.fields(snapshot_cls))
+
+
+def _snapshot_values(table) -> dict[str, str]:
+    """The Python expression of each field over `t` (the tracker), `now_s` and `match`."""
+    expr = {
+        "copy": lambda a: f"t.{a}",
+        "since": lambda a: f"_INF if (_last := t.{a}) is None else (now_s - _last if now_s > _last else 0.0)",
+        "match": lambda a: "match",
+    }
+    return {name: expr[kind](attr) for name, kind, attr in table}
+
+
+# _Snapshot(tracker, now_s, match) is ReplicaSnapshot(...) of a tracker, built with plain slot stores (see
+# types.slot_builder): it runs for every replica at every decision.
+_Snapshot = slot_builder(ReplicaSnapshot, ("t", "now_s", "match"), _snapshot_values(_snapshot_table()), {"_INF": _INF})
 
 
 class ClusterTracker:
@@ -196,22 +196,8 @@ class ClusterTracker:
             return make_view(_compiled.snapshots(trackers, now_s, matches))
         # ReplicaTracker.snapshot(now_s, match), inlined: this runs for every replica at every decision
         if matches is not None:
-            return make_view(
-                tuple(
-                    [
-                        _Snapshot(t, _INF if (last := t.last_scrape_s) is None else (now_s - last if now_s > last else 0.0), m)
-                        for t, m in zip(trackers, matches)
-                    ]
-                )
-            )
-        return make_view(
-            tuple(
-                [
-                    _Snapshot(t, _INF if (last := t.last_scrape_s) is None else (now_s - last if now_s > last else 0.0), 0)
-                    for t in trackers
-                ]
-            )
-        )
+            return make_view(tuple([_Snapshot(t, now_s, m) for t, m in zip(trackers, matches)]))
+        return make_view(tuple([_Snapshot(t, now_s, 0) for t in trackers]))
 
     def dispatch(self, replica_index: int, request: RequestInfo) -> ReplicaTracker:
         t = self.trackers[replica_index]
@@ -224,24 +210,23 @@ class ClusterTracker:
 
 
 def bind_compiled(compiled, snapshot_cls: type = ReplicaSnapshot, tracker_cls: type = ReplicaTracker) -> str | None:
-    """Bind the C view builder to read `snapshot_cls` and `tracker_cls` by slot; None if bound, else why not.
-
-    Not bound means a field of _fastnet.c's table is not a plain slot of the class: the extension was built from
-    an older or newer _fastnet.c than the Python fields (rebuild: pip install -e .), or a field was renamed on one
-    side only. Either is a bug, not a missing compiler: the suite fails on it (tests/policy/test_fast_types.py). A
-    class that does not bind leaves the earlier binding of its kind in place."""
-    for kind, cls, bind in (("snapshot", snapshot_cls, compiled.bind_snapshot),
-                            ("tracker", tracker_cls, compiled.bind_tracker)):
-        if not bind(cls):
-            return (f"router.policy._fastnet cannot bind {cls.__qualname__} as its {kind} type: a field of its table "
-                    f"is not a plain slot of the class (extension built from another _fastnet.c? pip install -e .)")
-    return None
+    """Bind the C view builder to SNAPSHOT_SOURCES for `snapshot_cls` and `tracker_cls`, read and written by slot;
+    None if bound, else why not (a field of the snapshot, or the tracker attribute it comes from, is not a plain
+    slot; the earlier binding then stays in place)."""
+    missing = compiled.bind_view(snapshot_cls, tracker_cls, _snapshot_table(snapshot_cls))
+    if missing is None:
+        return None
+    return (f"router.policy._fastnet cannot bind {snapshot_cls.__qualname__} / {tracker_cls.__qualname__}: {missing} "
+            "is not a plain slot")
 
 
-# Why the C extension is built but does not build the views (None: it does, or it is not built at all).
-COMPILED_UNBOUND: str | None = None
+# The compiled views follow the table above; an extension that cannot (built from other sources) or classes it cannot
+# read by slot stop the import here rather than silently building every view in Python.
 if _compiled is not None:
-    COMPILED_UNBOUND = bind_compiled(_compiled)
-    if COMPILED_UNBOUND is not None:
-        logging.getLogger(__name__).error("%s; ClusterTracker.view builds the views in Python", COMPILED_UNBOUND)
-        _compiled = None
+    try:
+        _problem = bind_compiled(_compiled)
+    except (AttributeError, TypeError, ValueError) as exc:
+        _problem = (f"router.policy._fastnet cannot build the views ({exc}): it was built from other sources than "
+                    "router/policy/fastnet_c; rebuild it (pip install -e .)")
+    if _problem is not None:
+        raise ImportError(_problem)

@@ -86,71 +86,32 @@ class NoHealthyReplica(RuntimeError):
 # __class__ assignment). The result equals what the dataclass constructor gives (tested).
 
 
-class _SnapshotTwin:
-    __slots__ = ReplicaSnapshot.__slots__
-
-    def __init__(
-        self, replica_id, healthy, outstanding, outstanding_prompt_tokens, outstanding_decode_tokens, waiting,
-        running, kv_cache_usage, kv_capacity_tokens, stats_age_s, dispatched_since_scrape, prefix_match_blocks,
-        ttft_ema_s, tpot_ema_s, awaiting_first_token, awaiting_prompt_tokens, tpot_floor_s=None,
-    ) -> None:  # fmt: skip
-        self.replica_id = replica_id
-        self.healthy = healthy
-        self.outstanding = outstanding
-        self.outstanding_prompt_tokens = outstanding_prompt_tokens
-        self.outstanding_decode_tokens = outstanding_decode_tokens
-        self.waiting = waiting
-        self.running = running
-        self.kv_cache_usage = kv_cache_usage
-        self.kv_capacity_tokens = kv_capacity_tokens
-        self.stats_age_s = stats_age_s
-        self.dispatched_since_scrape = dispatched_since_scrape
-        self.prefix_match_blocks = prefix_match_blocks
-        self.ttft_ema_s = ttft_ema_s
-        self.tpot_ema_s = tpot_ema_s
-        self.awaiting_first_token = awaiting_first_token
-        self.awaiting_prompt_tokens = awaiting_prompt_tokens
-        self.tpot_floor_s = tpot_floor_s
-        self.__class__ = ReplicaSnapshot  # type: ignore[assignment]
+def slot_builder(frozen: type, params: tuple[str, ...] | None = None, values: dict[str, str] | None = None,
+                 namespace: dict | None = None) -> type:
+    """A class whose `__init__(self, *params)` stores every field of the frozen slotted dataclass `frozen` plainly
+    and then makes the instance a `frozen`. By default the parameters are the fields, with the dataclass's defaults;
+    `values` gives the expression (over `params` and `namespace`) that fills a field, else the parameter of its name.
+    The code is generated from the fields, as dataclasses generates its own __init__: a field added to the class is
+    built here too, and the constructor stays plain slot stores."""
+    fields = dataclasses.fields(frozen)
+    if frozen.__slots__ != tuple(f.name for f in fields):  # type: ignore[attr-defined]
+        raise TypeError(f"{frozen.__name__}'s slots are not its fields")  # pragma: no cover
+    if any(f.default_factory is not dataclasses.MISSING for f in fields):  # pragma: no cover - none of ours
+        raise TypeError(f"{frozen.__name__}: slot_builder does not take default factories")
+    env = dict(namespace or {}, _frozen=frozen)
+    if params is None:
+        params = tuple(f.name if f.default is dataclasses.MISSING else f"{f.name}=_default_{f.name}" for f in fields)
+        env.update({f"_default_{f.name}": f.default for f in fields if f.default is not dataclasses.MISSING})
+    values = values or {}
+    body = [f"    self.{f.name} = {values.get(f.name, f.name)}" for f in fields]
+    src = "\n".join([f"def __init__(self, {', '.join(params)}) -> None:", *body, "    self.__class__ = _frozen"])
+    exec(compile(src, f"<{frozen.__name__} builder>", "exec"), env)  # noqa: S102 - generated from the fields
+    return type(f"_{frozen.__name__}Builder", (), {"__slots__": frozen.__slots__, "__init__": env["__init__"]})
 
 
-class _ViewTwin:
-    __slots__ = ClusterView.__slots__
-
-    def __init__(self, replicas) -> None:
-        self.replicas = replicas
-        self.__class__ = ClusterView  # type: ignore[assignment]
-
-
-class _RequestInfoTwin:
-    __slots__ = RequestInfo.__slots__
-
-    def __init__(self, request_id, prompt_tokens_est, max_tokens, prefix_blocks, key, model=None, ttft_target_s=None,
-                 tpot_target_s=None) -> None:
-        self.request_id = request_id
-        self.prompt_tokens_est = prompt_tokens_est
-        self.max_tokens = max_tokens
-        self.prefix_blocks = prefix_blocks
-        self.key = key
-        self.model = model
-        self.ttft_target_s = ttft_target_s
-        self.tpot_target_s = tpot_target_s
-        self.__class__ = RequestInfo  # type: ignore[assignment]
-
-
-def _check_twin(twin: type, frozen: type) -> None:
-    names = tuple(f.name for f in dataclasses.fields(frozen))
-    if twin.__slots__ != names or frozen.__slots__ != names:  # type: ignore[attr-defined]
-        raise TypeError(f"{twin.__name__} is out of sync with the fields of {frozen.__name__}")  # pragma: no cover
-
-
-for _twin, _frozen in ((_SnapshotTwin, ReplicaSnapshot), (_ViewTwin, ClusterView), (_RequestInfoTwin, RequestInfo)):
-    _check_twin(_twin, _frozen)
-
-#: ReplicaSnapshot(...) with its fields positional, in field order (the last, tpot_floor_s, optional).
-make_snapshot: Callable[..., ReplicaSnapshot] = _SnapshotTwin  # type: ignore[assignment]
+#: ReplicaSnapshot(...) with its fields positional, in field order.
+make_snapshot: Callable[..., ReplicaSnapshot] = slot_builder(ReplicaSnapshot)  # type: ignore[assignment]
 #: ClusterView(replicas).
-make_view: Callable[[tuple[ReplicaSnapshot, ...]], ClusterView] = _ViewTwin  # type: ignore[assignment]
-#: RequestInfo(request_id, prompt_tokens_est, max_tokens, prefix_blocks, key[, model, ttft_target_s, tpot_target_s]),
-#: all positional.
-make_request_info: Callable[..., RequestInfo] = _RequestInfoTwin  # type: ignore[assignment]
+make_view: Callable[[tuple[ReplicaSnapshot, ...]], ClusterView] = slot_builder(ClusterView)  # type: ignore[assignment]
+#: RequestInfo(...) with its fields positional, in field order.
+make_request_info: Callable[..., RequestInfo] = slot_builder(RequestInfo)  # type: ignore[assignment]

@@ -167,39 +167,66 @@ def test_compiled_view_reads_a_tracker_subclass_through_its_properties():
     ct.trackers[0] = Doubled("a")
     ct.trackers[0].outstanding = 3
     assert ct.view(1.0, RequestInfo("q", 10)).replicas[0].outstanding == 6
-    assert tracking._compiled.bind_tracker(object) is False  # no slots: nothing bound, stays as was
+    assert tracking.bind_compiled(tracking._compiled, tracker_cls=object) is not None  # no slots: stays as was
     assert ct.view(1.0, RequestInfo("q", 10)).replicas[0].outstanding == 6
 
 
 def test_the_compiled_views_are_bound_wherever_the_extension_is_built():
-    """Built means bound: a drift between _fastnet.c's field table and the slots fails here, it does not skip."""
+    """Built means bound: the import binds the view table or fails (it never falls back to Python silently)."""
     from router.policy import tracking
 
     require_compiled_views()
-    assert tracking.COMPILED_UNBOUND is None and tracking.bind_compiled(tracking._compiled) is None
+    assert tracking.bind_compiled(tracking._compiled) is None
 
 
-def test_a_drifted_binding_is_named_and_fails_the_bound_check(monkeypatch):
-    """Planted drift: a snapshot type and a tracker type each missing one slot the C table reads. Binding them
-    fails with a reason naming the type, the working binding stays, and a tracker module left unbound that way
-    fails require_compiled_views (what the compiled-view tests above call) instead of skipping."""
+def test_classes_the_view_table_cannot_read_by_slot_are_named_and_leave_the_binding(monkeypatch):
+    """Planted drift: a snapshot class without slots, and a tracker class missing an attribute the table copies.
+    Binding either fails with a reason naming the attribute, and the working binding stays."""
     from router.policy import tracking
 
     compiled = require_compiled_views()
-    fields = [(f.name, object, f) for f in dataclasses.fields(ReplicaSnapshot) if f.name != "tpot_floor_s"]
-    DriftedSnapshot = dataclasses.make_dataclass("DriftedSnapshot", fields, frozen=True, slots=True)
+    names = [f.name for f in dataclasses.fields(ReplicaSnapshot)]  # names only: a Field given here would be changed
+    Unslotted = dataclasses.make_dataclass("Unslotted", names, frozen=True)
     DriftedTracker = type("DriftedTracker", (), {"__slots__": tuple(n for n in tracking.ReplicaTracker.__slots__
                                                                     if n != "awaiting_prompt_tokens")})
-    snap_reason = tracking.bind_compiled(compiled, snapshot_cls=DriftedSnapshot)
-    assert snap_reason is not None and "DriftedSnapshot as its snapshot type" in snap_reason
+    snap_reason = tracking.bind_compiled(compiled, snapshot_cls=Unslotted)
+    assert snap_reason is not None and "Unslotted.replica_id is not a plain slot" in snap_reason
     tracker_reason = tracking.bind_compiled(compiled, tracker_cls=DriftedTracker)
-    assert tracker_reason is not None and "DriftedTracker as its tracker type" in tracker_reason
+    assert tracker_reason is not None and "DriftedTracker.awaiting_prompt_tokens is not a plain slot" in tracker_reason
     # the real types are still the bound ones: views come out of C as ReplicaSnapshots with every field
     view = ClusterTracker(["a"]).view(1.0, RequestInfo("q", 10))
     assert type(view.replicas[0]) is ReplicaSnapshot and view.replicas[0].tpot_floor_s is None
     assert tracking.bind_compiled(compiled) is None
-    # what tracking does at import with such a reason: log it and build views in Python; the check then fails
-    monkeypatch.setattr(tracking, "_compiled", None)
-    monkeypatch.setattr(tracking, "COMPILED_UNBOUND", snap_reason)
-    with pytest.raises(AssertionError, match="DriftedSnapshot as its snapshot type"):
-        require_compiled_views()
+
+
+STALE_EXTENSION = """
+import sys, types
+for name, path in {packages!r}:  # the packages without their __init__, so that only {module} binds
+    sys.modules[name] = package = types.ModuleType(name)
+    package.__path__ = [path]
+sys.modules["router.policy._fastnet"] = types.ModuleType("router.policy._fastnet")  # built from other sources
+try:
+    import {module}
+except ImportError as exc:
+    print(exc)
+else:
+    print("imported")
+"""
+
+
+@pytest.mark.parametrize("module,what", [("router.policy.tracking", "the views"),
+                                         ("router.policy.features", "the feature rows")])
+def test_an_extension_that_cannot_follow_the_tables_stops_the_import(module, what):
+    """An extension built from other sources (here: one without bind_view / bind_rows) fails the import of the
+    module that binds it, naming the fix, instead of building every view or row in Python unnoticed."""
+    import subprocess
+    import sys
+
+    import router
+    import router.policy
+
+    require_compiled_views()
+    packages = [("router", router.__path__[0]), ("router.policy", router.policy.__path__[0])]
+    code = STALE_EXTENSION.format(packages=packages, module=module)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert f"cannot build {what}" in out and "rebuild it (pip install -e .)" in out, out

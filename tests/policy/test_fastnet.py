@@ -141,23 +141,22 @@ def test_best_view_decides_as_best_of_build_features() -> None:
 @needs_ext
 def test_best_view_refuses_bad_input_instead_of_crashing() -> None:
     from router.policy import _fastnet
-    from router.policy.features import _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S
-    from router.policy.types import ReplicaSnapshot
+    from router.policy.types import ReplicaSnapshot, RequestInfo
 
     net = OnnxPolicy(DEFAULT_MODEL_PATH)._fast
-    rep = ReplicaSnapshot("r0", True, 1, 10)
+    rep, req = ReplicaSnapshot("r0", True, 1, 10), RequestInfo("q", 1000)
     spec = (fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims)
-    assert _fastnet.best_view((rep,), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec) == (0, True)
+    assert _fastnet.best_view((rep,), req, *spec) == (0, True)
     with pytest.raises(ValueError, match="no replicas"):
-        _fastnet.best_view((), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec)
-    with pytest.raises(ValueError, match="log_flags"):
-        _fastnet.best_view((rep,), 1000, None, 0, b"\x00", _SCALES, STATS_AGE_CAP_S, *spec)
+        _fastnet.best_view((), req, *spec)
     with pytest.raises(AttributeError):
-        _fastnet.best_view((object(),), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec)
+        _fastnet.best_view((rep,), object(), *spec)
+    with pytest.raises(AttributeError):
+        _fastnet.best_view((object(),), req, *spec)
     with pytest.raises(ValueError, match="features"):
-        _fastnet.best_view((rep,), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec[:3], (24, *net._dims[1:]))
+        _fastnet.best_view((rep,), req, *spec[:3], (24, *net._dims[1:]))
     with pytest.raises(ValueError, match="weight blob"):
-        _fastnet.best_view((rep,), 1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S, *spec[:2], net._weights[:-32], net._dims)
+        _fastnet.best_view((rep,), req, *spec[:2], net._weights[:-32], net._dims)
 
 
 def _with_metadata(tmp_path, change) -> OnnxPolicy:
@@ -253,16 +252,14 @@ def test_layout_covers_the_blob_exactly() -> None:
 @needs_ext
 def test_compiled_rows_refuse_bad_input_instead_of_crashing() -> None:
     from router.policy import _fastnet
-    from router.policy.features import _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S
-    from router.policy.types import ReplicaSnapshot
+    from router.policy.types import ReplicaSnapshot, RequestInfo
 
-    rep = ReplicaSnapshot("r0", True, 1, 10)
-    args = (1000, None, 0, _LOG_FLAGS, _SCALES, STATS_AGE_CAP_S)
+    rep, req = ReplicaSnapshot("r0", True, 1, 10), RequestInfo("q", 1000)
     with pytest.raises(ValueError, match="out"):
-        _fastnet.rows((rep,), *args, np.empty((2, N_FEATURES), np.float32))
+        _fastnet.rows((rep,), req, np.empty((2, N_FEATURES), np.float32))
     with pytest.raises(AttributeError):
-        _fastnet.rows((object(),), *args, np.empty((1, N_FEATURES), np.float32))
+        _fastnet.rows((object(),), req, np.empty((1, N_FEATURES), np.float32))
     with pytest.raises(TypeError):
-        _fastnet.rows((ReplicaSnapshot("r0", True, "many", 10),), *args, np.empty((1, N_FEATURES), np.float32))
-    with pytest.raises(ValueError, match="log_flags"):
-        _fastnet.rows((rep,), 1000, None, 0, b"\x00", _SCALES, STATS_AGE_CAP_S, np.empty((1, N_FEATURES), np.float32))
+        _fastnet.rows((ReplicaSnapshot("r0", True, "many", 10),), req, np.empty((1, N_FEATURES), np.float32))
+    with pytest.raises(TypeError):
+        _fastnet.rows((rep,), RequestInfo("q", 1000, prefix_blocks=None), np.empty((1, N_FEATURES), np.float32))

@@ -159,20 +159,18 @@ def random_view(rng: np.random.Generator) -> ClusterView:
     return ClusterView(tuple(reps))
 
 
-# the compiled path has one way through any view; the numpy path's row-wise / column-wise switch is forced both ways
-PATHS = [pytest.param(True, None, id="compiled"), pytest.param(False, None, id="numpy-default"),
-         pytest.param(False, 0, id="numpy-all-columnwise"), pytest.param(False, 10**9, id="numpy-all-rowwise")]
+# both builders of the rows, each following the column table: the compiled one and the Python one (which serves
+# where no C compiler was available)
+PATHS = [pytest.param(True, id="compiled"), pytest.param(False, id="python")]
 
 
-@pytest.mark.parametrize("compiled,rowwise_max", PATHS)
+@pytest.mark.parametrize("compiled", PATHS)
 @pytest.mark.parametrize("seed", range(12))
-def test_build_features_is_bit_identical_to_the_per_replica_reference(seed, compiled, rowwise_max, monkeypatch):
+def test_build_features_is_bit_identical_to_the_per_replica_reference(seed, compiled, monkeypatch):
     if compiled:
         require_compiled_views()
-    else:  # the numpy path, which serves where no C compiler was available
+    else:
         monkeypatch.setattr(features, "_compiled", None)
-    if rowwise_max is not None:  # small views take the row-wise path by default: check the column-wise one on them too
-        monkeypatch.setattr(features, "_ROWWISE_MAX_REPLICAS", rowwise_max)
     rng = np.random.default_rng(seed)
     for _ in range(40):
         view, request = random_view(rng), random_request(rng)
@@ -233,8 +231,7 @@ class _DuckSnapshot:
 
 def test_compiled_rows_read_by_slot_and_by_getattr_give_the_same_bytes():
     require_compiled_views()
-    assert features._compiled.bind_snapshot(ReplicaSnapshot) is True
-    assert features._compiled.bind_snapshot(_DuckSnapshot) is False  # no slots: the binding stays as it was
+    assert features._compiled.bind_rows(ReplicaSnapshot, features.compiled_columns()) is True
     rng = np.random.default_rng(3)
     for _ in range(60):
         view, request = random_view(rng), random_request(rng)

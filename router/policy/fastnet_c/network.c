@@ -12,9 +12,7 @@
  * constants (fastnet.py builds them from router/policy/features.py, the one source of truth); weights: one
  * float32 blob in the layout of fastnet.pack_layout; dims: (F, C, hidden, heads, layers, ff, has_prior, wait_col).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <structmember.h>
+#include "fastnet.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,11 +24,6 @@
 #define VECTOR_CLONES
 #endif
 
-
-/* spec_i: n_rep, healthy_col, match_frac_col, unlog_cols[5] (prompt, decode, tpot_ms, awaiting, req_prompt)
- * spec_f: unlog_scales[5], wait_decode_weight */
-enum { SI_NREP, SI_HEALTHY, SI_MATCH, SI_UNLOG, SI_LEN = SI_UNLOG + 5 };
-enum { SF_SCALES, SF_DECODE_W = SF_SCALES + 5, SF_LEN };
 #define N_DERIVED 3
 
 static int cross_inputs(const float *f, int R, int F, const long *si, const float *sf, float *out, int C)
@@ -410,8 +403,7 @@ static inline void attend(int hd, int R, const float *restrict p, const float *r
 
 /* Every array of the weight blob and of the work buffer starts on a 64-byte boundary (ALIGN floats): a
  * 32-byte load that straddles two cache lines costs two, and the weight rows are loaded at every row. The
- * blob's base is aligned by fastnet.FastNet, which pads each array to a multiple of ALIGN floats. */
-#define ALIGN 16
+ * blob's base is aligned by fastnet.FastNet, which pads each array to a multiple of ALIGN floats (fastnet.h). */
 static inline size_t up_align(size_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
 
 /* Walks the weight blob in fastnet.pack_layout's order (each array padded to ALIGN floats); returns NULL if
@@ -528,7 +520,7 @@ done:
     return rc;
 }
 
-static int read_longs(PyObject *seq, long *dst, int n, const char *what)
+int read_longs(PyObject *seq, long *dst, int n, const char *what)
 {
     PyObject *fast = PySequence_Fast(seq, what);
     if (!fast)
@@ -549,7 +541,7 @@ static int read_longs(PyObject *seq, long *dst, int n, const char *what)
     return 0;
 }
 
-static int check_f32(Py_buffer *b, Py_ssize_t n, const char *what)
+int check_f32(Py_buffer *b, Py_ssize_t n, const char *what)
 {
     if (b->len != n * (Py_ssize_t)sizeof(float)) {
         PyErr_Format(PyExc_ValueError, "%s: expected %zd float32 values, got %zd bytes", what, n, b->len);
@@ -559,7 +551,7 @@ static int check_f32(Py_buffer *b, Py_ssize_t n, const char *what)
 }
 
 /* inputs(rows, n_rows, spec_i, spec_f, out) */
-static PyObject *py_inputs(PyObject *self, PyObject *args)
+PyObject *py_inputs(PyObject *self, PyObject *args)
 {
     Py_buffer rows, sf, out;
     int R;
@@ -588,8 +580,8 @@ end:
 }
 
 /* The network's logits for one decision into `out` [R]; 0, or -1 with an exception set */
-static int run_logits(const float *rows, int R, const long *si, const float *sf, const long *dims, const float *wb, size_t wn,
-                      float *out)
+int run_logits(const float *rows, int R, const long *si, const float *sf, const long *dims, const float *wb, size_t wn,
+               float *out)
 {
     const int F = (int)dims[0], C = (int)dims[1];
     float *work = malloc(sizeof(float) * (size_t)R * (C + 1));
@@ -666,7 +658,7 @@ end:
 }
 
 /* logits(rows, n_rows, spec_i, spec_f, weights, dims, out) */
-static PyObject *py_logits(PyObject *self, PyObject *args)
+PyObject *py_logits(PyObject *self, PyObject *args)
 {
     int R;
     if (logits_call(args, 1, NULL, &R, NULL))
@@ -676,7 +668,7 @@ static PyObject *py_logits(PyObject *self, PyObject *args)
 
 /* the first largest logit among healthy replicas (-1 if none is healthy; healthy: column `col` of `rows`, `width`
  * floats per replica) and whether every healthy replica's logit is finite */
-static void pick_best(const float *logit, const float *rows, int R, int width, int col, int *pick_out, int *finite_out)
+void pick_best(const float *logit, const float *rows, int R, int width, int col, int *pick_out, int *finite_out)
 {
     int pick = -1, finite = 1;
     for (int r = 0; r < R; r++) {
@@ -696,7 +688,7 @@ static void pick_best(const float *logit, const float *rows, int R, int width, i
  * replicas (-1 if none is healthy) and whether every healthy replica's logit is finite. One call instead of
  * logits() and four numpy calls, each of which costs tens of microseconds on a cold cache (a live router
  * between requests). */
-static PyObject *py_best(PyObject *self, PyObject *args)
+PyObject *py_best(PyObject *self, PyObject *args)
 {
     float *logit = NULL;
     const float *healthy = NULL;
@@ -710,453 +702,4 @@ static PyObject *py_best(PyObject *self, PyObject *args)
     free(logit);
     free((void *)healthy);
     return Py_BuildValue("(iO)", pick, finite ? Py_True : Py_False);
-}
-
-/* ---- the replica snapshots: built from the trackers (ClusterTracker.view), read by build_features rows ---- */
-
-/* ReplicaSnapshot's fields, in order */
-enum { S_ID, S_HEALTHY, S_OUT, S_PROMPT, S_DECODE, S_WAITING, S_RUNNING, S_KV, S_KVCAP, S_AGE, S_DISPATCHED, S_MATCH,
-       S_TTFT, S_TPOT, S_AWAIT_N, S_AWAIT_TOK, S_TPOT_FLOOR, N_SNAP };
-static const char *SNAP_NAMES[N_SNAP] = {
-    "replica_id", "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens", "waiting",
-    "running", "kv_cache_usage", "kv_capacity_tokens", "stats_age_s", "dispatched_since_scrape",
-    "prefix_match_blocks", "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens",
-    "tpot_floor_s"};
-static PyObject *snap_names[N_SNAP], *last_scrape_name;
-
-/* Where each field lives in an instance of the bound snapshot and tracker types (slots: one PyObject * per field at
- * a fixed offset), resolved once by bind_snapshot() / bind_tracker(); other types are read with getattr.
- * tracker_off[S_AGE] is last_scrape_s; the tracker has no prefix_match_blocks. */
-static PyTypeObject *snapshot_type, *tracker_type;
-static Py_ssize_t snap_off[N_SNAP], tracker_off[N_SNAP];
-
-/* The offset of a plain object slot `name` of cls; -1 (no exception) if it is missing or anything else, -2 with an
- * exception set if looking it up failed otherwise */
-static Py_ssize_t plain_slot(PyObject *cls, PyObject *name)
-{
-    PyObject *d = PyObject_GetAttr(cls, name);
-    if (!d) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-            return -2;
-        PyErr_Clear();
-        return -1;
-    }
-    Py_ssize_t off = -1;
-    if (Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX)
-        off = ((PyMemberDescrObject *)d)->d_member->offset;
-    Py_DECREF(d);
-    return off;
-}
-
-/* bind(cls, type, offsets, as_tracker): resolve every field's slot of cls (as the tracker: last_scrape_s for
- * stats_age_s, no prefix_match_blocks); True and bound, False (binding unchanged) if one is not a plain slot */
-static PyObject *bind(PyObject *cls, PyTypeObject **type, Py_ssize_t *offsets, int as_tracker)
-{
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "bind: expected a class");
-        return NULL;
-    }
-    Py_ssize_t off[N_SNAP];
-    for (int i = 0; i < N_SNAP; i++) {
-        off[i] = as_tracker && i == S_MATCH ? 0 : plain_slot(cls, as_tracker && i == S_AGE ? last_scrape_name : snap_names[i]);
-        if (off[i] == -2)
-            return NULL;
-        if (off[i] < 0)
-            Py_RETURN_FALSE;
-    }
-    memcpy(offsets, off, sizeof off);
-    Py_XSETREF(*type, (PyTypeObject *)Py_NewRef(cls));
-    Py_RETURN_TRUE;
-}
-
-/* bind_snapshot(cls): snapshots() builds instances of cls and rows() reads them slot by slot */
-static PyObject *py_bind_snapshot(PyObject *self, PyObject *cls) { return bind(cls, &snapshot_type, snap_off, 0); }
-
-/* bind_tracker(cls): snapshots() reads instances of cls slot by slot (other trackers, e.g. subclasses with
- * properties, with getattr) */
-static PyObject *py_bind_tracker(PyObject *self, PyObject *cls) { return bind(cls, &tracker_type, tracker_off, 1); }
-
-/* A new reference to tracker field i, or NULL with an exception set */
-static PyObject *tracker_field(PyObject *t, int i)
-{
-    PyObject *name = i == S_AGE ? last_scrape_name : snap_names[i];
-    if (Py_TYPE(t) != tracker_type)
-        return PyObject_GetAttr(t, name);
-    PyObject *x = *(PyObject **)((char *)t + tracker_off[i]);
-    if (!x)
-        PyErr_SetObject(PyExc_AttributeError, name);
-    return Py_XNewRef(x);
-}
-
-/* max(0, now - last), inf when never scraped: the same float Python's expression gives for float times */
-static PyObject *stats_age(PyObject *last, double now)
-{
-    if (last == Py_None)
-        return PyFloat_FromDouble(INFINITY);
-    const double l = PyFloat_AsDouble(last);
-    if (l == -1.0 && PyErr_Occurred())
-        return NULL;
-    return PyFloat_FromDouble(now > l ? now - l : 0.0);
-}
-
-/* snapshots(trackers, now_s, matches) -> tuple: a snapshot per tracker (both types bound first); matches is
- * None (no prefix match anywhere) or a list of ints, one per tracker */
-static PyObject *py_snapshots(PyObject *self, PyObject *args)
-{
-    PyObject *trackers, *matches;
-    double now;
-    if (!PyArg_ParseTuple(args, "O!dO", &PyList_Type, &trackers, &now, &matches))
-        return NULL;
-    if (!snapshot_type || !tracker_type) {
-        PyErr_SetString(PyExc_RuntimeError, "snapshots: bind_snapshot() and bind_tracker() have not both bound a type");
-        return NULL;
-    }
-    const Py_ssize_t n = PyList_GET_SIZE(trackers);
-    if (matches != Py_None && (!PyList_Check(matches) || PyList_GET_SIZE(matches) != n)) {
-        PyErr_SetString(PyExc_ValueError, "snapshots: matches must be None or a list as long as trackers");
-        return NULL;
-    }
-    PyObject *out = PyTuple_New(n);
-    if (!out)
-        return NULL;
-    PyObject *zero = PyLong_FromLong(0);
-    if (!zero)
-        goto fail;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *t = PyList_GET_ITEM(trackers, k);
-        PyObject *snap = snapshot_type->tp_alloc(snapshot_type, 0);
-        if (!snap)
-            goto fail;
-        PyTuple_SET_ITEM(out, k, snap);
-        for (int i = 0; i < N_SNAP; i++) {
-            PyObject *v;
-            if (i == S_MATCH)
-                v = Py_NewRef(matches == Py_None ? zero : PyList_GET_ITEM(matches, k));
-            else if (i == S_AGE) {
-                PyObject *last = tracker_field(t, i);
-                v = last ? stats_age(last, now) : NULL;
-                Py_XDECREF(last);
-            } else
-                v = tracker_field(t, i);
-            if (!v)
-                goto fail;
-            *(PyObject **)((char *)snap + snap_off[i]) = v;
-        }
-    }
-    Py_DECREF(zero);
-    return out;
-fail:
-    Py_XDECREF(zero);
-    Py_DECREF(out);
-    return NULL;
-}
-
-/* ---- build_features rows, from the snapshots (router/policy/features.py is the reference) ---- */
-
-/* The snapshot fields rows() reads, in this order */
-enum { A_HEALTHY, A_OUT, A_PROMPT, A_DECODE, A_WAITING, A_RUNNING, A_KV, A_KVCAP, A_AGE, A_DISPATCHED, A_MATCH,
-       A_TTFT, A_TPOT, A_AWAIT_N, A_AWAIT_TOK, N_ATTRS };
-static const int ROW_FIELDS[N_ATTRS] = {S_HEALTHY, S_OUT, S_PROMPT, S_DECODE, S_WAITING, S_RUNNING, S_KV, S_KVCAP,
-                                        S_AGE, S_DISPATCHED, S_MATCH, S_TTFT, S_TPOT, S_AWAIT_N, S_AWAIT_TOK};
-#define N_ROW 25 /* 20 replica + 5 request columns, in FEATURE_NAMES order */
-
-/* The value as a double; *none = 1 (and 0.0) for None. -1 with an exception set on a non-number. */
-static int as_number(PyObject *x, double *v, int *none)
-{
-    *none = x == Py_None;
-    if (*none)
-        *v = 0.0;
-    else if (PyFloat_CheckExact(x))
-        *v = PyFloat_AS_DOUBLE(x);
-    else if (x == Py_True || x == Py_False)
-        *v = x == Py_True;
-    else if (PyLong_CheckExact(x)) /* float(int) without the intermediate float object */
-        *v = PyLong_AsDouble(x);
-    else
-        *v = PyFloat_AsDouble(x);
-    return (*v == -1.0 && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* Field ROW_FIELDS[a] of a snapshot as a double (as_number) */
-static int read_number(PyObject *obj, int a, double *v, int *none)
-{
-    const int i = ROW_FIELDS[a];
-    if (Py_TYPE(obj) == snapshot_type) {
-        PyObject *x = *(PyObject **)((char *)obj + snap_off[i]);
-        if (!x) {
-            PyErr_SetObject(PyExc_AttributeError, snap_names[i]);
-            return -1;
-        }
-        return as_number(x, v, none);
-    }
-    PyObject *x = PyObject_GetAttr(obj, snap_names[i]);
-    if (!x)
-        return -1;
-    const int rc = as_number(x, v, none);
-    Py_DECREF(x);
-    return rc;
-}
-
-/* build_features rows of the snapshots in `reps` into `o` float32 [len(reps), N_ROW]; 0, or -1 with an exception
- * set. is_log: one byte per column; sc: the columns' float64 scales (checked by the callers). */
-static int rows_into(PyObject *reps, double prompt, PyObject *max_tok_obj, Py_ssize_t n_blocks, const unsigned char *is_log,
-                     const double *sc, double cap, float *o)
-{
-    const Py_ssize_t n = PyTuple_GET_SIZE(reps);
-    double *raw = NULL;
-    double max_tok = 0.0, max_tok_missing = 1.0;
-    if (max_tok_obj != Py_None) {
-        max_tok = PyFloat_AsDouble(max_tok_obj);
-        max_tok_missing = 0.0;
-        if (max_tok == -1.0 && PyErr_Occurred())
-            goto fail;
-    }
-    raw = malloc(sizeof(double) * (size_t)(n ? n : 1) * N_ROW);
-    if (!raw) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    double min_out = 0.0;
-    Py_ssize_t n_healthy = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *r = PyTuple_GET_ITEM(reps, i);
-        double *row = raw + (size_t)i * N_ROW;
-        double v[N_ATTRS];
-        int none[N_ATTRS];
-        for (int a = 0; a < N_ATTRS; a++)
-            if (read_number(r, a, &v[a], &none[a]))
-                goto fail;
-        const int healthy = v[A_HEALTHY] != 0.0;
-        if (healthy && (n_healthy == 0 || v[A_OUT] < min_out))
-            min_out = v[A_OUT];
-        n_healthy += healthy;
-        const double age = v[A_AGE];
-        const double frac = n_blocks ? v[A_MATCH] / (double)n_blocks : 0.0;
-        row[0] = 1.0;
-        row[1] = healthy ? 1.0 : 0.0;
-        row[2] = v[A_OUT];
-        row[3] = v[A_OUT]; /* minus the healthy minimum, below */
-        row[4] = v[A_PROMPT];
-        row[5] = v[A_DECODE];
-        row[6] = v[A_WAITING];
-        row[7] = v[A_RUNNING];
-        row[8] = v[A_KV];
-        row[9] = (none[A_WAITING] || none[A_RUNNING] || none[A_KV]) ? 1.0 : 0.0;
-        row[10] = isfinite(age) ? (age < cap ? age : cap) : cap;
-        row[11] = v[A_DISPATCHED];
-        row[12] = v[A_KVCAP];
-        row[13] = frac;
-        row[14] = frac * prompt;
-        row[15] = v[A_TTFT] * 1000.0;
-        row[16] = v[A_TPOT] * 1000.0;
-        row[17] = (none[A_TTFT] || none[A_TPOT]) ? 1.0 : 0.0;
-        row[18] = v[A_AWAIT_N];
-        row[19] = v[A_AWAIT_TOK];
-        row[20] = prompt;
-        row[21] = max_tok;
-        row[22] = max_tok_missing;
-        row[23] = (double)n_blocks;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        double *row = raw + (size_t)i * N_ROW;
-        row[3] = row[1] != 0.0 ? row[3] - min_out : 0.0;
-        row[24] = (double)n_healthy;
-        for (int j = 0; j < N_ROW; j++) {
-            double x = row[j];
-            x = (x > 0.0 || isnan(x)) ? x : 0.0; /* np.maximum(x, 0.0): -0.0 becomes 0.0, NaN stays */
-            if (is_log[j])
-                x = log1p(x);
-            o[i * N_ROW + j] = (float)(x / sc[j]);
-        }
-    }
-    free(raw);
-    return 0;
-fail:
-    free(raw);
-    return -1;
-}
-
-static int check_row_spec(Py_buffer *flags, Py_buffer *scales)
-{
-    if (flags->len != N_ROW) {
-        PyErr_SetString(PyExc_ValueError, "rows: log_flags must have one byte per feature column");
-        return -1;
-    }
-    if (scales->len != N_ROW * (Py_ssize_t)sizeof(double)) {
-        PyErr_SetString(PyExc_ValueError, "rows: scales must be float64, one per feature column");
-        return -1;
-    }
-    return 0;
-}
-
-/* rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, age_cap, out): build_features for
- * one view into `out` float32 [len(replicas), 25], the same bytes as the numpy path */
-static PyObject *py_rows(PyObject *self, PyObject *args)
-{
-    PyObject *reps, *max_tok_obj;
-    double prompt, cap;
-    Py_ssize_t n_blocks;
-    Py_buffer flags, scales, out;
-    if (!PyArg_ParseTuple(args, "O!dOny*y*dw*", &PyTuple_Type, &reps, &prompt, &max_tok_obj, &n_blocks, &flags, &scales,
-                          &cap, &out))
-        return NULL;
-    PyObject *res = NULL;
-    if (check_f32(&out, PyTuple_GET_SIZE(reps) * N_ROW, "out") || check_row_spec(&flags, &scales) ||
-        rows_into(reps, prompt, max_tok_obj, n_blocks, flags.buf, scales.buf, cap, out.buf))
-        goto end;
-    res = Py_None;
-    Py_INCREF(res);
-end:
-    PyBuffer_Release(&flags);
-    PyBuffer_Release(&scales);
-    PyBuffer_Release(&out);
-    return res;
-}
-
-/* best_view(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, age_cap, spec_i, spec_f, weights,
- * dims) -> (pick, finite): rows(...) and best(...) in one call, with the rows in C memory. A live router's caches
- * are cold between requests, and there allocating the numpy array for the rows alone costs tens of microseconds. */
-static PyObject *py_best_view(PyObject *self, PyObject *args)
-{
-    PyObject *reps, *max_tok_obj, *si_obj, *dims_obj;
-    double prompt, cap;
-    Py_ssize_t n_blocks;
-    Py_buffer flags, scales, sf, wb;
-    long si[SI_LEN], dims[8];
-    if (!PyArg_ParseTuple(args, "O!dOny*y*dOy*y*O", &PyTuple_Type, &reps, &prompt, &max_tok_obj, &n_blocks, &flags,
-                          &scales, &cap, &si_obj, &sf, &wb, &dims_obj))
-        return NULL;
-    PyObject *res = NULL;
-    const Py_ssize_t R = PyTuple_GET_SIZE(reps);
-    float *rows = NULL, *logit = NULL;
-    if (R <= 0 || R > INT_MAX / N_ROW) {
-        PyErr_Format(PyExc_ValueError, "best_view: %zd replicas (no replicas, or more than it can index)", R);
-        goto end;
-    }
-    if (check_row_spec(&flags, &scales) || read_longs(si_obj, si, SI_LEN, "spec_i") || read_longs(dims_obj, dims, 8, "dims") ||
-        check_f32(&sf, SF_LEN, "spec_f"))
-        goto end;
-    if (dims[0] != N_ROW) {
-        PyErr_Format(PyExc_ValueError, "best_view: the network reads %ld features, rows() makes %d", dims[0], N_ROW);
-        goto end;
-    }
-    rows = malloc(sizeof(float) * (size_t)R * (N_ROW + 1));
-    if (!rows) {
-        PyErr_NoMemory();
-        goto end;
-    }
-    logit = rows + (size_t)R * N_ROW;
-    if (rows_into(reps, prompt, max_tok_obj, n_blocks, flags.buf, scales.buf, cap, rows) ||
-        run_logits(rows, (int)R, si, sf.buf, dims, wb.buf, (size_t)wb.len / sizeof(float), logit))
-        goto end;
-    int pick, finite;
-    pick_best(logit, rows, (int)R, N_ROW, (int)si[SI_HEALTHY], &pick, &finite);
-    res = Py_BuildValue("(iO)", pick, finite ? Py_True : Py_False);
-end:
-    free(rows);
-    PyBuffer_Release(&flags);
-    PyBuffer_Release(&scales);
-    PyBuffer_Release(&sf);
-    PyBuffer_Release(&wb);
-    return res;
-}
-
-/* Host-wide in-flight counters of router.shared: int64[workers, per_worker, fields] in shared memory. */
-
-/* sum_rows(counters, workers, per_worker, fields, ncols) -> [[sum over workers] per field] per column < ncols */
-static PyObject *py_sum_rows(PyObject *self, PyObject *args)
-{
-    Py_buffer b;
-    Py_ssize_t workers, per_worker, fields, ncols;
-    if (!PyArg_ParseTuple(args, "y*nnnn", &b, &workers, &per_worker, &fields, &ncols))
-        return NULL;
-    if (workers < 1 || fields < 1 || ncols < 0 || ncols > per_worker ||
-        b.len < (Py_ssize_t)sizeof(int64_t) * workers * per_worker * fields) {
-        PyBuffer_Release(&b);
-        PyErr_SetString(PyExc_ValueError, "sum_rows: the buffer does not hold int64[workers, per_worker, fields]");
-        return NULL;
-    }
-    const int64_t *c = (const int64_t *)b.buf;
-    PyObject *out = PyList_New(ncols);
-    for (Py_ssize_t col = 0; out && col < ncols; col++) {
-        PyObject *row = PyList_New(fields);
-        if (!row) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, col, row);
-        for (Py_ssize_t f = 0; f < fields; f++) {
-            int64_t sum = 0;
-            for (Py_ssize_t w = 0; w < workers; w++)
-                sum += c[(w * per_worker + col) * fields + f];
-            PyObject *v = PyLong_FromLongLong(sum);
-            if (!v) {
-                Py_CLEAR(out);
-                break;
-            }
-            PyList_SET_ITEM(row, f, v);
-        }
-    }
-    PyBuffer_Release(&b);
-    return out;
-}
-
-/* put_row(counters, offset, values): counters[offset : offset + len(values)] = values (int64, one writer per row) */
-static PyObject *py_put_row(PyObject *self, PyObject *args)
-{
-    Py_buffer b;
-    Py_ssize_t offset;
-    PyObject *values;
-    if (!PyArg_ParseTuple(args, "w*nO!", &b, &offset, &PyList_Type, &values))
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(values);
-    if (offset < 0 || (offset + n) * (Py_ssize_t)sizeof(int64_t) > b.len) {
-        PyBuffer_Release(&b);
-        PyErr_SetString(PyExc_ValueError, "put_row: the row does not fit in the buffer");
-        return NULL;
-    }
-    int64_t *c = (int64_t *)b.buf + offset;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long v = PyLong_AsLongLong(PyList_GET_ITEM(values, i));
-        if (v == -1 && PyErr_Occurred()) {
-            PyBuffer_Release(&b);
-            return NULL;
-        }
-        c[i] = v;
-    }
-    PyBuffer_Release(&b);
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef methods[] = {
-    {"inputs", py_inputs, METH_VARARGS, "inputs(rows, n_rows, spec_i, spec_f, out): model_inputs of one decision"},
-    {"logits", py_logits, METH_VARARGS, "logits(rows, n_rows, spec_i, spec_f, weights, dims, out): one decision"},
-    {"best", py_best, METH_VARARGS, "best(rows, n_rows, spec_i, spec_f, weights, dims) -> (pick, finite): one decision"},
-    {"bind_tracker", py_bind_tracker, METH_O, "bind_tracker(cls): snapshots() reads instances of cls by slot"},
-    {"snapshots", py_snapshots, METH_VARARGS, "snapshots(trackers, now_s, matches): ClusterTracker.view's snapshots"},
-    {"bind_snapshot", py_bind_snapshot, METH_O, "bind_snapshot(cls): snapshots() builds, rows() reads cls by slot"},
-    {"rows", py_rows, METH_VARARGS, "rows(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, cap, out)"},
-    {"best_view", py_best_view, METH_VARARGS,
-     "best_view(replicas, prompt_tokens_est, max_tokens, n_blocks, log_flags, scales, cap, spec_i, spec_f, weights, dims)"
-     " -> (pick, finite): rows() and best() in one call"},
-    {"sum_rows", py_sum_rows, METH_VARARGS, "sum_rows(counters, workers, per_worker, fields, ncols): router.shared's host-wide sums"},
-    {"put_row", py_put_row, METH_VARARGS, "put_row(counters, offset, values): one worker's row of router.shared"},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastnet", "The routing network for one decision, in C.", -1, methods};
-
-PyMODINIT_FUNC PyInit__fastnet(void)
-{
-    for (int i = 0; i < N_SNAP; i++)
-        if (!(snap_names[i] = PyUnicode_InternFromString(SNAP_NAMES[i])))
-            return NULL;
-    if (!(last_scrape_name = PyUnicode_InternFromString("last_scrape_s")))
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "ALIGN_FLOATS", ALIGN)) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
 }
