@@ -231,6 +231,16 @@ def metric_samples(text: str) -> dict[str, float]:
     return out
 
 
+def by_replica(text: str, name: str) -> dict[str, float]:
+    """replica label -> the sum of `name`'s samples with that label."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and "replica" in s.labels:
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
+    return out
+
+
 def lines_on_disk(directory: Path) -> tuple[int, bool]:
     """(complete lines over every decision-log file, whether each file ends with a newline)."""
     n, whole = 0, True
@@ -354,6 +364,7 @@ async def run(args: argparse.Namespace) -> dict:
 
         end["settled"] = await wait_until(settled, 30.0)
         replicas = json.loads((await aget(base + "/admin/replicas", admin=True))[1])["replicas"]
+        sent_to = by_replica((await aget(base + "/metrics"))[1].decode(), "llm_router_requests_total")
         procs.procs = [(n, q) for n, q in procs.procs if q is not router]
         with contextlib.suppress(ProcessLookupError):
             os.killpg(router.pid, signal.SIGTERM)
@@ -375,8 +386,11 @@ async def run(args: argparse.Namespace) -> dict:
                     "max_mb": rss and round(max(r for _, r in rss) / 2**20, 1),
                     "final_mb": final_rss and round(final_rss / 2**20, 1),
                     "growth": (round(final_rss / base_rss - 1, 4) if base_rss and final_rss else None),
-                    "warmup_s": warmup},
+                    "warmup_s": warmup,
+                    # every tenth of the run: a growth that is still climbing at the end shows here
+                    "trajectory_mb": [(round(t), round(r / 2**20, 1)) for t, r in rss[:: max(1, len(rss) // 10)]]},
             "end": end,
+            "requests_by_replica": {role[f"http://{rid}"]: int(n) for rid, n in sent_to.items() if f"http://{rid}" in role},
             "ejections": {role[r["url"].rstrip("/")]: r["ejections"] for r in replicas},
             "breaker_trips": {role[r["url"].rstrip("/")]: r["breaker"]["trips"] for r in replicas},
         })
