@@ -128,7 +128,7 @@ class ClusterSim:
                 self.replicas.append(Replica(f"r{i}-{group.profile}", group, prof, closed_form=closed_form))  # type: ignore[arg-type]
         self.replica_ids: list[str] = [r.replica_id for r in self.replicas]
         # the models each replica serves (None: any), and by model the view indices serving it (None: every replica)
-        self._served = [frozenset(g.models) or None for g in config.replicas for _ in range(g.count)]
+        self._served = [g.served() or None for g in config.replicas for _ in range(g.count)]
         self._members: dict[str | None, tuple[int, ...] | None] = {None: None}
         n_rep = len(self.replicas)
         for f in config.faults:

@@ -2,13 +2,60 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_RANGE = re.compile(r"^(.*)\{(\d+)\.\.(\d+)\}(.*)$")
+
+
+def expand_names(names: list[str]) -> list[str]:
+    """Model names with `PREFIX{A..B}SUFFIX` ranges written out (`sql-{0..2}`: sql-0, sql-1, sql-2), so a fleet of
+    many LoRA adapters fits a line; ValueError for an empty or reversed range."""
+    out = []
+    for name in names:
+        m = _RANGE.match(name)
+        if m is None:
+            out.append(name)
+            continue
+        lo, hi = int(m[2]), int(m[3])
+        if hi < lo:
+            raise ValueError(f"{name!r}: the range {lo}..{hi} is empty")
+        out.extend(f"{m[1]}{k}{m[4]}" for k in range(lo, hi + 1))
+    return out
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class LoraConfig(_Strict):
+    """vLLM's --enable-lora on a replica group: the adapters it lists, its adapter slots and what loading one costs.
+
+    A batch holds requests of at most `max_loras` distinct adapters (vLLM's scheduler skips a waiting request whose
+    adapter would be one too many); an adapter a batch needs is copied into one of `max_loras` GPU slots (`swap_s`),
+    after being read from disk when it is not among the `max_cpu_loras` kept in host memory (`load_s`); either stalls
+    the iteration that needs it. The costs are assumptions of the order vLLM's adapter manager takes for a rank-16
+    adapter of an 8B model, not measurements."""
+
+    adapters: list[str] = Field(min_length=1, description="adapter names it lists (`name-{0..31}` for 32)")
+    max_loras: int = Field(1, ge=1, description="vLLM --max-loras: distinct adapters in one batch (its GPU slots)")
+    max_cpu_loras: int | None = Field(None, ge=1, description="vLLM --max-cpu-loras (None = max_loras)")
+    load_s: float = Field(0.1, ge=0, description="reading an adapter that is not in host memory")
+    swap_s: float = Field(0.01, ge=0, description="copying an adapter into a GPU slot")
+
+    @field_validator("adapters")
+    @classmethod
+    def _expand(cls, v: list[str]) -> list[str]:
+        return expand_names(v)
+
+    @model_validator(mode="after")
+    def _cpu_holds_gpu(self) -> LoraConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras = {self.max_cpu_loras} is less than max_loras = {self.max_loras} "
+                             "(vLLM refuses it too)")
+        return self
 
 
 class ReplicaGroup(_Strict):
@@ -27,8 +74,19 @@ class ReplicaGroup(_Strict):
     )
     models: list[str] = Field(
         [], description="the models (and LoRA adapters) its /v1/models lists: a request for a model goes only to the "
-        "replicas listing it; empty = any model (a fleet of one model)"
+        "replicas listing it; empty = any model (a fleet of one model); `name-{0..31}` lists 32 names"
     )
+
+    lora: LoraConfig | None = Field(None, description="LoRA adapters served besides `models` (vLLM --enable-lora)")
+
+    @field_validator("models")
+    @classmethod
+    def _expand(cls, v: list[str]) -> list[str]:
+        return expand_names(v)
+
+    def served(self) -> frozenset[str]:
+        """Every name its /v1/models lists (models and adapters); empty = any model."""
+        return frozenset(self.models) | frozenset(self.lora.adapters if self.lora is not None else ())
 
 
 class ScrapeConfig(_Strict):

@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from simulator.config import ClusterConfig
+from simulator.config import ClusterConfig, expand_names
 from simulator.costmodel import load_profile
 from simulator.metrics import Slo
 from simulator.traces import Split, TraceLibrary
@@ -49,6 +49,15 @@ class SloClassSpec(BaseModel):
     tpot_s: float = Field(gt=0, description="its time-per-output-token target, seconds")
 
 
+class ModelShareSpec(BaseModel):
+    """The requests' share that names a model (a base model or a LoRA adapter: the request's `model`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, description="a model name, or `PREFIX{A..B}` for several (e.g. adapters)")
+    share: float = Field(gt=0, le=1, description="fraction of the requests naming it (a range: all its names)")
+    zipf_s: float = Field(0.0, ge=0, description="a range's popularity: name k gets weight 1 / (k+1)^zipf_s")
+
+
 class ScenarioSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -62,6 +71,26 @@ class ScenarioSpec(BaseModel):
     classes: list[SloClassSpec] = Field(
         default_factory=list, description="latency-target classes drawn per request by share (the rest: `slo`, no "
         "target of their own); the arrivals are the same with or without them")
+
+    models: list[ModelShareSpec] = Field(
+        default_factory=list, description="the models requests name, by share (summing to 1), drawn per request "
+        "after the workload (the same arrivals); none: requests name no model")
+
+    @model_validator(mode="after")
+    def _models_served(self) -> ScenarioSpec:
+        if not self.models:
+            return self
+        total = sum(m.share for m in self.models)
+        if abs(total - 1) > 1e-6:
+            raise ValueError(f"models: the shares sum to {total:g}, not 1")
+        names = model_names(self.models)
+        if len(set(names)) != len(names):
+            raise ValueError("models: a model is named twice")
+        if not any(not g.served() for g in self.cluster.replicas):  # a group serving any model serves them all
+            served = set().union(*(g.served() for g in self.cluster.replicas))
+            if missing := [n for n in names if n not in served]:
+                raise ValueError(f"models: no replica group serves {missing[0]!r} (cluster.replicas' models)")
+        return self
 
     @model_validator(mode="after")
     def _classes_sum(self) -> ScenarioSpec:
@@ -114,6 +143,8 @@ class Scenario:
     def build(self, rng: np.random.Generator) -> tuple[ClusterConfig, list[SimRequest]]:
         workload_rng = np.random.default_rng([int(rng.integers(2**63)), _SPLIT_SALT[self.split]])
         requests = self.spec.workload.build(workload_rng, self.split, self.library, self.spec.time_scale)
+        if self.spec.models:  # drawn after the workload: the same arrivals as without models
+            requests = assign_models(requests, self.spec.models, np.random.default_rng(int(rng.integers(2**63))))
         if self.spec.classes:  # drawn after the workload: the same arrivals as without classes
             requests = assign_classes(requests, self.spec.classes, np.random.default_rng(int(rng.integers(2**63))))
         return self.spec.cluster.model_copy(deep=True), requests
@@ -121,6 +152,29 @@ class Scenario:
     def class_targets(self) -> dict[str, Slo]:
         """Each request class's targets ("" = the requests in no class: the scenario's `slo`)."""
         return {"": self.slo, **{c.name: Slo(ttft_s=c.ttft_s, tpot_s=c.tpot_s) for c in self.spec.classes}}
+
+
+def model_names(models: list[ModelShareSpec]) -> list[str]:
+    return [n for m in models for n in expand_names([m.name])]
+
+
+def model_weights(models: list[ModelShareSpec]) -> tuple[list[str], np.ndarray]:
+    """Every model name and the probability that a request names it."""
+    names, weights = [], []
+    for m in models:
+        expanded = expand_names([m.name])
+        w = 1.0 / np.arange(1, len(expanded) + 1) ** m.zipf_s
+        names += expanded
+        weights += list(m.share * w / w.sum())
+    p = np.asarray(weights)
+    return names, p / p.sum()
+
+
+def assign_models(requests: list[SimRequest], models: list[ModelShareSpec], rng: np.random.Generator) -> list[SimRequest]:
+    """Each request names a model drawn by share (a range's names by their Zipf popularity)."""
+    names, p = model_weights(models)
+    picks = rng.choice(len(names), size=len(requests), p=p)
+    return [dataclasses.replace(req, model=names[k]) for req, k in zip(requests, picks)]
 
 
 def assign_classes(requests: list[SimRequest], classes: list[SloClassSpec], rng: np.random.Generator) -> list[SimRequest]:
@@ -140,6 +194,7 @@ def assign_classes(requests: list[SimRequest], classes: list[SloClassSpec], rng:
 # subdirectory of SCENARIOS_DIR; its scenarios load by name like the suite's and the group name selects them all.
 SCENARIO_GROUPS: dict[str, str] = {
     "shapes": "fleet shapes the suite lacks: 2, 8 and 32 replicas, and GPU speed mixes up to ~8x",
+    "models": "fleets of several models: two base models on disjoint and on overlapping replicas, LoRA adapters",
     "slo": "latency-target classes (a scenario's `classes`): deadline-first against FIFO behind late binding",
 }
 
