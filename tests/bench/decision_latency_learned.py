@@ -88,7 +88,7 @@ def bench(model: Path, n: int, iters: int, budget_s: float, seed: int, fast: boo
     rng = np.random.default_rng(seed)
     cluster = busy_cluster(n, rng)
     # no budget here, so every decision is the model's: the share over `budget_s` is counted instead
-    # (the router skips a model whose rolling p99 is over budget, router/policy/fallback.py)
+    # (the router stops asking a model whose rolling median is over budget: docs/decision-budget.md)
     primary = LeastOutstanding(seed=2) if fast is None else OnnxPolicy(model, fast=fast)
     policy = FallbackPolicy(primary, LeastOutstanding(seed=1), clock=time.perf_counter,
                             max_stats_age_s=10.0, overload_margin=32)
