@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleet.fidelity import interval95, p99_bootstrap
+from fleet.fidelity_report import interval95, p99_bootstrap
 from fleet.loadgen import (
     TRACE_CHOICES,
     ClientSpec,

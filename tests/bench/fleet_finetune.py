@@ -42,7 +42,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from fleet.fidelity import interval95, p99_bootstrap, rotated  # noqa: E402
+from fleet.fidelity_report import interval95, p99_bootstrap, rotated  # noqa: E402
 from fleet.router_process import start_router  # noqa: E402
 from fleet.vllm import (  # noqa: E402
     DEEP_ROOMY_FLEET_ARGS, FLEET_ARGS, SERVED_MODEL_NAME, SLOW_ROOMY_FLEET_ARGS, SMALL, ensure_tiny_model, start_servers, stop_servers, vllm_python,

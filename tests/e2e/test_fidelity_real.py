@@ -13,7 +13,8 @@ import os
 import pytest
 import yaml
 
-from fleet.fidelity import METRICS, PERCENTILES, capacity_rps
+from fleet.fidelity import capacity_rps
+from fleet.fidelity_report import METRICS, PERCENTILES
 from fleet.cli import main
 from fleet.vllm import SMALL
 from simulator.costmodel import load_profile

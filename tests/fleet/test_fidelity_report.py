@@ -1,11 +1,16 @@
-"""The fidelity report's arithmetic (fleet/fidelity.py) on hand-made results; the real run is tests/e2e."""
+"""The fidelity report's arithmetic (fleet/fidelity_report.py) on hand-made results, and the steps of the runner
+(fleet/fidelity.py) that need no fleet; the real run is tests/e2e."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fleet.fidelity import Served, compare, format_report
+from fleet.fidelity_report import Served, compare, format_report
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _served(ttfts: list[float]) -> list[Served]:
@@ -71,7 +76,7 @@ def test_unreachable_fleet_is_one_line(capsys):
 
 
 def test_in_flight_at_arrival_counts_the_same_server_only():
-    from fleet.fidelity import Served, in_flight_at_arrival
+    from fleet.fidelity_report import Served, in_flight_at_arrival
 
     rows = [Served(0.0, 10, 5, 0.01, 0.01, 1.0, 0), Served(0.1, 10, 5, 0.01, 0.01, 1.0, 1),
             Served(0.5, 10, 5, 0.01, 0.01, 0.2, 0), Served(0.6, 10, 5, 0.01, 0.01, 0.2, 0),
@@ -84,7 +89,7 @@ def test_ttft_line_finds_a_per_request_delay_and_ignores_a_queued_tail():
     """Median TTFT = 20 ms + 3 ms per request in flight at arrival, with a tenth of the requests queued for
     seconds: the line is the 20 ms + 3 ms one (medians per in-flight count), which ordinary least squares on
     the requests would tilt."""
-    from fleet.fidelity import Served, in_flight_at_arrival, ttft_line
+    from fleet.fidelity_report import Served, in_flight_at_arrival, ttft_line
 
     rng = np.random.default_rng(0)
     rows, t = [], 0.0
@@ -102,7 +107,7 @@ def test_ttft_line_finds_a_per_request_delay_and_ignores_a_queued_tail():
 
 
 def test_ttft_line_with_slots_leaves_out_requests_that_queued_for_a_batch_slot():
-    from fleet.fidelity import Served, in_flight_at_arrival, ttft_line
+    from fleet.fidelity_report import Served, in_flight_at_arrival, ttft_line
 
     rng = np.random.default_rng(1)
     rows, t = [], 0.0
@@ -120,7 +125,7 @@ def test_ttft_line_with_slots_leaves_out_requests_that_queued_for_a_batch_slot()
 def test_extra_overhead_is_a_constant_shift_not_a_queueing_tail():
     """A real fleet that adds 8 ms to every request: 8 ms. One that queues its busiest half for seconds the
     simulator did not (no constant shift): nothing, where the median gap would have said ~1 s."""
-    from fleet.fidelity import extra_overhead
+    from fleet.fidelity_report import extra_overhead
 
     rng = np.random.default_rng(0)
     sim = list(rng.uniform(0.02, 0.2, 2000))
@@ -189,7 +194,7 @@ def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys, tmp
 
 
 def test_repeats_rotate_the_order_and_pool_without_mixing_in_flight_counts():
-    from fleet.fidelity import in_flight_at_arrival, pool_repeats, rotated
+    from fleet.fidelity_report import in_flight_at_arrival, pool_repeats, rotated
 
     pols = ["least-outstanding", "expected-wait", "learned"]
     assert [rotated(pols, r) for r in range(4)] == [pols, pols[1:] + pols[:1], pols[2:] + pols[:2], pols]
@@ -209,7 +214,7 @@ def test_repeats_below_one_is_one_line(capsys):
 
 
 def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
-    from fleet.fidelity import per_repeat, repeat_lines
+    from fleet.fidelity_report import per_repeat, repeat_lines
 
     pols = ["least-outstanding", "learned"]
     fast, slow = _served([0.1] * 99 + [0.5]), _served([0.1] * 99 + [1.0])
@@ -234,7 +239,8 @@ def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
 def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
     """`NAME+late`: the simulation runs the live rule (simulate_late) with the run's tokens per request, and the
     router gets the same setting and each server's batch cap through its environment."""
-    from fleet.fidelity import FidelityError, LateBinding, Served, simulate_same
+    from fleet.fidelity import FidelityError, LateBinding, simulate_same
+    from fleet.fidelity_report import Served
     from router.policy.late_binding import LateBindingConfig
     from router.policy.served import served_policy
     from router.settings import build_settings
@@ -266,7 +272,8 @@ def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
 def test_real_routing_sends_each_request_where_the_real_router_did():
     """simulate_routed: the server model alone. Every request lands on the server recorded for it (here all on the
     slower one, where least-outstanding would alternate), and the errors against the real runs are per policy."""
-    from fleet.fidelity import FidelityError, pct_errors, simulate_routed, simulate_same
+    from fleet.fidelity import FidelityError, simulate_routed, simulate_same
+    from fleet.fidelity_report import pct_errors
     from simulator.config import ClusterConfig, ReplicaGroup
 
     cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1, max_num_seqs=2),
@@ -309,7 +316,8 @@ def test_warm_up_plan_offers_the_evaluated_segments_load(tmp_path):
 
 
 def test_fit_speed_finds_the_factors_at_which_the_engines_run_as_fast_as_the_real_ones():
-    from fleet.fidelity import fit_speed, mean_itl, simulate_same
+    from fleet.fidelity import fit_speed, simulate_same
+    from fleet.fidelity_report import mean_itl
     from simulator.config import ClusterConfig, ReplicaGroup
 
     cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1, max_num_seqs=8),
@@ -325,7 +333,7 @@ def test_fit_speed_finds_the_factors_at_which_the_engines_run_as_fast_as_the_rea
 
 
 def test_ttft_by_hop_weighs_each_hop_by_its_own_counts():
-    from fleet.fidelity import Replay, ttft_by_hop
+    from fleet.fidelity_report import Replay, ttft_by_hop
 
     a = Replay(_served([0.03, 0.05]), [], [(0.02, 1), (0.06, 2)], (0.07, 2), 0.0, {})
     b = Replay(_served([0.04]), [], [(0.0, 0), (0.03, 1)], (0.02, 1), 0.0, {})
@@ -360,3 +368,58 @@ def test_client_cpus_with_external_servers_need_no_cpu_left(monkeypatch):
     assert _split_cpus(None, 2) == (None, None)
     assert _split_cpus("2-3", 2) == ([2, 3], [0, 1])
     assert _split_cpus("0-3", 0) == ([0, 1, 2, 3], [])  # --server URLs: only the client is confined
+
+
+def test_a_run_on_a_stubbed_fleet_goes_through_every_step_to_the_report(monkeypatch, tmp_path, capsys):
+    """The runner's steps end to end with the fleet stubbed (replays made up, given profiles, no warm-up): the JSON
+    report has every section in order, and the printed one a line of each kind per policy."""
+    import json
+    import os
+
+    import yaml
+
+    from fleet import fidelity
+    from fleet.cli import main
+    from fleet.fidelity_report import Replay, Served
+
+    src = yaml.safe_load((ROOT / "simulator/profiles/measured/cpu-tiny-linear.yaml").read_text())
+    profiles = []
+    for i, seqs in enumerate((8, 16)):
+        doc = {**src, "server": {**src["server"], "chars_per_token": 3.5 + i, "enable_prefix_caching": True,
+                                 "max_num_seqs": seqs}}
+        profiles.append(tmp_path / f"p{i}.yaml")
+        profiles[-1].write_text(yaml.safe_dump(doc))
+    replayed = []
+
+    def replay_real(urls, policy, plan, model, work, scrape_interval_s, progress, late=None):
+        replayed.append(policy)
+        served = [Served(r.send_s, r.prompt_tokens, r.max_tokens, 0.05 + 0.002 * (i % 13), 0.01, 0.5 + 0.01 * i, i % 2)
+                  for i, r in enumerate(plan)]
+        return Replay(served, [(1.0, 100.0), (1.2, 90.0)], [(0.5, 10.0), (0.6, 10.0)], (0.8, 20.0), 0.1, {"budget": 2})
+
+    monkeypatch.setattr(fidelity, "replay_real", replay_real)
+    monkeypatch.setattr(fidelity, "vllm_model", lambda url: "tiny")
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 2.0, 3.0))
+    policies = ["least-outstanding", "expected-wait"]
+    common = ["fidelity", "--server", "http://a:1", "--server", "http://b:2", "--profiles", *map(str, profiles),
+              "--policies", ",".join(policies), "--duration", "2", "--warmup", "0", "--repeats", "2", "--quiet"]
+    assert main([*common, "--json"]) == 0
+    assert replayed == ["least-outstanding", "expected-wait", "expected-wait", "least-outstanding"]  # rotated
+    report = json.loads(capsys.readouterr().out)
+    assert list(report) == [
+        "policies", "ranking_by_ttft_p99", "max_abs_rel_err_ttft_e2e", "per_repeat", "ttft_vs_in_flight",
+        "mean_inter_token_latency", "fallback_share", "real_routing", "mean_ttft_by_hop", "tracked_speed",
+        "speed_factors", "extra_request_overhead_s", "warmup_engine_itl_s", "mean_tokens", "warmup_s", "repeats",
+        "trace", "window", "duration_s", "offered_rps", "capacity_rps", "servers", "profiles", "load_average",
+        "client_cpus", "wall_s"]
+    assert list(report["policies"]) == policies and len(report["per_repeat"]) == 2
+    assert report["fallback_share"]["expected-wait"]["real"] == pytest.approx(0.1)
+    assert report["fallback_share"]["expected-wait"]["real_reasons"] == {"budget": 4}  # both repeats
+    assert report["mean_inter_token_latency"]["least-outstanding"]["real_server_side_s"] == pytest.approx(4.4 / 380)
+    assert main(common) == 0
+    text = capsys.readouterr().out.splitlines()
+    for start in ("repeat ", "least-outstanding: mean inter-token latency", "expected-wait: median TTFT (ms) vs",
+                  "least-outstanding: with the real routing", "expected-wait: mean TTFT (ms) as the client",
+                  "least-outstanding: with each engine's speed fitted", "offered "):
+        assert any(line.startswith(start) for line in text), start
+    assert text[-1].startswith("offered ") and "load average 1.00 2.00 3.00" in text[-1]
