@@ -67,7 +67,8 @@ class Scraper:
             rep.scrape_error = None
         # clock read after the answer: the values are as fresh as this moment
         rep.tracker.on_scrape(
-            self.replicas.clock(), stats.waiting, stats.running, stats.kv_cache_usage, stats.kv_capacity_tokens
+            self.replicas.clock(), stats.waiting, stats.running, stats.kv_cache_usage, stats.kv_capacity_tokens,
+            stats.lora,
         )
         before = rep.batch.limit
         if rep.batch.observe(stats.running, stats.waiting) != before:

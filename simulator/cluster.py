@@ -58,7 +58,7 @@ from router.policy.estimate import TokenEstimator, chain_hash
 from router.policy.late_binding import restrict
 from router.policy.model_routing import members
 from router.policy.tracking import ClusterTracker
-from router.policy.types import ClusterView, Outcome, RequestInfo, make_request_info
+from router.policy.types import ClusterView, LoraState, Outcome, RequestInfo, make_request_info
 from simulator.config import ClusterConfig
 from simulator.costmodel import load_profile
 from simulator.replica import COMPLETE, ReqState, Replica
@@ -614,7 +614,8 @@ class ClusterSim:
         self._push(max(self.now_s, scrape_t - self.config.scrape.lag_s), P_SAMPLE, E_SAMPLE, i, scrape_t)
 
     def _on_sample(self, i: int, t: float, scrape_t: float) -> None:
-        self._samples[i].append(None if self._crashed[i] else self.replicas[i].sample(t))
+        rep = self.replicas[i]
+        self._samples[i].append(None if self._crashed[i] else (*rep.sample(t), rep.lora_sample()))
         self._push(scrape_t, P_SCRAPE, E_SCRAPE, i)
         sc = self.config.scrape
         nxt = scrape_t + max(1e-6, sc.interval_s + (float(self.rng.uniform(-sc.jitter_s, sc.jitter_s)) if sc.jitter_s else 0.0))
@@ -626,9 +627,10 @@ class ClusterSim:
         fail = self.config.scrape.failure_prob > 0 and self.rng.random() < self.config.scrape.failure_prob
         if values is None or fail:
             return  # connection refused / timeout: the tracker keeps its old values, age grows
-        waiting, running, usage = values
+        waiting, running, usage, lora = values
+        state = None if lora is None else LoraState(*lora)
         for router in self.routers:
-            router.trackers[i].on_scrape(t, waiting, running, usage, self.replicas[i].kv_capacity_tokens)
+            router.trackers[i].on_scrape(t, waiting, running, usage, self.replicas[i].kv_capacity_tokens, state)
 
     # ---- faults --------------------------------------------------------------------------------
 

@@ -23,6 +23,13 @@ cached. Cached blocks are kept per id block (up to block_tokens // block_size KV
 cache entry), reference counted, and entries nobody references are evicted LRU when blocks
 are needed; the usage vLLM reports counts them as free.
 
+LoRA adapters (`ReplicaGroup.lora`), as vLLM's scheduler and adapter manager: a request names an adapter by
+its `model`; a waiting request whose adapter would make one more than `max_loras` distinct adapters among the
+running requests is skipped (the queue behind it still admitted, as vLLM does); an adapter a newly admitted
+request needs that is not in one of the `max_loras` GPU slots (least recently used first out, never one a running
+request uses) stalls that iteration by `swap_s`, plus `load_s` when it is not among the `max_cpu_loras` kept in
+host memory. Without `lora` none of this runs: the adapter checks sit behind one `is not None` test.
+
 Over 400 lines on purpose: one scheduler state machine (planning, closed-form decode jumps, KV blocks, prefix
 cache) whose private state is shared by every method on the hot path; the owners' interface is the public methods.
 """
@@ -61,7 +68,7 @@ class ReqState:
         "req", "idx", "prompt", "output", "keys", "full_blocks", "ends",
         "g", "c", "base", "phase", "shared_blocks", "entries", "n_keyed",
         "dispatch_s", "first_scheduled_s", "first_token_s", "finish_s", "preemptions", "prefix_hit_tokens",
-        "admitted", "epoch",
+        "admitted", "epoch", "lora",
     )  # fmt: skip
 
     def __init__(self, req: SimRequest, idx: int, dispatch_s: float, keys: Sequence[int] | None = None) -> None:
@@ -87,6 +94,7 @@ class ReqState:
         self.prefix_hit_tokens = 0
         self.admitted = False
         self.epoch = 0
+        self.lora = 0  # the adapter's id on the replica (0: the base model)
 
 
 class _Entry:
@@ -123,6 +131,15 @@ class Replica:
         self.n_iterations = 0  # engine iterations simulated (jumps count all their steps)
         self.n_preemptions = 0
         self.n_jumps = 0  # closed-form multi-iteration advances
+        lora = group.lora
+        self.lora_ids: dict[str, int] | None = None if lora is None else {a: k for k, a in enumerate(lora.adapters, 1)}
+        self.lora_names = [""] + list(lora.adapters) if lora is not None else [""]
+        self.max_loras = lora.max_loras if lora is not None else 0
+        self.max_cpu_loras = (lora.max_cpu_loras or lora.max_loras) if lora is not None else 0
+        self.lora_load_s = lora.load_s if lora is not None else 0.0
+        self.lora_swap_s = lora.swap_s if lora is not None else 0.0
+        self.n_lora_loads = 0  # adapters read into host memory
+        self.n_lora_swaps = 0  # adapters copied into a GPU slot
         self._reset_state()
 
     # ---- state -----------------------------------------------------------------------------
@@ -149,6 +166,10 @@ class Replica:
         self.event_s: float | None = None
         self._plan: list[tuple[ReqState, int]] = []
         self._jump: tuple[float, int, float, float, float, int] | None = None  # t0, k, a, b, c, jstar
+        # LoRA: running requests per adapter id (None: no adapters), and the adapters in GPU slots and host memory
+        self.lora_running: dict[int, int] | None = None if self.lora_ids is None else {}
+        self._gpu_loras: OrderedDict[int, None] = OrderedDict()
+        self._cpu_loras: OrderedDict[int, None] = OrderedDict()
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -164,6 +185,15 @@ class Replica:
             t0, k, *_ = self._jump  # type: ignore[misc]
             used += self._blocks_needed(min(k, self._steps_before(now - t0)))
         return len(self.waiting), len(self.running), used / self.num_blocks
+
+    def lora_sample(self) -> tuple[tuple[str, ...], tuple[str, ...], int] | None:
+        """(adapters with running requests, adapters with waiting ones, max_loras) as vLLM's
+        vllm:lora_requests_info reports them; None without adapters."""
+        if self.lora_running is None:
+            return None
+        names = self.lora_names
+        waiting = sorted({names[st.lora] for st in self.waiting if st.lora})
+        return tuple(sorted(names[a] for a in self.lora_running)), tuple(waiting), self.max_loras
 
     def in_flight(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -182,6 +212,8 @@ class Replica:
             )
         if st.keys:
             self._prepare_keys(st)
+        if self.lora_ids is not None:
+            st.lora = self.lora_ids.get(st.req.model, 0)  # type: ignore[arg-type]
         st.dispatch_s = now
         self.waiting.append(st)
         if mode == IDLE:
@@ -312,6 +344,11 @@ class Replica:
         if not self.waiting or len(self.running) >= self.max_seqs or self.budget - self.n_dec <= 0:
             return _BLOCKED
         st = self.waiting[0]
+        if (lora := self.lora_running) is not None and len(lora) >= self.max_loras:
+            # the first waiting request the adapter limit lets in (only a completion changes the running adapters)
+            st = next((w for w in self.waiting if not w.lora or w.lora in lora), None)  # type: ignore[assignment]
+            if st is None:
+                return _BLOCKED
         hit, _, lost_evictable = self._lookup(st)
         n = min(st.prompt + st.g - hit, self.budget - self.n_dec)
         nb = -(-(hit + n) // self.bs) - hit // self.bs
@@ -455,10 +492,16 @@ class Replica:
             self.num_free -= need
         else:
             self._allocate(need)
+        stall = 0.0
         if not preempted:
             waiting, running, max_seqs = self.waiting, self.running, self.max_seqs
+            lora = self.lora_running
+            skipped: list[ReqState] = []
             while waiting and budget > 0 and len(running) < max_seqs:
                 st = waiting[0]
+                if lora is not None and st.lora and st.lora not in lora and len(lora) >= self.max_loras:
+                    skipped.append(waiting.popleft())  # one adapter too many: vLLM skips it, admits those behind
+                    continue
                 if st.keys:
                     hit, entries, lost_evictable = self._lookup(st)
                 else:
@@ -492,6 +535,15 @@ class Replica:
                 self.prefilling.append(st)
                 plan.append((st, n))
                 budget -= n
+                if lora is not None and st.lora:
+                    a = st.lora
+                    if a in lora:
+                        lora[a] += 1
+                    else:
+                        lora[a] = 1
+                        stall += self._activate(a)
+            if skipped:
+                waiting.extendleft(reversed(skipped))
         D = self.n_dec
         if not plan and not D:
             if self.running or self.waiting:
@@ -509,7 +561,7 @@ class Replica:
             attn += n * (c + 0.5 * n)
         self._plan = plan
         self.mode = ITER
-        self.event_s = now + self.factor * self.co.iteration_time(prefill, D, ctx, attn, len(plan))
+        self.event_s = now + self.factor * self.co.iteration_time(prefill, D, ctx, attn, len(plan)) + stall
 
     def _finish_iteration(self, now: float) -> None:
         self.step = step = self.step + 1
@@ -572,6 +624,12 @@ class Replica:
 
     def _release(self, st: ReqState) -> None:
         """Free a running request's own blocks and drop its cache references."""
+        if st.lora:
+            lora = self.lora_running
+            if lora[st.lora] == 1:  # type: ignore[index]
+                del lora[st.lora]  # type: ignore[union-attr]
+            else:
+                lora[st.lora] -= 1  # type: ignore[index]
         if st.phase == DECODE:
             st.c = st.base + self.step
             self.hist[st.base % self.bs] -= 1
@@ -598,6 +656,31 @@ class Replica:
         st.preemptions += 1
         self.n_preemptions += 1
         self.waiting.appendleft(st)
+
+    # ---- LoRA adapters -------------------------------------------------------------------------
+
+    def _activate(self, a: int) -> float:
+        """Adapter `a` into a GPU slot for the batch being planned: the seconds that stalls the iteration."""
+        gpu = self._gpu_loras
+        if a in gpu:
+            gpu.move_to_end(a)
+            return 0.0
+        if len(gpu) >= self.max_loras:  # a slot no running request uses (admission keeps one free for `a`)
+            running = self.lora_running
+            del gpu[next(b for b in gpu if b not in running)]  # type: ignore[operator]
+        gpu[a] = None
+        self.n_lora_swaps += 1
+        cost = self.lora_swap_s
+        cpu = self._cpu_loras
+        if a in cpu:
+            cpu.move_to_end(a)
+        else:
+            cpu[a] = None
+            self.n_lora_loads += 1
+            cost += self.lora_load_s
+            if len(cpu) > self.max_cpu_loras:
+                del cpu[next(b for b in cpu if b not in gpu)]
+        return cost
 
     # ---- prefix cache --------------------------------------------------------------------------
 

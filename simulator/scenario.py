@@ -170,7 +170,9 @@ def model_weights(models: list[ModelShareSpec]) -> tuple[list[str], np.ndarray]:
     return names, p / p.sum()
 
 
-def assign_models(requests: list[SimRequest], models: list[ModelShareSpec], rng: np.random.Generator) -> list[SimRequest]:
+def assign_models(
+    requests: list[SimRequest], models: list[ModelShareSpec], rng: np.random.Generator
+) -> list[SimRequest]:
     """Each request names a model drawn by share (a range's names by their Zipf popularity)."""
     names, p = model_weights(models)
     picks = rng.choice(len(names), size=len(requests), p=p)

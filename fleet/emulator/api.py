@@ -1,6 +1,7 @@
 """vLLM emulator: the simulator's replica model run in wall-clock time behind an OpenAI-compatible server.
 
     fleet emulate --port 8101 --profile llama3-8b-a100 [--speed 1.0] [--max-num-seqs 256] [--kv-blocks N]
+                  [--lora sql-{0..7} --max-loras 4]
 
 A stand-in for a vLLM server at scale on a CPU machine (demo, fast integration tests), not a substitute for
 the real-vLLM tests. What it does:
@@ -16,6 +17,10 @@ the real-vLLM tests. What it does:
 - Prefix caching: the prompt text's chained prefix-block hashes (`router.policy.text_prefix_blocks` with
   blocks of `block_size` tokens), so a repeated prompt hits the replica's prefix cache.
 - A client disconnect aborts the request in the model and frees its KV blocks.
+- LoRA adapters (`--lora NAME ...`, ranges `NAME-{A..B}` allowed): listed in `/v1/models` with the served model as
+  their parent; a request naming one is scheduled with vLLM's adapter rules (at most `--max-loras` distinct adapters
+  per batch, the load and swap cost of an adapter not in a GPU slot: `simulator.replica`), and
+  `vllm:lora_requests_info` reports the adapters running and waiting as vLLM does.
 
 aiohttp and prometheus_client are imported here: this is a live-fleet tool (`fleet`), not part of the simulator library.
 """
@@ -36,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fleet.emulator.engine import EmulatorSettings, Stream, WallClockEngine
 from router.policy.estimate import TokenEstimator, text_prefix_blocks
+from simulator.config import expand_names
 
 ESTIMATOR = TokenEstimator()
 DEFAULT_MAX_TOKENS = 16
@@ -99,13 +105,14 @@ class _Parsed:
     max_tokens: int
     stream: bool
     include_usage: bool
+    adapter: str | None = None  # the LoRA adapter the request names (None: the served model)
 
 
-def _parse(body: object, chat: bool, served: str) -> _Parsed:
+def _parse(body: object, chat: bool, served: str, adapters: frozenset[str] = frozenset()) -> _Parsed:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != served:
+    if model is not None and model != served and model not in adapters:
         raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError")
     if _int_param(body, "n", 1, 1) != 1:
         raise BadRequest("n > 1 is not supported by the emulator")
@@ -122,7 +129,8 @@ def _parse(body: object, chat: bool, served: str) -> _Parsed:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise BadRequest("stream_options must be an object")
-    return _Parsed(tokens, text, max_tokens, stream, bool(opts.get("include_usage", False)))
+    return _Parsed(tokens, text, max_tokens, stream, bool(opts.get("include_usage", False)),
+                   model if isinstance(model, str) and model in adapters else None)
 
 
 class Api:
@@ -131,6 +139,7 @@ class Api:
     def __init__(self, engine: WallClockEngine) -> None:
         self.engine = engine
         self.model = engine.settings.model_name
+        self.adapters = frozenset(engine.replica.lora_names[1:])
         self.created = int(time.time())
         bs = engine.settings.block_size
         self._prefix_chars = bs * ESTIMATOR.chars_per_token
@@ -153,7 +162,9 @@ class Api:
             "parent": None,
             "max_model_len": self.engine.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        loras = [{**card, "id": a, "root": f"/adapters/{a}", "parent": self.model, "max_model_len": None}
+                 for a in self.engine.replica.lora_names[1:]]  # vLLM lists an adapter with its path and parent
+        return web.json_response({"object": "list", "data": [card, *loras]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=503, text=self.engine.error) if self.engine.error else web.Response(status=200)
@@ -173,9 +184,10 @@ class Api:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise BadRequest(f"invalid JSON body: {e}") from None
-            p = _parse(body, chat, self.model)
+            p = _parse(body, chat, self.model, self.adapters)
             try:
-                st, stream = self.engine.submit(p.prompt_tokens, p.max_tokens, self._keys(p.text, p.prompt_tokens))
+                st, stream = self.engine.submit(p.prompt_tokens, p.max_tokens, self._keys(p.text, p.prompt_tokens),
+                                                p.adapter)
             except ValueError as e:
                 raise BadRequest(str(e)) from None
             except RuntimeError as e:
@@ -191,7 +203,7 @@ class Api:
                 await stream.wake.wait()
             if stream.error is not None:
                 return _error(stream.error, 500, "InternalServerError")
-            return web.json_response(self._full_body(stream, chat, rid))
+            return web.json_response(self._full_body(stream, chat, rid, p.adapter or self.model))
         finally:
             if not stream.finished:
                 self.engine.abort(st)
@@ -205,7 +217,7 @@ class Api:
             "prompt_tokens_details": {"cached_tokens": stream.cached_tokens},
         }
 
-    def _full_body(self, stream: Stream, chat: bool, rid: str) -> dict:
+    def _full_body(self, stream: Stream, chat: bool, rid: str, model: str) -> dict:
         text = FILLER * stream.generated
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -214,7 +226,7 @@ class Api:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
             obj = "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model, "choices": [choice],
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
                 "usage": self._usage(stream)}  # fmt: skip
 
     async def _stream(self, request: web.Request, stream: Stream, p: _Parsed, chat: bool, rid: str) -> web.StreamResponse:
@@ -222,13 +234,13 @@ class Api:
         await resp.prepare(request)
         created = int(time.time())
         if chat:
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model}
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": p.adapter or self.model}
             token = _sse({**head, "choices": [{"index": 0, "delta": {"content": FILLER}, "logprobs": None, "finish_reason": None}]})
             last = _sse({**head, "choices": [{"index": 0, "delta": {"content": FILLER}, "logprobs": None,
                                               "finish_reason": "length", "stop_reason": None}]})  # fmt: skip
             first = _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         else:
-            head = {"id": rid, "object": "text_completion", "created": created, "model": self.model}
+            head = {"id": rid, "object": "text_completion", "created": created, "model": p.adapter or self.model}
             token = _sse({**head, "choices": [{"index": 0, "text": FILLER, "logprobs": None, "finish_reason": None, "stop_reason": None}]})
             last = _sse({**head, "choices": [{"index": 0, "text": FILLER, "logprobs": None, "finish_reason": "length", "stop_reason": None}]})
             first = b""
@@ -315,6 +327,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the profile's")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk (vLLM's --stream-interval)")
+    p.add_argument("--lora", nargs="+", default=[], metavar="NAME",
+                   help="LoRA adapters served besides the model (comma-separated or several; NAME-{0..7} for 8)")
+    p.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (vLLM's --max-loras)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: max-loras)")
+    p.add_argument("--lora-load-s", type=float, default=0.1, help="seconds to read an adapter not in host memory")
+    p.add_argument("--lora-swap-s", type=float, default=0.01, help="seconds to copy an adapter into a GPU slot")
 
 
 def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
@@ -331,12 +349,17 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         enable_prefix_caching=args.enable_prefix_caching,
         max_model_len=args.max_model_len,
         stream_interval=args.stream_interval,
+        lora=tuple(expand_names([n for arg in args.lora for n in arg.split(",") if n])),
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_load_s=args.lora_load_s,
+        lora_swap_s=args.lora_swap_s,
     )
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
     try:
+        settings = settings_from_args(args)
         WallClockEngine(settings)  # fail fast on a bad profile or sizes, before binding the port
     except (ValueError, KeyError) as e:
         print(f"fleet emulate: error: {e}", file=sys.stderr)

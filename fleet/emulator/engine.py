@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from fleet.emulator.metrics import VllmMetrics
-from simulator.config import ReplicaGroup
+from simulator.config import LoraConfig, ReplicaGroup
 from simulator.costmodel import load_profile
 from simulator.replica import COMPLETE, DECODE, DONE, FIRST, ITER, WAITING, Replica, ReqState
 from simulator.types import SimRequest
@@ -59,6 +59,11 @@ class EmulatorSettings:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the profile's
     stream_interval: int = 1  # tokens per streamed chunk, like vLLM's --stream-interval
+    lora: tuple[str, ...] = ()  # LoRA adapters served besides the model (vLLM --lora-modules)
+    max_loras: int = 1  # vLLM --max-loras: distinct adapters in one batch
+    max_cpu_loras: int | None = None  # vLLM --max-cpu-loras (None: max_loras)
+    lora_load_s: float = 0.1  # reading an adapter not in host memory (stalls the iteration needing it)
+    lora_swap_s: float = 0.01  # copying an adapter into a GPU slot
 
 
 class WallClockEngine:
@@ -86,6 +91,9 @@ class WallClockEngine:
             gpu_memory_utilization=settings.gpu_memory_utilization,
             enable_prefix_caching=settings.enable_prefix_caching,
             speed_factor=settings.slowdown,
+            lora=LoraConfig(adapters=list(settings.lora), max_loras=settings.max_loras,
+                            max_cpu_loras=settings.max_cpu_loras, load_s=settings.lora_load_s,
+                            swap_s=settings.lora_swap_s) if settings.lora else None,
         )
         self.replica = Replica("0", group, self.profile, closed_form=False)
         if settings.kv_blocks is not None:
@@ -117,6 +125,10 @@ class WallClockEngine:
     def kv_usage(self) -> float:
         return self.replica.kv_usage()
 
+    @property
+    def lora_state(self) -> tuple[tuple[str, ...], tuple[str, ...], int] | None:
+        return self.replica.lora_sample()
+
     def sim_now(self) -> float:
         return (self.clock() - self.t0) * self.settings.speed
 
@@ -138,7 +150,8 @@ class WallClockEngine:
                 f"({self.replica.kv_capacity_tokens} tokens)"
             )
 
-    def submit(self, prompt_tokens: int, max_tokens: int, prefix_keys: tuple[int, ...]) -> tuple[ReqState, Stream]:
+    def submit(self, prompt_tokens: int, max_tokens: int, prefix_keys: tuple[int, ...],
+               model: str | None = None) -> tuple[ReqState, Stream]:
         if self.error:
             raise RuntimeError(self.error)
         self.validate(prompt_tokens, max_tokens)
@@ -152,6 +165,7 @@ class WallClockEngine:
             block_ids=prefix_keys,
             block_tokens=bs,
             max_tokens=max_tokens,
+            model=model,
         )
         now = self.sim_now()
         st = ReqState(req, rid, now, keys=prefix_keys)

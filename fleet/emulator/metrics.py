@@ -16,6 +16,8 @@ class EngineState(Protocol):
     def num_waiting(self) -> int: ...
     @property
     def kv_usage(self) -> float: ...
+    @property
+    def lora_state(self) -> tuple[tuple[str, ...], tuple[str, ...], int] | None: ...
 
 # vLLM's own histogram buckets (vllm/v1/metrics/loggers.py), so dashboards read the emulator like vLLM.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -66,12 +68,23 @@ class VllmMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS)
         self._values = values
+        # vLLM's LoRA info gauge (with --enable-lora): a new label set per update, valued at the time it was set, the
+        # earlier ones left on the page
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), registry=r)
+        self._driver: EngineState | None = None
 
     def bind_state(self, driver: EngineState) -> None:
         """Gauges read the model's state when scraped (no per-iteration bookkeeping)."""
         self.running.labels(*self._values).set_function(lambda: driver.num_running)
         self.waiting.labels(*self._values).set_function(lambda: driver.num_waiting)
         self.kv_usage.labels(*self._values).set_function(lambda: driver.kv_usage)
+        self._driver = driver
 
     def render(self) -> bytes:
+        state = self._driver.lora_state if self._driver is not None else None
+        if state is not None:  # vLLM updates it with its stats; here when scraped
+            running, waiting, max_loras = state
+            series = self.lora_info.labels(str(max_loras), ",".join(waiting), ",".join(running))
+            series.set_to_current_time()
         return generate_latest(self.registry)

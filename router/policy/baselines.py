@@ -240,6 +240,46 @@ class ExpectedWait(Policy):
         return argmin_random_ties(scores, healthy, self.rng)
 
 
+class LoraAffinity(Policy):
+    """LoRA affinity in front of least-outstanding, as the Inference Extension's LoRA-affinity scorer: a request for
+    an adapter goes to the least loaded replica whose running or waiting requests already use it (vLLM's
+    vllm:lora_requests_info, in the snapshot's `lora`), else to the least loaded with a free adapter slot, else to the
+    least loaded. The preferred replica is passed over for the least loaded when it has more than `balance_abs` and
+    `balance_rel` x the least outstanding requests. A model no replica has reported as an adapter so far (a base
+    model, or an adapter nobody has loaded yet) goes to the least loaded."""
+
+    name = "lora-affinity"
+
+    def __init__(self, seed: int | None = None, balance_abs: int = 8, balance_rel: float = 1.5) -> None:
+        super().__init__(seed)
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self._adapters: set[str] = set()  # models some replica has reported running or waiting as an adapter
+
+    def reset(self, seed: int | None = None) -> None:
+        super().reset(seed)
+        self._adapters = set()
+
+    def choose(self, view: ClusterView, request: RequestInfo) -> int:
+        healthy = healthy_or_raise(view)
+        reps = view.replicas
+        loads = [reps[i].outstanding for i in healthy]
+        model = request.model
+        if model is not None and model not in self._adapters:
+            if any((s := reps[i].lora) is not None and s.has(model) for i in healthy):
+                self._adapters.add(model)
+        if model in self._adapters:
+            tier = [i for i in healthy if (s := reps[i].lora) is not None and s.has(model)]
+            if not tier:
+                tier = [i for i in healthy if (s := reps[i].lora) is not None and s.room]
+            if tier:
+                tier_loads = [reps[i].outstanding for i in tier]
+                best, lo = min(tier_loads), min(loads)
+                if not (best - lo > self.balance_abs and best > self.balance_rel * lo):
+                    return argmin_random_ties(tier_loads, tier, self.rng)
+        return argmin_random_ties(loads, healthy, self.rng)
+
+
 BASELINE_CLASSES: tuple[type[Policy], ...] = (
     RoundRobin,
     RandomChoice,
@@ -251,4 +291,5 @@ BASELINE_CLASSES: tuple[type[Policy], ...] = (
     WeightedScorer,
     SpeedAware,
     ExpectedWait,
+    LoraAffinity,
 )

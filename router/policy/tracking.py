@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
-from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo, make_view, slot_builder
+from router.policy.types import ClusterView, LoraState, ReplicaSnapshot, RequestInfo, make_view, slot_builder
 
 try:
     from router.policy import _fastnet as _compiled
@@ -40,7 +40,7 @@ class ReplicaTracker:
         "replica_id", "healthy", "outstanding", "outstanding_prompt_tokens", "outstanding_decode_tokens",
         "dispatched_since_scrape", "waiting", "running", "kv_cache_usage", "kv_capacity_tokens", "last_scrape_s",
         "ttft_ema_s", "tpot_ema_s", "awaiting_first_token", "awaiting_prompt_tokens", "tpot_floor_s", "_inflight",
-        "_tpot_low", "_tpot_samples",
+        "_tpot_low", "_tpot_samples", "lora",
     )  # fmt: skip
 
     def __init__(self, replica_id: str) -> None:
@@ -60,6 +60,7 @@ class ReplicaTracker:
         self.awaiting_first_token = 0
         self.awaiting_prompt_tokens = 0
         self.tpot_floor_s: float | None = None
+        self.lora: LoraState | None = None
         self._tpot_low = _INF
         self._tpot_samples = 0
         # request id -> [prompt tokens, decode tokens, 1 while its first token has not come back]
@@ -118,8 +119,10 @@ class ReplicaTracker:
         running: int | None,
         kv_cache_usage: float | None,
         kv_capacity_tokens: int | None = None,
+        lora: LoraState | None = None,
     ) -> None:
         """A successful scrape. A metric missing from the page stays None (flagged, not zero)."""
+        self.lora = lora
         self.waiting = waiting
         self.running = running
         self.kv_cache_usage = kv_cache_usage

@@ -8,6 +8,26 @@ from typing import Callable
 
 
 @dataclass(frozen=True, slots=True)
+class LoraState:
+    """A replica's LoRA adapters as vLLM's `vllm:lora_requests_info` reports them: those its running requests use,
+    those its waiting requests ask for (names sorted: a few, and plain JSON for the admin API), and how many one batch
+    may hold (`--max-loras`)."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_loras: int
+
+    def has(self, adapter: str | None) -> bool:
+        """The adapter is loaded or about to be: a request for it joins a batch without taking a new slot."""
+        return adapter in self.running or adapter in self.waiting
+
+    @property
+    def room(self) -> bool:
+        """An adapter neither running nor waiting here would find a free slot."""
+        return len(set(self.running).union(self.waiting)) < self.max_loras
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaSnapshot:
     """One replica as the router sees it at decision time.
 
@@ -33,6 +53,7 @@ class ReplicaSnapshot:
     awaiting_first_token: int = 0  # in-flight requests whose first token has not come back yet
     awaiting_prompt_tokens: int = 0  # their prompt tokens: the prefill work still queued ahead
     tpot_floor_s: float | None = None  # router-measured low percentile of TPOT: the replica's speed more than its load
+    lora: LoraState | None = None  # vllm:lora_requests_info of the last scrape (None: not exported, LoRA off)
 
     @property
     def has_stats(self) -> bool:
