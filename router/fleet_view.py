@@ -84,10 +84,12 @@ class FleetState:
     """The sync's bookkeeping, no I/O (tests drive it with a fake clock): what to publish, the peers to read, the
     merge of their hashes, error episodes, backoff and the view's age."""
 
-    def __init__(self, router_id: str, interval_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, router_id: str, interval_s: float, clock: Callable[[], float], heartbeat_s: float = 0.5) -> None:
         self.router_id = router_id
         self.interval_s = interval_s
+        self.heartbeat_s = heartbeat_s
         self.clock = clock
+        self.last_write: float | None = None
         self.published: dict[str, Counts] = {}  # what Redis holds of ours (cleared when it may have lost it)
         self.peers: list[str] = []  # the other routers, from the last read of the set
         self.dead: list[str] = []  # peers whose hash had expired: dropped from the set on the next tick
@@ -96,19 +98,26 @@ class FleetState:
         self.failing_since: float | None = None
         self.failures = 0  # in the current episode
 
-    def batch(self, own: Mapping[str, Counts]) -> tuple[dict[str, str], list[str], int]:
+    def batch(self, own: Mapping[str, Counts]) -> tuple[dict[str, str], list[str], int] | None:
         """(fields to write: the entries that changed plus the heartbeat, fields to delete: replicas this router
-        no longer has, how many written fields are new to Redis)."""
+        no longer has, how many written fields are new to Redis); None when nothing changed and the heartbeat (which
+        renews the TTL) is not due."""
         pub = self.published
         fields = {rid: encode(c) for rid, c in own.items() if pub.get(rid) != c}
+        gone = [rid for rid in pub if rid not in own]
+        now = self.clock()
+        if (not fields and not gone and pub and self.last_write is not None
+                and now - self.last_write < self.heartbeat_s):
+            return None
         new = sum(1 for rid in fields if rid not in pub) + (0 if pub else 1)  # the heartbeat is new on a full write
         fields[HEARTBEAT_FIELD] = f"{time.time():.3f}"
-        return fields, [rid for rid in pub if rid not in own], new
+        return fields, gone, new
 
     def wrote(self, own: Mapping[str, Counts], added: int, expected_new: int) -> None:
         """The batch from `own` was written; Redis said `added` of its fields were new. More than expected: the
         hash had expired or Redis restarted empty, so the next batch is a full one."""
         self.published = dict(own) if added <= expected_new else {}
+        self.last_write = self.clock()
 
     def merge(self, members: set[str], hashes: list[dict[str, str]], host_id: str) -> dict[str, Counts]:
         """The other routers' sums per replica, from `hashes` (the current peers', in order); the next peers are
@@ -230,10 +239,11 @@ class FleetSync:
         self.ttl_ms, self.timeout_s = max(1, int(ttl_s * 1000)), timeout_s
         self.on_change = on_change
         self.clock = clock
-        self.state = FleetState(router_id, interval_s, clock)
+        # the heartbeat renews the TTL 4 times per TTL when nothing changed (a write that changes counts renews it too)
+        self.state = FleetState(router_id, interval_s, clock, heartbeat_s=ttl_s / 4)
         # no retries inside the client: a failed tick is the retry unit, and it must never take longer than timeout_s
         self.client = from_url(url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                               retry=Retry(NoBackoff(), 0), health_check_interval=0, client_name="routewise")
+                               retry=Retry(NoBackoff(), 0), health_check_interval=0, client_name="routewise", protocol=2)
         self.errors = Counter("llm_router_shared_state_errors", "Syncs with the shared fleet view (shared_state) that "
                               "failed or timed out; until one succeeds the router decides on its own in-flight counts.",
                               registry=registry)
@@ -246,10 +256,12 @@ class FleetSync:
         st = self.state
         try:
             pipe = self.client.pipeline(transaction=False)
-            own = expected_new = None
+            batch = None
             if self.publisher:
                 own = self.source.own()
-                fields, gone, expected_new = st.batch(own)
+                batch = st.batch(own)
+            if batch is not None:
+                fields, gone, expected_new = batch
                 pipe.hset(self.key, mapping=fields)
                 if gone:
                     pipe.hdel(self.key, *gone)
@@ -264,7 +276,7 @@ class FleetSync:
             n_peers = len(st.peers)
             members, hashes = res[-1 - n_peers], res[len(res) - n_peers:]
             sums = st.merge(set(members), hashes, self.router_id)
-            if own is not None:
+            if batch is not None:
                 st.wrote(own, int(res[0]), expected_new)  # type: ignore[arg-type]
         except asyncio.CancelledError:
             raise

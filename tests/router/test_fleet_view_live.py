@@ -71,6 +71,8 @@ async def test_ticks_carry_one_routers_counts_to_the_other_and_redis_down_falls_
         assert registry.get_sample_value("llm_router_shared_state_errors_total") == 1
         await sb.tick()
         assert registry.get_sample_value("llm_router_shared_state_errors_total") == 2
+        await sa.tick()  # A fails too (while Redis is down every router's sync does)
+        assert _outstanding(a) == [0, 1]
         redis.start()  # empty: it lost every hash; both republish everything on their next good tick
         for _ in range(3):
             await sa.tick()
