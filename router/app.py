@@ -23,6 +23,7 @@ from router.admin import admin_routes
 from router.endpoints import ENDPOINTS
 from router.listener import openai_errors
 from router.models import models_handler
+from router.probes import Probes
 from router.proxy import Proxy
 from router.replicas import ReplicaSet
 from router.routing import Router
@@ -180,13 +181,14 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
-    probes = [web.get("/health", proxy.health), web.get("/ready", proxy.ready)]
+    own = Probes(proxy, session_getter)
+    probes = [web.get("/health", own.health), web.get("/ready", own.ready)]
     app.add_routes([
         web.post("/v1/completions", proxy.completions),
         web.post("/v1/chat/completions", proxy.chat_completions),
         web.get("/v1/models", models_handler(replicas)),  # the union of the replicas' lists
         *(web.post(path, proxy.endpoint) for path in ENDPOINTS),  # vLLM's other client endpoints, routed
-        web.route("*", "/v1/{tail:.*}", proxy.passthrough),  # allow-listed paths only (Proxy.passthrough)
+        web.route("*", "/v1/{tail:.*}", own.passthrough),  # allow-listed paths only (Probes.passthrough)
         *probes,
     ])
     ops = app

@@ -20,9 +20,14 @@ import email.parser
 import email.policy
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.errors import BadRequest
+from router.models import unknown_model
+from router.openai import decode
+
+if TYPE_CHECKING:
+    from router.replicas import ReplicaSet
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +144,16 @@ def default_model_ok(lists: Iterable[frozenset[str]]) -> bool:
     """A request without a model may go to any replica: every replica whose list is known lists the same models
     (vLLM then serves its default, the same everywhere)."""
     return len(set(lists)) <= 1
+
+
+def read(endpoint: Endpoint, raw: bytes, content_type: str, replicas: ReplicaSet, max_tokens_limit: int) -> Parsed:
+    """What routing reads of a request's body, or BadRequest: not JSON (or not a form), invalid, a model no replica
+    serves, or no model while the replicas serve different ones."""
+    parsed = parse(endpoint, parse_form(raw, content_type) if endpoint.form else decode(raw), max_tokens_limit)
+    if parsed.model is not None:
+        if (refused := unknown_model(replicas, parsed.model)) is not None:
+            raise refused
+    elif not default_model_ok(r.models for r in replicas.ordered if r.models_known):
+        raise BadRequest("'model' is required: the replicas serve different models ("
+                         + ", ".join(sorted(replicas.known_models)[:20]) + ")", param="model")
+    return parsed

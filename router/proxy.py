@@ -1,18 +1,18 @@
-"""The request hot path: validate, route, forward with retries before the first byte, stream back.
+"""The request hot path: admit, route, forward with retries before the first byte, stream back.
 
 Streaming responses are passed through chunk by chunk as they arrive (no re-serialisation);
 TTFT is taken at the first chunk carrying SSE data, inter-token latency between chunks.
 Every dispatched attempt is released in the tracker exactly once (ReplicaTracker.on_complete
 is idempotent per request id, and each attempt releases in a `finally`).
 
-Over 400 lines on purpose: validation, retries, streaming and the outcome accounting are one request's life;
-each attempt's release must stay visibly paired with its dispatch.
+What the OpenAI body means is router.openai's; the probes and passthrough paths are router.probes'. Retries,
+streaming and the outcome accounting stay together here: each attempt's release must stay visibly paired with
+its dispatch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,22 +20,22 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
+from router.accounting import Accounts, Children, code_class
 from router.h1client import H1Client, ReaderTimeoutError
 from router.lean import LeanSent, LeanStream
-from router.endpoints import ENDPOINTS, Endpoint, default_model_ok, parse, parse_form
+from router.endpoints import ENDPOINTS, read
 from router.errors import BadRequest, error_response, sse_error_event
 from router.models import names_unknown_model, no_replica_response, unknown_model
+from router.openai import decode, validate
 from router.outlier import Inflight
-from router.paths import GENERATION_PATHS, PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
+from router.paths import GENERATION_PATHS
 from router.policy.types import NoHealthyReplica, Outcome, RequestInfo
 from router.replicas import Replica, ReplicaSet
 from router.routing import Route, Router
 from router.settings import RouterSettings
 from router.telemetry import RouterMetrics
-from router.transport import AiohttpRequest, Downstream, UpstreamResponse, refuse, upstreams
+from router.transport import AiohttpRequest, Downstream, UpstreamResponse, read_body, refuse, upstreams
 from router.upstream import UpstreamError, classify, request_headers, response_headers
 
 log = logging.getLogger("router.proxy")
@@ -49,20 +49,6 @@ _Started = tuple[Route, Awaitable[UpstreamResponse] | None]
 async def _ready(answer: Answer) -> Answer:
     return answer
 
-
-_DECODER = json.JSONDecoder()
-
-
-def loads(raw: bytes) -> Any:
-    """json.loads(raw): the same value, the same errors. A UTF-8 body that starts with `{` is decoded without
-    json.loads' encoding detection and whitespace regex (2.1 -> 0.9 us here, and the regex engine is cold on a
-    router idle between requests)."""
-    if raw[:1] == b"{" and raw[1:2] != b"\x00":  # what json.detect_encoding takes for UTF-8
-        s = raw.decode("utf-8", "surrogatepass")
-        value, end = _DECODER.raw_decode(s)  # raises what json.loads would: it calls this at index 0
-        if end == len(s):
-            return value
-    return json.loads(raw)  # anything else, trailing whitespace or data included
 
 _DATA = b"data:"
 _DONE = b"data: [DONE]"
@@ -81,71 +67,6 @@ class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
-def _code_class(status: int) -> str:
-    return "2xx" if status < 300 else "4xx" if status < 500 else "5xx"
-
-
-def _check_type(body: dict[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
-    v = body.get(key)
-    if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
-        raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", param=key)
-
-
-def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str, Any]:
-    """Checks the fields the router reads; the replica validates the rest."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    _check_type(body, "stream", (bool,), "a boolean")
-    _check_type(body, "max_tokens", (int,), "an integer")
-    _check_type(body, "max_completion_tokens", (int,), "an integer")
-    _check_type(body, "n", (int,), "an integer")
-    _check_type(body, "user", (str,), "a string")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        if isinstance(body.get(key), int) and body[key] < (1 if key == "n" else 0):
-            raise BadRequest(f"'{key}' must be >= {1 if key == 'n' else 0}, got {body[key]}", param=key)
-        if isinstance(body.get(key), int) and body[key] > max_tokens_limit:
-            raise BadRequest(f"'{key}' must be <= {max_tokens_limit}, got {body[key]}", param=key)
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("'messages' is required and must be a non-empty array", param="messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'", param=f"messages[{i}]")
-            c = m.get("content")
-            if c is not None and not isinstance(c, (str, list)):
-                raise BadRequest(f"'messages[{i}].content' must be a string or an array", param=f"messages[{i}].content")
-    else:
-        p = body.get("prompt")
-        ok = isinstance(p, str) or (
-            isinstance(p, list) and p and (
-                all(isinstance(x, str) for x in p)
-                or all(isinstance(x, int) and not isinstance(x, bool) for x in p)
-                or all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p)
-            )
-        )
-        if not ok:
-            raise BadRequest(
-                "'prompt' is required: a string, an array of strings, or an array of token ids", param="prompt"
-            )
-    return body
-
-
-class _Children:
-    """Pre-bound metric children of one (replica, policy, arm)."""
-
-    __slots__ = ("ttft", "itl", "e2e", "codes")
-
-    def __init__(self, m: RouterMetrics, rid: str, policy: str, arm: str) -> None:
-        self.ttft = m.ttft.labels(rid, policy, arm)
-        self.itl = m.itl.labels(rid, policy, arm)
-        self.e2e = m.e2e.labels(rid, policy, arm)
-        self.codes = {c: m.requests.labels(rid, policy, arm, c) for c in ("2xx", "4xx", "5xx", "error")}
-
-
 class Proxy:
     def __init__(
         self, settings: RouterSettings, replicas: ReplicaSet, router: Router, metrics: RouterMetrics,
@@ -155,21 +76,12 @@ class Proxy:
         self.replicas = replicas
         self.router = router
         self.metrics = metrics
-        self._session = session_getter
         self._upstreams = upstreams(settings.lean_client, h1_getter, session_getter)  # by URL scheme
         self.draining = False
         self.inflight = 0
-        self._children: dict[tuple[str, str, str], _Children] = {}
+        self.accounts = Accounts(metrics)
         self._first_byte_timeout = settings.first_byte_timeout_s
         self._replica_header = settings.replica_header
-        self._allowed = PathAllowList(settings.passthrough_paths)
-
-    def children(self, route: Route) -> _Children:
-        key = (route.replica.id, route.runner.label, route.runner.arm)
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = _Children(self.metrics, *key)
-        return c
 
     # --- OpenAI generation endpoints ---------------------------------------------------------
 
@@ -182,7 +94,7 @@ class Proxy:
     async def _generate(self, request: web.Request, chat: bool) -> Answer:
         """A generation request through aiohttp's server side: its body read, then as from the lean listener."""
         try:
-            raw = b"" if self.draining else await self._read_body(request)
+            raw = b"" if self.draining else await self.read_body(request)
         except BadRequest as exc:
             return refuse(exc.response(), request)
         return await self.generate(AiohttpRequest(request, raw), chat)
@@ -213,13 +125,7 @@ class Proxy:
             return error_response(503, "router is shutting down", "server_error", code="draining",
                                   headers={"Connection": "close"})
         try:
-            try:
-                body = loads(request.body)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise BadRequest(f"request body is not valid JSON: {exc}") from None
-            except RecursionError:
-                raise BadRequest("request body is nested too deeply") from None
-            validate(body, chat, self.settings.max_tokens_limit)
+            body = validate(decode(request.body), chat, self.settings.max_tokens_limit)
             if (refused := unknown_model(self.replicas, body["model"])) is not None:
                 raise refused
             return body, self.router.request_info(body, chat, request.headers)
@@ -248,29 +154,6 @@ class Proxy:
             return await self._forward(request, raw, info, headers, stream, t0, path, first)
         finally:
             self.inflight -= 1
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise BadRequest(f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes",
-                             status=413, code="request_too_large")
-        try:
-            if request.content.is_eof():  # all of it arrived with the head (the usual case): no timer needed
-                raw = await request.read()
-            else:
-                async with asyncio.timeout(self.settings.body_timeout_s):
-                    raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413,
-                             code="request_too_large") from None
-        except TimeoutError:
-            raise BadRequest(f"request body not received within {self.settings.body_timeout_s:g} s", status=408,
-                             code="request_timeout") from None
-        except (HttpProcessingError, RequestPayloadError, ValueError) as exc:  # bad gzip, bad chunking
-            raise BadRequest(f"request body could not be read: {type(exc).__name__}: {exc}") from None
-        if len(raw) > limit:
-            raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")
-        return raw
 
     async def _forward(self, request: Downstream, raw: bytes, info: RequestInfo, headers,
                        stream: bool, t0: float, path: str, first: _Started | None) -> Answer:
@@ -338,7 +221,7 @@ class Proxy:
         only while nothing has reached the client."""
         rep = route.replica
         route.stream = stream
-        ch = self.children(route)
+        ch = self.accounts.of(route)
         resp: UpstreamResponse | None = None
         clean = False  # the upstream body was read to its end: the connection may be reused
         outlier = rep.outlier
@@ -392,7 +275,7 @@ class Proxy:
                     raise _ClientGone() from exc
                 self._judge(rep, status, stream, now - t0 if stream and route.found_idle else None)
                 ch.e2e.observe(e2e)
-                ch.codes[_code_class(status)].inc()
+                ch.codes[code_class(status)].inc()
                 return out
             tokens = path in GENERATION_PATHS  # a token per SSE event: TTFT and ITL recorded
             self._judge(rep, status, stream, now - t0 if tokens and route.found_idle else None)
@@ -424,7 +307,7 @@ class Proxy:
 
     async def _stream(
         self, request: Downstream, route: Route, resp: UpstreamResponse, first: bytes, t0: float,
-        ch: _Children, inflight: Inflight, tokens: bool = True,
+        ch: Children, inflight: Inflight, tokens: bool = True,
     ) -> Answer:
         """Passes the replica's stream on chunk by chunk. `tokens`: each SSE event is a token (completions, chat):
         the first one's time is the TTFT; other endpoints' events (a response's lifecycle, a transcription's
@@ -515,14 +398,8 @@ class Proxy:
             return error_response(503, "router is shutting down", "server_error", code="draining",
                                   headers={"Connection": "close"})
         try:
-            raw = await self._read_body(request)
-            parsed = parse(ep, self._decode(ep, raw, request.headers), self.settings.max_tokens_limit)
-            if parsed.model is not None:
-                if (refused := unknown_model(self.replicas, parsed.model)) is not None:
-                    raise refused
-            elif not default_model_ok(r.models for r in self.replicas.ordered if r.models_known):
-                raise BadRequest("'model' is required: the replicas serve different models ("
-                                 + ", ".join(sorted(self.replicas.known_models)[:20]) + ")", param="model")
+            raw = await self.read_body(request)
+            parsed = read(ep, raw, request.headers.get("Content-Type", ""), self.replicas, self.settings.max_tokens_limit)
         except BadRequest as exc:
             return refuse(exc.response(), request)
         info = self.router.endpoint_info(parsed, request.headers)
@@ -536,67 +413,6 @@ class Proxy:
         self.inflight += 1
         return await self._run(AiohttpRequest(request, raw), raw, info, headers, parsed.stream, t0, ep.path, first)
 
-    @staticmethod
-    def _decode(ep: Endpoint, raw: bytes, headers) -> Any:
-        if ep.form:
-            return parse_form(raw, headers.get("Content-Type", ""))
-        try:
-            return loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise BadRequest("request body is nested too deeply") from None
-
-    # --- other endpoints ---------------------------------------------------------------------
-
-    def _any_replica(self) -> Replica | None:
-        candidates = [r for r in self.replicas.ordered if r.routable]
-        return min(candidates, key=lambda r: r.tracker.outstanding) if candidates else None
-
-    async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """An allow-listed path (passthrough_paths: /v1/models by default), GET or POST: forwarded to one
-        routable replica, not routed by the policy. Any other path is 404, whatever it decodes to."""
-        path = normalise_path(request.rel_url.raw_path)
-        if path is None or not self._allowed.allows(path):
-            return error_response(404, f"unknown path {request.rel_url.raw_path[:200]!r}", code="not_found")
-        if request.method not in PASSTHROUGH_METHODS:
-            return error_response(405, f"method {request.method} not allowed on {path}", code="method_not_allowed",
-                                  headers={"Allow": "GET, POST"})
-        if self.draining:
-            return error_response(503, "router is shutting down", "server_error", code="draining")
-        try:
-            raw = await self._read_body(request) if request.can_read_body else None
-        except BadRequest as exc:
-            return refuse(exc.response(), request)
-        upstream_path = encode_path(path)
-        tried: set[str] = set()
-        for _ in range(self.settings.max_retries + 1):
-            candidates = [r for r in self.replicas.ordered if r.routable and r.id not in tried]
-            if not candidates:
-                break
-            rep = min(candidates, key=lambda r: r.tracker.outstanding)
-            url = rep.url.with_path(upstream_path, encoded=True).with_query(request.query)
-            try:
-                async with self._session().request(request.method, url, data=raw,
-                                                   headers=request_headers(request.headers, request.remote)) as resp:
-                    body = await resp.read()
-                    return web.Response(status=resp.status, body=body, headers=response_headers(resp.headers))
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                tried.add(rep.id)
-                self.metrics.upstream_errors.labels(rep.id, classify(exc)).inc()
-        return error_response(503, "no healthy replica available", "server_error", code="no_healthy_replica")
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "draining" if self.draining else "ok"})
-
-    async def ready(self, request: web.Request) -> web.Response:
-        """Ready: not draining, a routable replica, and every arm served by the policy it was configured with
-        (a learned model that did not load leaves the fallback serving: not ready, so a rollout stops)."""
-        n = sum(1 for r in self.replicas.ordered if r.routable)
-        arms = self.router.arms
-        degraded = {name: runner.load_error for name, runner in arms.items() if runner.load_error}
-        ok = n > 0 and not self.draining and not degraded
-        return web.json_response({
-            "ready": ok, "healthy_replicas": n, "replicas": len(self.replicas.ordered),
-            "policies": {name: {"serving": runner.serving, "error": runner.load_error} for name, runner in arms.items()},
-        }, status=200 if ok else 503)
+    def read_body(self, request: web.Request) -> Awaitable[bytes]:
+        """An aiohttp request's whole body within max_body_bytes and body_timeout_s, or BadRequest."""
+        return read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)

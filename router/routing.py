@@ -22,6 +22,7 @@ from typing import Any
 from router.endpoints import Parsed
 from router.hold_queue import HoldQueue
 from router.models import no_replica_message
+from router.openai import decode_budget, prompt_text, user_of
 from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
 from router.policy.fallback import BUDGET_COOLDOWN, FALLBACK_REASONS, Decision
 from router.policy.late_binding import restrict
@@ -167,27 +168,6 @@ class Route:
         return self.attempt == 0 and self.view is not None and self.view.replicas[self.decision.index].outstanding == 0
 
 
-def prompt_text(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
-    """(prompt text, exact token count when the prompt is given as token ids). Assumes a validated body."""
-    if chat:
-        parts: list[str] = []
-        for m in body["messages"]:
-            c = m.get("content")
-            if isinstance(c, str):
-                parts.append(c)
-            elif isinstance(c, list):
-                parts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-        return "\n".join(parts), None
-    p = body["prompt"]
-    if isinstance(p, str):
-        return p, None
-    if p and all(isinstance(x, str) for x in p):
-        return "\n".join(p), None
-    if p and isinstance(p[0], int):
-        return "", len(p)
-    return "", sum(len(x) for x in p)  # a batch of token-id lists
-
-
 class Router:
     def __init__(
         self, settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics,
@@ -221,21 +201,14 @@ class Router:
 
     def request_info(self, body: dict[str, Any], chat: bool, headers: Any = None) -> RequestInfo:
         text, exact = prompt_text(body, chat)
-        max_tokens = body.get("max_completion_tokens") if chat else None
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        n = body.get("n")
-        if isinstance(max_tokens, int) and isinstance(n, int) and n > 1:
-            max_tokens *= n
-        user = body.get("user")
         request_id = f"r{next(self._ids)}"
         model = body.get("model")
         return make_request_info(
             request_id,
             exact if exact is not None else self.estimator.from_text(text),
-            max_tokens if isinstance(max_tokens, int) else None,
+            decode_budget(body, chat),
             text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
-            routing_key(headers or {}, user if isinstance(user, str) else None, request_id),
+            routing_key(headers or {}, user_of(body), request_id),
             model, *self.targets.of(headers, model),
         )
 

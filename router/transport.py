@@ -14,14 +14,18 @@ already read alike (status, headers, a body read with readany / read_nowait / at
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 from yarl import URL
 
+from router.errors import BadRequest
 from router.h1client import H1Client
 
 
@@ -138,8 +142,32 @@ class _LazyStream(web.StreamResponse):
         await super().write_eof(data)
 
 
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """An aiohttp request's whole body: at most `limit` bytes (413), within `timeout_s` (408), else BadRequest."""
+    if request.content_length is not None and request.content_length > limit:
+        raise BadRequest(f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes",
+                         status=413, code="request_too_large")
+    try:
+        if request.content.is_eof():  # all of it arrived with the head (the usual case): no timer needed
+            raw = await request.read()
+        else:
+            async with asyncio.timeout(timeout_s):
+                raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413,
+                         code="request_too_large") from None
+    except TimeoutError:
+        raise BadRequest(f"request body not received within {timeout_s:g} s", status=408,
+                         code="request_timeout") from None
+    except (HttpProcessingError, RequestPayloadError, ValueError) as exc:  # bad gzip, bad chunking
+        raise BadRequest(f"request body could not be read: {type(exc).__name__}: {exc}") from None
+    if len(raw) > limit:
+        raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")
+    return raw
+
+
 class AiohttpRequest:
-    """A generation request that came through aiohttp's server side, its body read (Proxy._read_body)."""
+    """A generation request that came through aiohttp's server side, its body read (read_body)."""
 
     __slots__ = ("_request", "headers", "remote", "body")
 

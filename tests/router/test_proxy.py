@@ -324,8 +324,8 @@ async def test_hop_by_hop_headers_are_stripped_both_ways(fakes, router_paths):
     b'{"a": "\xff"}', b"[1, 2]", b"", b"{" * 100_000,
 ])
 async def test_body_decoding_is_json_loads(raw: bytes) -> None:
-    """proxy.loads, json.loads without its regex on the usual body: the same value or the same error."""
-    from router.proxy import loads
+    """openai.loads, json.loads without its regex on the usual body: the same value or the same error."""
+    from router.openai import loads
 
     try:
         want = ("value", json.loads(raw))

@@ -1,0 +1,125 @@
+"""What an OpenAI completion or chat completion body means to the router: decoding, validation of the fields it
+reads, the prompt's text, and the decode budget (`max_completion_tokens` or `max_tokens`, times `n`).
+
+The router reads `model`, `stream`, `max_tokens` / `max_completion_tokens`, `n`, `user` and the prompt (`prompt`,
+or the `messages`' text); the replica validates the rest. vLLM's other endpoints are read by router.endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from router.errors import BadRequest
+
+_DECODER = json.JSONDecoder()
+
+
+def loads(raw: bytes) -> Any:
+    """json.loads(raw): the same value, the same errors. A UTF-8 body that starts with `{` is decoded without
+    json.loads' encoding detection and whitespace regex (2.1 -> 0.9 us here, and the regex engine is cold on a
+    router idle between requests)."""
+    if raw[:1] == b"{" and raw[1:2] != b"\x00":  # what json.detect_encoding takes for UTF-8
+        s = raw.decode("utf-8", "surrogatepass")
+        value, end = _DECODER.raw_decode(s)  # raises what json.loads would: it calls this at index 0
+        if end == len(s):
+            return value
+    return json.loads(raw)  # anything else, trailing whitespace or data included
+
+
+def decode(raw: bytes) -> Any:
+    """The JSON value of a request body, or BadRequest naming what is wrong with it."""
+    try:
+        return loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+
+
+def _check_type(body: dict[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
+    v = body.get(key)
+    if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
+        raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", param=key)
+
+
+def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str, Any]:
+    """Checks the fields the router reads; the replica validates the rest."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    _check_type(body, "stream", (bool,), "a boolean")
+    _check_type(body, "max_tokens", (int,), "an integer")
+    _check_type(body, "max_completion_tokens", (int,), "an integer")
+    _check_type(body, "n", (int,), "an integer")
+    _check_type(body, "user", (str,), "a string")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        if isinstance(body.get(key), int) and body[key] < (1 if key == "n" else 0):
+            raise BadRequest(f"'{key}' must be >= {1 if key == 'n' else 0}, got {body[key]}", param=key)
+        if isinstance(body.get(key), int) and body[key] > max_tokens_limit:
+            raise BadRequest(f"'{key}' must be <= {max_tokens_limit}, got {body[key]}", param=key)
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("'messages' is required and must be a non-empty array", param="messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'", param=f"messages[{i}]")
+            c = m.get("content")
+            if c is not None and not isinstance(c, (str, list)):
+                raise BadRequest(f"'messages[{i}].content' must be a string or an array", param=f"messages[{i}].content")
+    else:
+        p = body.get("prompt")
+        ok = isinstance(p, str) or (
+            isinstance(p, list) and p and (
+                all(isinstance(x, str) for x in p)
+                or all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+                or all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p)
+            )
+        )
+        if not ok:
+            raise BadRequest(
+                "'prompt' is required: a string, an array of strings, or an array of token ids", param="prompt"
+            )
+    return body
+
+
+def prompt_text(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
+    """(prompt text, exact token count when the prompt is given as token ids). Assumes a validated body."""
+    if chat:
+        parts: list[str] = []
+        for m in body["messages"]:
+            c = m.get("content")
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                parts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "\n".join(parts), None
+    p = body["prompt"]
+    if isinstance(p, str):
+        return p, None
+    if p and all(isinstance(x, str) for x in p):
+        return "\n".join(p), None
+    if p and isinstance(p[0], int):
+        return "", len(p)
+    return "", sum(len(x) for x in p)  # a batch of token-id lists
+
+
+def decode_budget(body: dict[str, Any], chat: bool) -> int | None:
+    """The tokens the request may decode in all: `max_completion_tokens` (chat) or `max_tokens`, times `n`
+    choices; None when the body bounds nothing."""
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    n = body.get("n")
+    if isinstance(max_tokens, int) and isinstance(n, int) and n > 1:
+        max_tokens *= n
+    return max_tokens if isinstance(max_tokens, int) else None
+
+
+def user_of(body: dict[str, Any]) -> str | None:
+    """The `user` field, the routing key's source when no header gives one."""
+    user = body.get("user")
+    return user if isinstance(user, str) else None
