@@ -1,10 +1,11 @@
 """A fleet view shared by router processes on several hosts, on Redis or Valkey (setting `shared_state`).
 
-Every `shared_state_interval_s` (10 ms), off the requests' path, one pipelined round trip per router:
+Every `shared_state_interval_s` (10 ms), off the requests' path, one round trip per router (one Lua script,
+SYNC_SCRIPT: one command to pack and one reply to parse, which is most of what a sync costs the router's CPU):
   - publish: the entries of this router's own in-flight counts per replica (router.policy.remote_load) that
     changed since the last batch, into the hash routewise:{fleet}:load:<router id>, whose TTL
     (`shared_state_ttl_s`) every tick renews: the heartbeat. A router that dies stops renewing it and its share
-    expires; the others drop it from the set of routers on their next read.
+    expires, and the next router to read drops it from the set of routers.
   - read: every other router's hash (the set routewise:{fleet}:routers names them); their sums per replica are
     folded into this router's trackers, so it decides on its own counts (instant) plus the others' (as of the
     last tick).
@@ -47,6 +48,33 @@ MAX_BACKOFF_S = 1.0
 _HOST_INDEX = [HOST_FIELDS.index(f) for f in SHARED_FIELDS]
 
 
+# One tick, one command, atomic: publish (when ARGV[3] is 1: the changed fields, the fields to delete, the TTL, the
+# set of routers), then every other router's hash; a router in the set whose hash expired is dropped from it.
+# KEYS: the set of routers, this router's hash. ARGV: router id, TTL (ms), publish?, [n, field, value..., n, field...],
+# the hashes' key prefix. Returns {fields HSET added (-1: no write), hash of another router (flat), ...}.
+SYNC_SCRIPT = """
+local rid, i, added = ARGV[1], 4, -1
+if ARGV[3] == '1' then
+  local n = tonumber(ARGV[i])
+  added = redis.call('HSET', KEYS[2], unpack(ARGV, i + 1, i + 2 * n))
+  i = i + 2 * n + 1
+  local g = tonumber(ARGV[i])
+  if g > 0 then redis.call('HDEL', KEYS[2], unpack(ARGV, i + 1, i + g)) end
+  i = i + g + 1
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  redis.call('SADD', KEYS[1], rid)
+end
+local out = {added}
+for _, peer in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if peer ~= rid then
+    local h = redis.call('HGETALL', ARGV[i] .. peer)
+    if #h == 0 then redis.call('SREM', KEYS[1], peer) else out[#out + 1] = h end
+  end
+end
+return out
+"""
+
+
 def load_key(router_id: str) -> str:
     return f"{KEY_PREFIX}:load:{router_id}"
 
@@ -81,8 +109,8 @@ class LoadSource(Protocol):
 
 
 class FleetState:
-    """The sync's bookkeeping, no I/O (tests drive it with a fake clock): what to publish, the peers to read, the
-    merge of their hashes, error episodes, backoff and the view's age."""
+    """The sync's bookkeeping, no I/O (tests drive it with a fake clock): what to publish, the merge of the other
+    routers' hashes, error episodes, backoff and the view's age."""
 
     def __init__(self, router_id: str, interval_s: float, clock: Callable[[], float], heartbeat_s: float = 0.5) -> None:
         self.router_id = router_id
@@ -91,8 +119,6 @@ class FleetState:
         self.clock = clock
         self.last_write: float | None = None
         self.published: dict[str, Counts] = {}  # what Redis holds of ours (cleared when it may have lost it)
-        self.peers: list[str] = []  # the other routers, from the last read of the set
-        self.dead: list[str] = []  # peers whose hash had expired: dropped from the set on the next tick
         self.last_ok: float | None = None
         self.started = clock()
         self.failing_since: float | None = None
@@ -119,29 +145,25 @@ class FleetState:
         self.published = dict(own) if added <= expected_new else {}
         self.last_write = self.clock()
 
-    def merge(self, members: set[str], hashes: list[dict[str, str]], host_id: str) -> dict[str, Counts]:
-        """The other routers' sums per replica, from `hashes` (the current peers', in order); the next peers are
-        `members` but this router's host."""
+    @staticmethod
+    def merge(hashes: list[list[str]]) -> dict[str, Counts]:
+        """The other routers' sums per replica, from their hashes (flat field, value lists as SYNC_SCRIPT returns
+        them). A field this version cannot read (another version's) is skipped."""
         sums: dict[str, list[int]] = {}
-        dead = []
-        for peer, h in zip(self.peers, hashes):
-            if not h:
-                dead.append(peer)
-                continue
-            for rid, value in h.items():
+        for h in hashes:
+            for j in range(0, len(h) - 1, 2):
+                rid = h[j]
                 if rid == HEARTBEAT_FIELD:
                     continue
-                c = decode(value)
+                c = decode(h[j + 1])
                 if c is None:
-                    continue  # not ours to judge: another version's field
+                    continue
                 acc = sums.get(rid)
                 if acc is None:
                     sums[rid] = list(c)
                 else:
                     for i, v in enumerate(c):
                         acc[i] += v
-        self.dead = dead
-        self.peers = sorted(m for m in members if m != host_id and m not in dead)
         return {rid: tuple(v) for rid, v in sums.items()}  # type: ignore[misc]
 
     def succeeded(self) -> float | None:
@@ -157,7 +179,6 @@ class FleetState:
         """A tick failed: True if it starts an episode (log it). Redis may have lost our hash meanwhile."""
         self.failures += 1
         self.published = {}
-        self.peers, self.dead = [], []
         if self.failing_since is None:
             self.failing_since = self.clock()
             return True
@@ -244,6 +265,7 @@ class FleetSync:
         # no retries inside the client: a failed tick is the retry unit, and it must never take longer than timeout_s
         self.client = from_url(url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                retry=Retry(NoBackoff(), 0), health_check_interval=0, client_name="routewise", protocol=2)
+        self.script = self.client.register_script(SYNC_SCRIPT)  # EVALSHA, loaded again after a Redis restart
         self.errors = Counter("llm_router_shared_state_errors", "Syncs with the shared fleet view (shared_state) that "
                               "failed or timed out; until one succeeds the router decides on its own in-flight counts.",
                               registry=registry)
@@ -255,29 +277,18 @@ class FleetSync:
         """One round trip: publish, read, fold. Never raises (but CancelledError)."""
         st = self.state
         try:
-            pipe = self.client.pipeline(transaction=False)
-            batch = None
-            if self.publisher:
-                own = self.source.own()
-                batch = st.batch(own)
-            if batch is not None:
+            batch = st.batch(own := self.source.own()) if self.publisher else None
+            args: list[Any] = [self.router_id, self.ttl_ms]
+            if batch is None:
+                args.append(0)
+            else:
                 fields, gone, expected_new = batch
-                pipe.hset(self.key, mapping=fields)
-                if gone:
-                    pipe.hdel(self.key, *gone)
-                pipe.pexpire(self.key, self.ttl_ms)
-                pipe.sadd(ROUTERS_KEY, self.router_id)
-            if st.dead:
-                pipe.srem(ROUTERS_KEY, *st.dead)
-            pipe.smembers(ROUTERS_KEY)
-            for peer in st.peers:
-                pipe.hgetall(load_key(peer))
-            res = await asyncio.wait_for(pipe.execute(), self.timeout_s)
-            n_peers = len(st.peers)
-            members, hashes = res[-1 - n_peers], res[len(res) - n_peers:]
-            sums = st.merge(set(members), hashes, self.router_id)
+                args += [1, len(fields), *(x for kv in fields.items() for x in kv), len(gone), *gone]
+            args.append(load_key(""))
+            res = await asyncio.wait_for(self.script(keys=[ROUTERS_KEY, self.key], args=args), self.timeout_s)
+            sums = st.merge(res[1:])
             if batch is not None:
-                st.wrote(own, int(res[0]), expected_new)  # type: ignore[arg-type]
+                st.wrote(own, int(res[0]), expected_new)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - Redis down, slow, or answering garbage: the local view

@@ -92,18 +92,13 @@ def test_each_batch_writes_only_what_changed_plus_the_heartbeat_and_everything_a
     assert set(st.batch(own2)[0]) == {"a:1", HEARTBEAT_FIELD}
 
 
-def test_merge_sums_the_other_routers_skips_this_host_and_drops_expired_peers():
-    st = FleetState("me", 0.01, Clock())
-    assert st.merge({"me", "r1", "r2", "r3"}, [], "me") == {}  # first tick: no peer known yet
-    assert st.peers == ["r1", "r2", "r3"]
+def test_merge_sums_the_other_routers_hashes_and_skips_what_it_cannot_read():
     hashes = [
-        {HEARTBEAT_FIELD: "1.0", "a:1": encode((1, 10, 5, 1, 10)), "b:1": encode((2, 20, 10, 0, 0))},
-        {},  # r2's hash expired: it died
-        {HEARTBEAT_FIELD: "1.0", "a:1": encode((3, 30, 15, 3, 30)), "c:1": "garbage", "d:1": "1 2 3"},
+        [HEARTBEAT_FIELD, "1.0", "a:1", encode((1, 10, 5, 1, 10)), "b:1", encode((2, 20, 10, 0, 0))],
+        [HEARTBEAT_FIELD, "1.0", "a:1", encode((3, 30, 15, 3, 30)), "c:1", "garbage", "d:1", "1 2 3"],
     ]
-    sums = st.merge({"me", "r1", "r2", "r3", "r4"}, hashes, "me")
-    assert sums == {"a:1": (4, 40, 20, 4, 40), "b:1": (2, 20, 10, 0, 0)}
-    assert st.dead == ["r2"] and st.peers == ["r1", "r3", "r4"]
+    assert FleetState.merge(hashes) == {"a:1": (4, 40, 20, 4, 40), "b:1": (2, 20, 10, 0, 0)}
+    assert FleetState.merge([]) == {}
 
 
 def test_a_failure_episode_is_logged_once_backs_off_and_ages_the_view():

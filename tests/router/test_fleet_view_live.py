@@ -52,10 +52,8 @@ async def test_ticks_carry_one_routers_counts_to_the_other_and_redis_down_falls_
     try:
         a.dispatch(1, RequestInfo("qa", prompt_tokens_est=100, max_tokens=50))
         b.dispatch(0, RequestInfo("qb", prompt_tokens_est=10, max_tokens=5))
-        await sa.tick()
-        await sb.tick()  # B learns of A
-        await sa.tick()  # A learns of B
-        await sb.tick()  # B reads A
+        await sa.tick()  # A publishes; nobody else yet
+        await sb.tick()  # B publishes and reads A
         assert _outstanding(b) == [1, 1] and _outstanding(a) == [0, 1]
         await sa.tick()  # A reads B
         assert _outstanding(b) == [1, 1] and _outstanding(a) == [1, 1]
