@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="vLLM base URL, e.g. http://10.0.0.5:8000 (repeatable)")
     s.add_argument("--discover", metavar="HOST:PORT", help="resolve HOST's A records periodically (headless service)")
     s.add_argument("--policy", help=f"one of {', '.join(policy_names())}, or a path to an .onnx file (default "
-                   "learned: the recommended shipped model, late-fleet, with late binding)")
+                   "learned: the recommended shipped model, any-fleet, with late binding)")
     s.add_argument("--shadow-policy", help="a second policy (name or .onnx path) that decides on every request "
                    "without acting; agreement is exported as llm_router_shadow_decisions_total")
     s.add_argument("--ab-treatment", help="A/B: the treatment policy (name or .onnx path); control is --policy")
@@ -86,8 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--scrape-interval", type=float, dest="scrape_interval_s", help="seconds between /metrics scrapes")
     s.add_argument("--late-binding", action=argparse.BooleanOptionalAction, default=None,
                    help="hold requests in a router-side queue while every replica is at its limit and dispatch each "
-                   "to the first replica with room (router/hold_queue.py; default: on for a policy trained behind it, "
-                   "as learned, else off)")
+                   "to the first replica with room (router/hold_queue.py; default: on for a learned policy, off "
+                   "for a baseline)")
     s.add_argument("--late-binding-timeout", type=float, dest="late_binding_timeout_s", metavar="S",
                    help="longest a request is held before the policy sends it to any healthy replica, room or not (default 2)")
     s.add_argument("--late-binding-max-num-seqs", type=int, dest="late_binding_max_num_seqs", metavar="N",

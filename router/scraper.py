@@ -72,7 +72,7 @@ class Scraper:
         )
         before = rep.batch.limit
         if rep.batch.observe(stats.running, stats.waiting) != before:
-            log.info("replica %s: batch limit %d inferred from its /metrics (running while requests wait)", rep.id,
+            log.debug("replica %s: batch limit %d inferred from its /metrics (running while requests wait)", rep.id,
                      rep.batch.limit)
         prev = rep.scrape.generation_tokens if isinstance(rep.scrape, VllmStats) else None
         if prev is not None and stats.generation_tokens is not None and stats.generation_tokens > prev:

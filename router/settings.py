@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 from yarl import URL
 
 from router.policy.late_binding import LateBindingConfig
-from router.policy.registry import BASELINES, LEARNED, is_learned, policy_names, shipped_models, trained_behind_late_binding
+from router.policy.registry import BASELINES, LEARNED, is_learned, policy_names, shipped_models
 from router.paths import DEFAULT_PASSTHROUGH_PATHS, normalise_path
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -137,8 +137,8 @@ class RouterSettings(BaseSettings):
     scrape_timeout_s: float = Field(0.8, gt=0, description="default: min(0.8, scrape_interval_s)")
 
     # routing
-    policy: str = Field(LEARNED, description="a baseline, `learned` (the recommended shipped model, late-fleet), a "
-                        "shipped model's name (late-fleet, any-fleet, default) or an .onnx path")
+    policy: str = Field(LEARNED, description="a baseline, `learned` (the recommended shipped model, any-fleet), a "
+                        "shipped model's name (any-fleet, late-fleet, default) or an .onnx path")
     allow_fallback_start: bool = Field(
         False, description="start even when a policy (any arm, the shadow) does not load, serving its decisions with "
         "least-outstanding (the fallback); off: `router serve` exits with one line naming the cause",
@@ -164,7 +164,7 @@ class RouterSettings(BaseSettings):
     late_binding: bool | None = Field(
         None, description="hold a request in a bounded router-side FIFO while every healthy replica is at its "
         "concurrency limit, and dispatch it when one frees (router.policy.late_binding); off: route at once. "
-        "Unset: on when the policy was trained behind it (its card says so: `learned`, late-fleet), else off",
+        "Unset: on for a learned policy (every shipped model measured better behind it), off for a baseline",
     )
     late_binding_timeout_s: float = Field(
         LateBindingConfig.timeout_s, ge=0, description="a held request waits at most this long, then goes to the "
@@ -397,7 +397,7 @@ class RouterSettings(BaseSettings):
         if "scrape_timeout_s" not in self.model_fields_set:
             self.scrape_timeout_s = min(self.scrape_timeout_s, self.scrape_interval_s)
         if self.late_binding is None:
-            self.late_binding = trained_behind_late_binding(self.policy)
+            self.late_binding = is_learned(self.policy)
         if self.scrape_timeout_s > self.scrape_interval_s:
             raise ValueError(f"scrape_timeout_s={self.scrape_timeout_s}: must not exceed scrape_interval_s={self.scrape_interval_s}")
         if self.shared_state is not None:

@@ -327,9 +327,9 @@ async def test_turned_on_by_flag_or_environment_and_bad_values_named(monkeypatch
     from router.cli import _parser, main
     from router.settings import build_settings
 
-    # unset: on for a policy trained behind it (the default, learned = late-fleet), off for the others
+    # unset: on for a learned policy (the default, learned = any-fleet, or any other model), off for a baseline
     assert build_settings(replicas=["http://a:1"]).late_binding is True
-    assert build_settings(replicas=["http://a:1"], policy="any-fleet").late_binding is False
+    assert build_settings(replicas=["http://a:1"], policy="default").late_binding is True
     assert build_settings(replicas=["http://a:1"], policy="least-outstanding").late_binding is False
     assert build_settings(replicas=["http://a:1"], policy="least-outstanding", late_binding=True).late_binding is True
     assert build_settings(replicas=["http://a:1"], late_binding=False).late_binding is False

@@ -161,24 +161,24 @@ def test_main_generated_flags_reach_the_settings(capsys):
 def test_every_shipped_model_is_a_policy_name_and_learned_is_the_recommended_one():
     names = set(shipped_models())
     assert {"late-fleet", "any-fleet", "default"} <= names
-    assert DEFAULT_MODEL_PATH == MODELS_DIR / f"{RECOMMENDED_MODEL}.onnx" == shipped_models()["late-fleet"]
+    assert DEFAULT_MODEL_PATH == MODELS_DIR / f"{RECOMMENDED_MODEL}.onnx" == shipped_models()["any-fleet"]
     for name in names:
         s = build_settings(replicas=[REPLICA], policy=name)
-        assert s.policy == name
-        assert s.late_binding is (name == "late-fleet")  # the card of the model trained behind late binding says so
+        assert s.policy == name and s.late_binding is True  # every learned policy: late binding on unless said off
         policy = make_policy(name)
         assert Path(policy.describe()["path"]) == MODELS_DIR / f"{name}.onnx"
         assert policy.describe()["load_error"] is None
-    assert make_policy("learned").describe()["version"] == make_policy("late-fleet").describe()["version"]
+    assert make_policy("learned").describe()["version"] == make_policy("any-fleet").describe()["version"]
+    assert make_policy("learned").describe()["version"].startswith("any-fleet")
 
 
-def test_a_copy_of_a_model_trained_behind_late_binding_turns_it_on_without_its_card(tmp_path):
-    """deploy/ copies the shipped model onto a volume (policy.onnx, no card): its own metadata says how it trained."""
-    for name, late in (("late-fleet", True), ("any-fleet", False)):
-        copy = tmp_path / f"{name}-copy.onnx"
-        copy.write_bytes(shipped_models()[name].read_bytes())
-        assert build_settings(replicas=[REPLICA], policy=str(copy)).late_binding is late
-    assert make_policy("learned").describe()["version"].startswith("late-fleet")
+def test_late_binding_is_on_for_a_learned_policy_and_off_for_a_baseline_unless_set(tmp_path):
+    copy = tmp_path / "policy.onnx"  # deploy/ copies the shipped model onto a volume
+    copy.write_bytes(DEFAULT_MODEL_PATH.read_bytes())
+    assert build_settings(replicas=[REPLICA], policy=str(copy)).late_binding is True
+    assert build_settings(replicas=[REPLICA], policy="expected-wait").late_binding is False
+    assert build_settings(replicas=[REPLICA], policy="expected-wait", late_binding=True).late_binding is True
+    assert build_settings(replicas=[REPLICA], late_binding=False).late_binding is False
 
 
 def test_the_models_ship_in_the_package():

@@ -22,6 +22,7 @@ FAST = dict(
     scrape_timeout_s=0.05, breaker_failure_threshold=2, breaker_cooldown_s=0.2, first_byte_timeout_s=2.0,
     connect_timeout_s=0.5, models_refresh_interval_s=0.1, admin_token=TOKEN, max_stats_age_s=30.0,
     replica_header=True,  # the tests read which replica served each request
+    late_binding=False,  # per-request routing (on by default for a learned policy); tests/router covers late binding
 )
 
 
