@@ -5,7 +5,7 @@ For each profile family (a roofline profile, fitted with another GPU's numbers a
 one), start `fleet emulate` with the known profile, calibrate it, and simulate two workloads with the fitted and
 the known profile: two replicas, Poisson arrivals, log-normal prompts (median 600 tokens) and outputs (median 120),
 at about 47 % of the fleet's capacity (14 req/s on the A100 profile) and near saturation (83 %, 25 req/s). The
-A100 emulator runs at half speed (`--speed 0.5`: every time doubled, the arrival rates halved to match). Prints
+Both emulators run at half speed (`--speed 0.5`: every time doubled, the arrival rates halved to match). Prints
 each percentile's relative error, and over several calibrations the spread of the fitted parameters.
 
     .venv/bin/python tests/bench/calibration_oracle.py --calibrations 3
@@ -51,7 +51,7 @@ class Family:
 
 FAMILIES = {
     "roofline": Family("llama3-8b-a100", "llama3-8b-h100", 256, speed=0.5),
-    "linear": Family(LINEAR_TRUTH, None, 64),
+    "linear": Family(LINEAR_TRUTH, None, 64, speed=0.5),
 }
 PROMPT_MEDIAN, OUTPUT_MEDIAN, REPLICAS, REQUESTS = 600, 120, 2, 1500
 
