@@ -1,4 +1,5 @@
-"""The proxy's per-request accounting: the metric children of each (replica, policy, arm), bound once."""
+"""The proxy's per-request accounting: the metric children of each (replica, policy, arm), bound once, observed
+in batches (router.metric_batch)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ class Children:
     __slots__ = ("ttft", "itl", "e2e", "codes")
 
     def __init__(self, m: RouterMetrics, rid: str, policy: str, arm: str) -> None:
-        self.ttft = m.ttft.labels(rid, policy, arm)
-        self.itl = m.itl.labels(rid, policy, arm)
-        self.e2e = m.e2e.labels(rid, policy, arm)
-        self.codes = {c: m.requests.labels(rid, policy, arm, c) for c in ("2xx", "4xx", "5xx", "error")}
+        b = m.batch
+        self.ttft = b.tally(m.ttft.labels(rid, policy, arm))
+        self.itl = b.tally(m.itl.labels(rid, policy, arm))
+        self.e2e = b.tally(m.e2e.labels(rid, policy, arm))
+        self.codes = {c: b.count(m.requests.labels(rid, policy, arm, c)) for c in ("2xx", "4xx", "5xx", "error")}
 
 
 class Accounts:

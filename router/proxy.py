@@ -172,13 +172,9 @@ class Proxy:
             except NoHealthyReplica:
                 break
             rep = route.replica
-            members = self.replicas.members(info.model)  # another replica of the request's model to retry on
-            can_retry = attempt < self.settings.max_retries and any(
-                r.routable and r is not rep and r.id not in tried and (members is None or i in members)
-                for i, r in enumerate(self.replicas.ordered)
-            )
+            retry = tried if attempt < self.settings.max_retries else None  # None: the last try
             try:
-                out = await self._attempt(request, route, raw, headers, stream, t0, can_retry, path, sent)
+                out = await self._attempt(request, route, raw, headers, stream, t0, retry, path, sent)
             except UpstreamError as exc:
                 last = exc
                 tried.add(rep.id)
@@ -187,7 +183,7 @@ class Proxy:
                     self.replicas.record_failure(rep, stream)
                 elif exc.kind != "stale_model":  # a list read again, not the replica's health
                     suspects.append((rep, exc.kind))
-                if not can_retry:
+                if retry is None or not self._can_retry(rep, tried, info.model):
                     break
                 self.metrics.retries.labels(exc.kind).inc()
             else:
@@ -199,6 +195,12 @@ class Proxy:
         if last is None:
             return no_replica_response(self.replicas, info.model)
         return error_response(last.status, f"upstream failed: {last}", "server_error", code=f"upstream_{last.kind}")
+
+    def _can_retry(self, rep: Replica, tried: set[str], model: str | None) -> bool:
+        """Another routable replica of the request's model, not tried yet: asked only when an attempt failed."""
+        members = self.replicas.members(model)
+        return any(r.routable and r is not rep and r.id not in tried and (members is None or i in members)
+                   for i, r in enumerate(self.replicas.ordered))
 
     def _settle(self, suspects: list[tuple[Replica, str]], served: bool, stream: bool) -> None:
         """Failures before the first byte count against a replica only if another replica then served the same
@@ -214,11 +216,11 @@ class Proxy:
                 self.metrics.client_caused_failures.labels(kind).inc()
 
     async def _attempt(
-        self, request: Downstream, route: Route, raw: bytes, headers, stream: bool, t0: float, can_retry: bool,
+        self, request: Downstream, route: Route, raw: bytes, headers, stream: bool, t0: float, retry: set[str] | None,
         path: str, sent: Awaitable[UpstreamResponse] | None = None,
     ) -> Answer:
-        """One upstream attempt (`sent`: the request already on its way, from _start_now). Raises UpstreamError
-        only while nothing has reached the client."""
+        """One upstream attempt (`sent`: the request already on its way, from _start_now; `retry`: the replicas
+        tried so far, None on the last try). Raises UpstreamError only while nothing has reached the client."""
         rep = route.replica
         route.stream = stream
         ch = self.accounts.of(route)
@@ -258,10 +260,11 @@ class Proxy:
             status = route.status = resp.status
             if names_unknown_model(status, first, route.request.model):  # its list is stale: read it again
                 self.replicas.refresh_models_of(rep)
-                if can_retry:  # and try a replica that serves the model, before the first byte as for a 5xx
+                # and try a replica that serves the model, before the first byte as for a 5xx
+                if retry is not None and self._can_retry(rep, retry, route.request.model):
                     route.outcome = Outcome(False, None, None)
                     raise UpstreamError("stale_model", f"{rep.id}: does not serve `{route.request.model}`")
-            if status >= 500 and can_retry:
+            if status >= 500 and retry is not None and self._can_retry(rep, retry, route.request.model):
                 route.outcome = Outcome(False, None, None)
                 raise UpstreamError("http_5xx", f"{rep.id}: HTTP {status}")
             if not stream or status >= 300:
@@ -399,7 +402,8 @@ class Proxy:
                                   headers={"Connection": "close"})
         try:
             raw = await self.read_body(request)
-            parsed = read(ep, raw, request.headers.get("Content-Type", ""), self.replicas, self.settings.max_tokens_limit)
+            parsed = read(ep, raw, request.headers.get("Content-Type", ""), self.replicas,
+                          self.settings.max_tokens_limit)
         except BadRequest as exc:
             return refuse(exc.response(), request)
         info = self.router.endpoint_info(parsed, request.headers)

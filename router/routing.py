@@ -8,7 +8,6 @@ back into the tracker. Shadow evaluation and A/B splits extend `Router.select_ru
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -69,7 +68,7 @@ class PolicyRunner:
         self.decisions = 0
         self.last_error: str | None = None
         self._metrics = metrics
-        self._latency = metrics.decision_latency.labels(self.label, arm)
+        self._latency = metrics.batch.tally(metrics.decision_latency.labels(self.label, arm))
         for reason in FALLBACK_REASONS:  # exported at 0 from the start, so rates and alerts work
             metrics.fallbacks.labels(self.label, arm, reason)
         info = primary.describe()
@@ -192,6 +191,7 @@ class Router:
         self._ids = itertools.count(1)
         self.targets = Targets(settings, metrics)  # latency targets: headers, per-model defaults, attainment
         self._model_decisions: dict[str, Any] = {}  # metric children by model label
+        self._model_ttft: dict[str | None, Any] = {}
         self.holds: HoldQueue[Route] | None = None  # late binding: the first attempt of a request goes through it
         if settings.late_binding:
             self.holds = HoldQueue(settings, replicas, metrics, clock,
@@ -253,24 +253,25 @@ class Router:
         decision = runner.decide(view, request, context)
         replica = self.replicas.ordered[decision.index]
         self.replicas.cluster.dispatch(decision.index, request)
-        latency_s = time.perf_counter() - t0
-        try:  # observed once the request is on its way (the metric's cost is off the request's path)
-            asyncio.get_running_loop().call_soon(runner._latency.observe, latency_s)
-        except RuntimeError:  # no running loop (a synchronous caller)
-            runner._latency.observe(latency_s)
+        runner._latency.observe(time.perf_counter() - t0)  # applied in a batch, off the request's path
         label = model_label(request.model, self.replicas.known_models)
         route = Route(replica, decision, runner, request, view=view, wall_s=time.time(), attempt=len(exclude or ()),
                       prefix_block_tokens=self.replicas.cluster.prefix_block_tokens, model=label)
         counter = self._model_decisions.get(label)
         if counter is None:
-            counter = self._model_decisions[label] = self.metrics.model_decisions.labels(label)
+            counter = self._model_decisions[label] = self.metrics.batch.count(
+                self.metrics.model_decisions.labels(label))
         counter.inc()
         self.serving.after_decision(route, view)
         return route
 
     def on_first_token(self, route: Route, ttft_s: float) -> None:
         route.replica.tracker.on_first_token(route.request.request_id, ttft_s)
-        self.metrics.model_ttft.labels(route.model).observe(ttft_s)
+        tally = self._model_ttft.get(route.model)
+        if tally is None:
+            tally = self._model_ttft[route.model] = self.metrics.batch.tally(
+                self.metrics.model_ttft.labels(route.model))
+        tally.observe(ttft_s)
         if self.holds is not None:
             self.holds.wake()
 

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.metric_batch import Batch, FlushingRegistry
+
 
 def geometric_buckets(lo: float, hi: float, ratio: float) -> tuple[float, ...]:
     """Bucket bounds lo, lo*ratio, ... up to the first bound >= hi, rounded to 4 significant digits."""
@@ -71,7 +73,8 @@ class ReplicaStateCollector(Collector):
 
 class RouterMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.batch = Batch()  # per-request observations, applied off the requests' path (router.metric_batch)
+        self.registry = FlushingRegistry(self.batch, auto_describe=True)
         r = self.registry
         self.requests = Counter(
             "llm_router_requests", "Client requests by replica, policy, arm and response code class.",
@@ -184,7 +187,7 @@ class RouterMetrics:
         worker's counters and histograms summed, plus the per-replica state, which reads host-wide counts."""
         from prometheus_client import multiprocess
 
-        registry = CollectorRegistry()
+        registry = FlushingRegistry(self.batch)
         multiprocess.MultiProcessCollector(registry)
         if self.replica_state is not None:
             registry.register(self.replica_state)
