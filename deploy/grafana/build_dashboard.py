@@ -203,6 +203,27 @@ def build() -> dict:
         (f"sum by (replica, kind) (rate(llm_router_scrape_errors_total{{{REPLICA}}}[{RATE}]))",
          "{{replica}} {{kind}}")], "reqps"))
 
+    panels.append(layout.row("Models, latency targets and client connections"))
+    panels.append(panel(layout, "Decisions by model", [
+        (f"sum by (model) (rate(llm_router_model_decisions_total[{RATE}]))", "{{model}}")], "reqps",
+        description="Routing decisions by the request's model (a model the fleet does not serve is labelled other)."))
+    panels.append(panel(layout, "TTFT p99 by model", [
+        (f"histogram_quantile(0.99, sum by (le, model) (rate(llm_router_model_ttft_seconds_bucket[{RATE}])))",
+         "{{model}} p99")], "s"))
+    panels.append(panel(layout, "Model refusals by reason", [
+        (f"sum by (reason) (rate(llm_router_model_refusals_total[{RATE}]))", "{{reason}}")], "reqps",
+        description="Requests refused before routing: unknown_model (a 404 listing the models served) or no_replica "
+                    "(a 503: every replica of the model is out of rotation)."))
+    panels.append(panel(layout, "Latency-target attainment", [
+        (f"sum by (target, result) (rate(llm_router_slo_attainment_total[{RATE}]))", "{{target}} {{result}}")],
+        "reqps", description="Requests by latency target (x-slo-ttft-ms / x-slo-tpot-ms, or a per-model default) and "
+                             "result: met, missed, no_target, unmeasured."))
+    panels.append(panel(layout, "Client connections refused and idle ones closed", [
+        (f"sum by (reason) (rate(llm_router_connections_refused_total[{RATE}]))", "refused: {{reason}}"),
+        (f"sum(rate(llm_router_idle_connections_closed_total[{RATE}]))", "idle closed")], "cps",
+        description="Connections refused with a 503 at a cap (global, or one client address's share) and idle "
+                    "keep-alive connections closed to make room; the cap follows the open-file limit."))
+
     return {
         "uid": "routewise",
         "title": "routewise router",

@@ -30,6 +30,11 @@ NOT_ON_DASHBOARD = {
     "llm_router_policy_reload_total": "reloads are admin actions; their result is in the admin API answer",
     "llm_router_shadow_disagreement_load_delta": "for offline analysis of a shadow policy",
     "llm_router_shadow_fallbacks_total": "the shadow's own fallbacks; the agreement panel covers the shadow",
+    "llm_router_model_list_errors_total": "a replica's unreadable /v1/models (it then serves nothing); GET /admin/replicas "
+                                          "names its models, and the model refusal panel shows the effect",
+    "llm_router_slo_header_errors_total": "clients' malformed latency-target headers (ignored, the request is served)",
+    "llm_router_replica_batch_limit": "known per replica only once given or inferred; GET /admin/replicas shows it with "
+                                      "its source",
 }
 
 
