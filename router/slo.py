@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from router.policy.model_routing import model_label
 from router.policy.types import Outcome, RequestInfo
@@ -58,6 +58,7 @@ class Targets:
     def __init__(self, settings: RouterSettings, metrics: RouterMetrics) -> None:
         self.defaults = {"ttft": settings.slo_default_ttft_s, "tpot": settings.slo_default_tpot_s}
         self.metrics = metrics
+        self._counts: dict[tuple[str, str, str], Any] = {}  # attainment children by labels, counted in batches
         for h in HEADERS.values():
             metrics.slo_header_errors.labels(h)
 
@@ -87,6 +88,11 @@ class Targets:
         if outcome is not None:
             ttft = outcome.ttft_s if outcome.ttft_s is not None else None if stream else outcome.e2e_s
         label = model_label(info.model, known_models)
-        c = self.metrics.slo_attainment
-        c.labels(label, "ttft", judge(info.ttft_target_s, ttft, ok)).inc()
-        c.labels(label, "tpot", judge(info.tpot_target_s, tpot_s, ok)).inc()
+        self._count(label, "ttft", judge(info.ttft_target_s, ttft, ok))
+        self._count(label, "tpot", judge(info.tpot_target_s, tpot_s, ok))
+
+    def _count(self, *labels: str) -> None:
+        c = self._counts.get(labels)
+        if c is None:
+            c = self._counts[labels] = self.metrics.batch.count(self.metrics.slo_attainment.labels(*labels))
+        c.inc()
