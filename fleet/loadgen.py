@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -71,6 +72,7 @@ class ClientSpec:
     chat: bool = False
     timeout_s: float = 60.0
     client: str = "aiohttp"  # or "openai"
+    also: tuple[str, ...] = ()  # further base URLs: requests go round-robin over url + also (router pods behind a Service)
 
 
 def _body(spec: ClientSpec, req: PlannedRequest) -> dict:
@@ -253,13 +255,16 @@ async def run_load(
         oai = AsyncOpenAI(base_url=spec.url.rstrip("/") + "/v1", api_key="unused", timeout=spec.timeout_s, max_retries=0)
     elif spec.client != "aiohttp":
         raise ValueError(f"client must be 'aiohttp' or 'openai', got {spec.client!r}")
+    if spec.also and oai is not None:
+        raise ValueError("several URLs need the aiohttp client")
+    specs = [spec] + [dataclasses.replace(spec, url=u) for u in spec.also]
 
-    async def one(req: PlannedRequest, res: RequestResult) -> None:
+    async def one(req: PlannedRequest, res: RequestResult, target: ClientSpec) -> None:
         try:
             if oai is not None:
                 await asyncio.wait_for(_send_openai(oai, spec, req, res), spec.timeout_s)
             else:
-                await _send_aiohttp(session, spec, req, res)
+                await _send_aiohttp(session, target, req, res)
         except BaseException as exc:  # noqa: BLE001 - every failure is a counted result
             res.ok, res.error = False, _error_kind(exc)
             if isinstance(exc, asyncio.CancelledError):
@@ -275,7 +280,7 @@ async def run_load(
                 await asyncio.sleep(delay)
             res = RequestResult(group=DEFAULT_GROUP, ok=False, prompt_tokens=req.prompt_tokens, sent_s=req.send_s)
             results.append(res)
-            tasks.append(asyncio.create_task(one(req, res)))
+            tasks.append(asyncio.create_task(one(req, res, specs[len(tasks) % len(specs)])))
             bar.on_sent()
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=drain)
@@ -368,7 +373,9 @@ def format_side_by_side(summary: dict[str, dict], groups: list[str] | None = Non
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the router or vLLM server")
+    p.add_argument("--url", action="append", default=None,
+                   help="base URL of the router or vLLM server (default http://127.0.0.1:8000); repeat it to spread "
+                        "requests round-robin over several routers")
     p.add_argument("--trace", default="azure-conv", choices=TRACE_CHOICES, help="trace to replay, or 'poisson'")
     p.add_argument("--window", default="train", choices=["train", "eval"], help="trace window (simulator/data/traces/README.md: train/eval)")
     p.add_argument("--start", type=float, default=0.0, help="offset into the window, trace seconds")
@@ -410,7 +417,9 @@ def spec_from_args(args: argparse.Namespace) -> tuple[PlanSpec, ClientSpec]:
         output_tokens=args.output_tokens,
         seed=args.seed,
     )
-    client = ClientSpec(url=args.url, model=args.model, stream=args.stream, chat=args.chat, timeout_s=args.timeout, client=args.client)
+    urls = args.url or ["http://127.0.0.1:8000"]
+    client = ClientSpec(url=urls[0], also=tuple(urls[1:]), model=args.model, stream=args.stream, chat=args.chat,
+                        timeout_s=args.timeout, client=args.client)
     return plan, client
 
 
@@ -422,7 +431,7 @@ def main(args: argparse.Namespace) -> int:
         + (f" ({info.get('window')} window, time scale {info['time_scale']:.2f})" if "time_scale" in info else "")
         + f", token scale {plan_spec.token_scale}"
         + (f", max_tokens cap {plan_spec.max_tokens_cap}" if plan_spec.max_tokens_cap else "")
-        + f" -> {client.url}",
+        + f" -> {', '.join((client.url, *client.also))}",
         file=sys.stderr,
     )
     if not plan:

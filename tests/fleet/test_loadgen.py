@@ -141,6 +141,32 @@ async def test_results_are_grouped_by_the_arm_header():
     assert "TTFT p99 (ms)" in table and "-" not in table.splitlines()[3].split()[-1]
 
 
+async def test_several_urls_take_the_requests_in_turn():
+    """Router pods behind a Service: requests alternate over --url given twice, each served by its own emulator."""
+    servers = [await _serve(profile="llama3-8b-h100"), await _serve(profile="llama3-8b-h100")]
+    try:
+        plan, _ = build_plan(PlanSpec(trace="poisson", rate=30.0, duration_s=1.0, prompt_tokens=40, output_tokens=4, seed=7))
+        urls = [str(s.make_url("")) for s in servers]
+        results, _ = await run_load(plan, ClientSpec(url=urls[0], also=(urls[1],)), progress=False)
+        counts = [await _completed(s) for s in servers]
+    finally:
+        for s in servers:
+            await s.close()
+    assert all(r.ok for r in results) and len(results) == len(plan)
+    assert sum(counts) == len(plan) and abs(counts[0] - counts[1]) <= 1, counts
+
+
+async def _completed(server) -> int:
+    """Requests the emulator finished, from its vLLM-style /metrics."""
+    import aiohttp
+
+    from fleet.calibrate import _total, parse_metrics
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(str(server.make_url("/metrics"))) as resp:
+            return int(_total(parse_metrics(await resp.text()), "vllm:e2e_request_latency_seconds_count"))
+
+
 async def test_timeouts_are_counted_as_errors():
     """A request past the client timeout is an error of kind timeout, and the run does not wait for its answer:
     1,000 tokens at ~70 ms a step would take ~70 s; a 5 s timeout ends the run long before (a 30 s outer bound;
