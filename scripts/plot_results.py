@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The README's picture: p99 TTFT of the recommended configuration against the heuristics, per scenario.
 
-    .venv/bin/python scripts/plot_results.py                  # docs/data/late-fleet-20-seeds.csv -> docs/img/results.svg
+    .venv/bin/python scripts/plot_results.py                  # docs/data/any-fleet-20-seeds.csv -> docs/img/results.svg
     # the table afresh from `simulator compare --json` documents (heuristics and the model may be in separate ones):
-    .venv/bin/python scripts/plot_results.py --compare h.json m.json --model router/policy/models/late-fleet.onnx+late
+    .venv/bin/python scripts/plot_results.py --compare h.json m.json --model router/policy/models/any-fleet.onnx+late
 
 Each bar is a p99 over the best heuristic *per request* on that scenario (1.0, chosen with hindsight): the best
 heuristic behind the router's late binding, and the recommended model behind it. Needs matplotlib (the [sim] extra).
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CSV = ROOT / "docs" / "data" / "late-fleet-20-seeds.csv"
+CSV = ROOT / "docs" / "data" / "any-fleet-20-seeds.csv"
 SVG = ROOT / "docs" / "img" / "results.svg"
 FIELDS = ["scenario", "group", "best_per_request_heuristic", "best_per_request_p99_ms", "best_late_heuristic",
           "best_late_p99_ms", "model_late_p99_ratio"]
@@ -68,7 +68,7 @@ def plot(rows: list[dict], out: Path) -> None:
         late = [float(r["best_late_p99_ms"]) / float(r["best_per_request_p99_ms"]) for r in part]
         model = [float(r["model_late_p99_ratio"]) for r in part]
         ax.barh([i + 0.2 for i in y], late, height=0.4, color="#9aa5b1", label="best heuristic, late binding")
-        ax.barh([i - 0.2 for i in y], model, height=0.4, color="#1f77b4", label="routewise default (late-fleet, late binding)")
+        ax.barh([i - 0.2 for i in y], model, height=0.4, color="#1f77b4", label="routewise default (any-fleet, late binding)")
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_yticks(list(y), [r["scenario"].removeprefix("shape-") for r in part])
         ax.invert_yaxis()
@@ -89,7 +89,7 @@ def plot(rows: list[dict], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compare", nargs="+", type=Path, metavar="JSON", help="simulator compare --json documents")
-    p.add_argument("--model", default="router/policy/models/late-fleet.onnx+late",
+    p.add_argument("--model", default="router/policy/models/any-fleet.onnx+late",
                    help="the compare row of the configuration to draw (default: %(default)s)")
     p.add_argument("--csv", type=Path, default=CSV, help="the table read, or written with --compare (default: %(default)s)")
     p.add_argument("--out", type=Path, default=SVG, help="the picture (default: %(default)s)")
