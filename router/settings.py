@@ -19,21 +19,10 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 from yarl import URL
 
 from router.policy.late_binding import LateBindingConfig
-from router.policy.registry import BASELINES, LEARNED, is_learned, policy_names, shipped_models
+from router.policy.registry import LEARNED, check_policy_name, is_learned
 from router.paths import DEFAULT_PASSTHROUGH_PATHS, normalise_path
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-
-
-def check_policy_name(value: str, field: str) -> str:
-    """A baseline name, `learned`, a shipped model's name, or the path of an existing `.onnx` file."""
-    if value in BASELINES or value == LEARNED or value in shipped_models():
-        return value
-    if value.endswith(".onnx"):
-        if not Path(value).is_file():
-            raise ValueError(f"{field}={value!r}: model file not found")
-        return value
-    raise ValueError(f"{field}={value!r}: unknown policy; known: {', '.join(policy_names())} or a path to an .onnx file")
 
 
 def replica_id(url: str | URL) -> str:

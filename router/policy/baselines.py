@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from router.policy.base import Policy, argmin_random_ties, healthy_or_raise
+from router.policy.features import EXPECTED_WAIT_DECODE_WEIGHT
 from router.policy.types import ClusterView, NoHealthyReplica, ReplicaSnapshot, RequestInfo
 
 
@@ -200,12 +201,6 @@ class SpeedAware(Policy):
             scores.append((r.outstanding + 1) * tpot)
         return argmin_random_ties(scores, healthy, self.rng)
 
-
-# The expected-wait score, one definition for this heuristic and the network's in-graph copy
-# (trainer/network.py CrossReplicaInputs, which the shipped model was trained with; tests/trainer/
-# test_latency.py checks they rank alike): work ahead x the replica's TPOT EMA relative to the MEAN
-# TPOT EMA of the measured (tpot > 0) healthy replicas; unmeasured replicas count at relative speed 1.
-EXPECTED_WAIT_DECODE_WEIGHT = 0.1
 
 
 class ExpectedWait(Policy):

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from router.policy.baselines import EXPECTED_WAIT_DECODE_WEIGHT
 from router.policy.features import (
+    EXPECTED_WAIT_DECODE_WEIGHT,
     FEATURE_NAMES,
     MODEL_INPUT_NAMES,
     N_FEATURES,

@@ -34,8 +34,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from router.policy.baselines import EXPECTED_WAIT_DECODE_WEIGHT
 from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+
+# The expected-wait score, one definition for the feature, the expected-wait heuristic (baselines.ExpectedWait)
+# and the network's in-graph copy (trainer/network.py CrossReplicaInputs, which the shipped model was trained
+# with; tests/trainer/test_latency.py checks they rank alike): work ahead x the replica's TPOT EMA relative to
+# the MEAN TPOT EMA of the measured (tpot > 0) healthy replicas; unmeasured replicas count at relative speed 1.
+# Part of the feature spec (its hash): changing it changes what every model was trained on.
+EXPECTED_WAIT_DECODE_WEIGHT = 0.1
 
 try:
     from router.policy import _fastnet as _compiled

@@ -57,3 +57,14 @@ def make_policy(name: str, seed: int | None = None, **kwargs) -> Policy:
 
         return OnnxPolicy(path, seed=seed, **kwargs)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())} or a path to an .onnx file")
+
+
+def check_policy_name(value: str, field: str) -> str:
+    """A baseline name, `learned`, a shipped model's name, or the path of an existing `.onnx` file."""
+    if value in BASELINES or value == LEARNED or value in shipped_models():
+        return value
+    if value.endswith(".onnx"):
+        if not Path(value).is_file():
+            raise ValueError(f"{field}={value!r}: model file not found")
+        return value
+    raise ValueError(f"{field}={value!r}: unknown policy; known: {', '.join(policy_names())} or a path to an .onnx file")
