@@ -6,7 +6,8 @@ Two halves with different interpreters:
 - Everything else is stdlib only and runs in the test venv: it starts `python -m vllm.entrypoints...` with the
   vLLM venv's interpreter, each server in its own process group, and stops the whole group.
 
-Recipe and the reasons behind every flag: /work/shared/vllm-cpu.md. Loopback only; nothing leaves the machine.
+The install recipe is scripts/install-vllm.sh; the reason for each flag sits beside it below. Loopback only; nothing
+leaves the machine.
 """
 
 from __future__ import annotations

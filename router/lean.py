@@ -1,7 +1,7 @@
 """The generation endpoints' server side without aiohttp: a plain asyncio protocol per client connection.
 
 aiohttp's server side (its request parser, Request and StreamResponse objects, payload writer) cost about as
-much CPU per proxied request as the router's own work (issue 17). A connection starts here. Each request whose
+much CPU per proxied request as the router's own work. A connection starts here. Each request whose
 head is plain, `POST /v1/completions` or `POST /v1/chat/completions` over HTTP/1.1 with a Content-Length body
 within max_body_bytes, goes straight to the Proxy. The first request that is anything else (another path or
 method, HTTP/1.0, a chunked, compressed or oversized body, Expect, Upgrade, a head this parser does not take for
