@@ -84,7 +84,10 @@ class Client:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._aiohttp = aiohttp
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0))
+        # A connection per request: the mixed probe cancels its decoders mid-stream, and a kept-alive connection the
+        # server has since closed would fail the next probe with ServerDisconnectedError (seen on real vLLM).
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0))
 
     async def close(self) -> None:
         await self.session.close()

@@ -51,7 +51,7 @@ def test_fidelity_report_is_produced_and_consistent(vllm_servers, tmp_path, caps
         settled = sorted(sweeps[1:], key=lambda p: capacity_rps([p], *lengths))
         assert open(path).read() == settled[1].read_text()
         doc = yaml.safe_load(open(path))
-        assert doc["fit"]["chosen"] == "linear" and doc["fit"]["rms_relative_residual"]["linear"] >= 0
+        assert doc["fit"]["chosen"] == "linear" and doc["fit"]["held_out_rms_relative_error"]["linear"] >= 0
         assert doc["calibration"]["measurements"] and doc["server"]["kv_cache_tokens"] > 0
         assert load_profile(path).linear is not None
         # the small server runs 4 sequences at most: its decode rows record the batch it ran, not the probe's
