@@ -264,7 +264,7 @@ class Probe:
     """One timed engine iteration shape: the row a fit sees, and how it was measured."""
 
     name: str
-    kind: str  # prefill | decode (shared: decode over one cached prefix) | mixed
+    kind: str  # prefill | decode | cached (decode over one cached prefix) | mixed
     prefill_tokens: int
     decode_seqs: int
     context_tokens: int
@@ -312,7 +312,7 @@ def plan_round(spec: SweepSpec, info: ServerInfo, cap: int) -> list[Step]:
             for ctx in sorted({2048, long_ctx}):
                 out = spec.decode_tokens
                 if ctx + 16 + out <= 0.8 * limit and ctx + b * (16 + out) <= spec.kv_share * info.kv_cache_tokens:
-                    steps.append(Step("shared", ctx, b, out))
+                    steps.append(Step("cached", ctx, b, out))
     decoders = min(16, cap)
     for n in spec.mixed_prefill_tokens:
         if n + decoders <= spec.max_num_batched_tokens and n <= 0.8 * limit and decoders > 0:
@@ -380,7 +380,7 @@ async def _probe_decode(client: Client, info: ServerInfo, text: _Text, step: Ste
     inter-token histogram mixes in the staggered prefill's iterations). None when the server ran them in waves
     (over its batch limit) or the window was too short."""
     name = f"{step.kind} {step.prompt_tokens} tokens x{step.concurrency} +{step.max_tokens} out"
-    if step.kind == "shared":  # one prefix for the batch, cached by a first request, and a short tail each
+    if step.kind == "cached":  # one prefix for the batch, cached by a first request, and a short tail each
         prefix = text.prompt(step.prompt_tokens)
         prompts = [f"{prefix} {text.prompt(16)}" for _ in range(step.concurrency)]
         await client.complete(info.model, f"{prefix} {text.prompt(16)}", 1, name)
@@ -544,7 +544,7 @@ async def _calibrate(url: str, model: str | None, spec: SweepSpec, base: costmod
         cap, limit, probes = await _batch_cap(client, info, text, spec, seen)
         requests += 0 if spec.max_num_seqs is not None else spec.max_concurrency
         plan = plan_round(spec, info, cap)
-        per_round = sum(s.concurrency + (s.kind in ("mixed", "shared")) for s in plan)
+        per_round = sum(s.concurrency + (s.kind in ("mixed", "cached")) for s in plan)
         announce(
             f"calibrate: {info.url} ({info.model}, max_model_len {info.max_model_len}, KV {info.kv_cache_tokens} tokens, "
             f"block {info.block_size}, batch limit {limit if limit else f'>= {cap}'}): rounds of {len(plan)} probes, "
@@ -564,11 +564,11 @@ async def _calibrate(url: str, model: str | None, spec: SweepSpec, base: costmod
                         break
                     if step.kind == "prefill":
                         probe = await _probe_prefill(client, info, text, step.prompt_tokens)
-                    elif step.kind in ("decode", "shared"):
+                    elif step.kind in ("decode", "cached"):
                         probe = await _probe_decode(client, info, text, step, seen)
                     else:
                         probe = await _probe_mixed(client, info, text, step, spec.probe_timeout_s)
-                    requests += step.concurrency + (step.kind in ("mixed", "shared"))
+                    requests += step.concurrency + (step.kind in ("mixed", "cached"))
                     if probe is not None:
                         probes.append(probe)
                     bar.update(1)

@@ -15,15 +15,16 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from router.errors import BadRequest, error_response
 
-if TYPE_CHECKING:
-    from router.replicas import Replica, ReplicaSet
+# The replica set and its replicas (router.replicas) are typed Any here: router.replicas imports this module.
+ReplicaSet = Any
+Replica = Any
 
 log = logging.getLogger("router.models")
 
