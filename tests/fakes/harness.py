@@ -63,3 +63,11 @@ async def router_apps(defaults: dict[str, Any]) -> AsyncIterator[Callable[..., A
     finally:
         for c in clients:
             await c.close()
+
+
+async def two_model_fleet(fakes):
+    """Replicas serving alpha, beta, and both (`fakes` is the fake fleet fixture's factory)."""
+    (a,) = await fakes(1, models=["alpha"])
+    (b,) = await fakes(1, models=["beta"])
+    (c,) = await fakes(1, models=["alpha", "beta"])
+    return a, b, c

@@ -19,6 +19,7 @@ from router.errors import BadRequest
 from router.serving.decision_log import log_files
 from tests.fakes.fake_vllm import ENDPOINT_PATHS
 from tests.router.conftest import wait_for
+from tests.fakes.harness import two_model_fleet
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,13 +49,6 @@ async def post(client, path: str, body) -> tuple[int, dict | str]:
                              headers={"Content-Type": "application/json"})
     text = await resp.text()
     return resp.status, (json.loads(text) if resp.content_type == "application/json" else text)
-
-
-async def two_model_fleet(fakes):
-    (a,) = await fakes(1, models=["alpha"])
-    (b,) = await fakes(1, models=["beta"])
-    (c,) = await fakes(1, models=["alpha", "beta"])
-    return a, b, c
 
 
 def test_the_fake_answers_every_routed_endpoint():

@@ -15,6 +15,7 @@ from router.models import parse_model_list
 from router.policy.model_routing import OTHER_MODEL, members, model_label
 from router.serving.decision_log import log_files
 from tests.router.conftest import wait_for
+from tests.fakes.harness import two_model_fleet
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,13 +34,6 @@ async def post(client, model: str, prompt: str = "hi", stream: bool = False, max
     resp = await client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
     text = await resp.text()
     return resp.status, (json.loads(text) if resp.content_type == "application/json" else text)
-
-
-async def two_model_fleet(fakes):
-    (a,) = await fakes(1, models=["alpha"])
-    (b,) = await fakes(1, models=["beta"])
-    (c,) = await fakes(1, models=["alpha", "beta"])
-    return a, b, c
 
 
 def test_members_and_labels():
