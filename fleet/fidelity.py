@@ -55,7 +55,7 @@ from router.policy.base import Policy
 from simulator.late_binding import split_late
 
 DEFAULT_POLICIES = ("least-outstanding", "expected-wait", "learned")
-LOAD_MATCH_ROUNDS = 4  # rescalings of the warm-up's rate toward the evaluated segment's offered load
+LOAD_MATCH_ROUNDS = 12  # steps of the warm-up's rate toward the evaluated segment's offered load
 SPEED_FIT_ROUNDS = 3  # simulate-and-correct rounds of the in-fleet engine speed factors (fit_in_fleet)
 ROUTER_ESTIMATE_CHARS_PER_TOKEN = 4.0  # router.policy.estimate.DEFAULT_CHARS_PER_TOKEN
 
@@ -281,21 +281,36 @@ def offered_load(plan, duration_s: float, profile_paths: list[Path]) -> float:
 
 
 def plan_at_load(spec, load: float, profile_paths: list[Path]):
-    """The plan of `spec`, time-scaled so that its offered load is `load`: a rate picks the time scale from a window's
-    first requests, so another window at the same rate can offer far more work (the warm-up's train segment at the
-    evaluated rate ran at 40.5 req/s with 64 output tokens, the evaluated one at 32.1 with 48: the engines were
-    saturated while the speed factors were measured, and the factors overshot at the evaluated load)."""
+    """The plan of `spec`, time-scaled so that its offered load is `load` (within 2 %, else the closest found): a
+    rate picks the time scale from a window's first requests, so another window at the same rate can offer far more
+    work (the warm-up's train segment at the evaluated rate ran at 40.5 req/s with 64 output tokens, the evaluated
+    one at 32.1 with 48: the engines were saturated while the speed factors were measured). Offered load rises with
+    the rate but not in proportion (a sparse window start at 5.2 req/s gave 0.16 of capacity, at 10 req/s 0.73), so
+    rescaling by the ratio oscillates; the rate is bracketed and bisected on its logarithm."""
     from fleet.loadplan import PlanSpec, build_plan
 
+    def at(rate: float):
+        plan, _ = build_plan(PlanSpec(**{**spec.__dict__, "rate": rate}))
+        return plan, offered_load(plan, spec.duration_s, profile_paths)
+
     rate = spec.rate
+    plan, now = at(rate)
+    if not now or load <= 0:
+        return plan
+    best = (abs(now / load - 1), plan)
+    lo = hi = None  # rates known to offer too little / too much
     for _ in range(LOAD_MATCH_ROUNDS):
-        plan, _ = build_plan(spec)
-        now = offered_load(plan, spec.duration_s, profile_paths)
-        if not now or load <= 0 or abs(now / load - 1) < 0.02:
+        if abs(now / load - 1) < 0.02:
             break
-        rate *= load / now
-        spec = PlanSpec(**{**spec.__dict__, "rate": rate})
-    return plan
+        if now < load:
+            lo = rate
+            rate = math.sqrt(lo * hi) if hi else rate * load / now
+        else:
+            hi = rate
+            rate = math.sqrt(lo * hi) if lo else rate * load / now
+        plan, now = at(rate)
+        best = min(best, (abs(now / load - 1), plan), key=lambda b: b[0])
+    return best[1]
 
 
 def fit_speed(cluster, itl: list[tuple[float, float]], simulate_fn) -> tuple[object, list[float]]:
@@ -333,9 +348,10 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     synth = PromptSynth(seed=999)
     plan = [type(r)(r.send_s, synth.prompt(max(1, round(r.prompt_tokens * estimate_scale))), r.prompt_tokens,
                     r.max_tokens) for r in plan]
+    warm = offered_load(plan, args.warmup, profiles)
     log(f"fidelity: warm-up: {len(plan)} requests of the train window ({len(plan) / args.warmup:.1f} req/s: "
-        f"{offered_load(plan, args.warmup, profiles):.2f} of capacity, as the evaluated segment's {load:.2f}) to "
-        "measure each engine's speed under load")
+        f"{warm:.2f} of capacity, {'as' if load and abs(warm / load - 1) < 0.05 else 'the closest found to'} the evaluated "
+        f"segment's {load:.2f}) to measure each engine's speed under load")
     replay = replay_real(urls, BASELINE, plan, model, work, args.scrape_interval, not args.quiet)
     served = replay.served
     cluster, factors = fit_speed(cluster, replay.engine_itl, lambda c: simulate_same(served, c, BASELINE, estimate_scale)[0])

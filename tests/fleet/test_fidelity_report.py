@@ -315,6 +315,32 @@ def test_warm_up_plan_offers_the_evaluated_segments_load(tmp_path):
     assert offered_load(plan_at_load(warm, target, [path]), 20, [path]) == pytest.approx(target, rel=0.05)
 
 
+def test_warm_up_plan_matches_a_light_load_where_the_rate_is_not_proportional(tmp_path):
+    """A 4-slot server at half its capacity: the train window's first seconds are sparse, so offered load grows
+    faster than the rate, and rescaling by the ratio alone ended four steps later at 2.46 of capacity for a target of
+    0.54 (both fleets then queued for seconds in the warm-up, and 119 ms of that was fitted as request overhead)."""
+    import yaml
+
+    from fleet.fidelity import offered_load, plan_at_load
+    from fleet.loadplan import PlanSpec, build_plan
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "m", "model": {"name": "tiny", "max_model_len": 1024},
+        "server": {"block_size": 32, "kv_cache_tokens": 2048, "enable_prefix_caching": True, "max_num_seqs": 4},
+        "cost_model": {"form": "linear", "a_s": 0.00664, "b_s_per_prefill_token": 4.98e-6, "c_s_per_decode_seq": 0.0,
+                       "d_s_per_context_token": 0.0, "e_s_per_prefill_seq": 0.0},
+    }))
+    spec = PlanSpec(trace="azure-conv", window="eval", duration_s=30, rate=5.19, token_scale=0.25, max_tokens_cap=128,
+                    max_prompt_tokens=600)
+    evaluated, _ = build_plan(spec)
+    target = offered_load(evaluated, 30, [path])
+    warm = PlanSpec(**{**spec.__dict__, "window": "train", "duration_s": 20})
+    same_rate, _ = build_plan(warm)
+    assert offered_load(same_rate, 20, [path]) < 0.5 * target  # the sparse start: the same rate offers far less
+    assert offered_load(plan_at_load(warm, target, [path]), 20, [path]) == pytest.approx(target, rel=0.05)
+
+
 def test_fit_speed_finds_the_factors_at_which_the_engines_run_as_fast_as_the_real_ones():
     from fleet.fidelity import fit_speed, simulate_same
     from fleet.fidelity_report import mean_itl
