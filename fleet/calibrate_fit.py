@@ -110,8 +110,9 @@ def _roofline_predictor(base: costmodel.Profile):
 
 
 def unidentified(rows: np.ndarray, form: str, fits: Fits) -> tuple[str, ...]:
-    """Parameters no row constrains: a linear term whose column is zero or a copy of another's, a roofline side
-    (compute or bandwidth) that no row is bound by."""
+    """Parameters no row constrains: a linear term whose column is zero or a copy of another's, or that the rows
+    exercise but fitted below zero (dropped, so written as 0: smaller than the timing noise resolves); a roofline
+    side (compute or bandwidth) that no row is bound by."""
     if form == "linear":
         design = _linear_design(rows)
         names = costmodel.LINEAR_FIELDS
@@ -119,6 +120,7 @@ def unidentified(rows: np.ndarray, form: str, fits: Fits) -> tuple[str, ...]:
         used = [j for j in range(5) if names[j] not in out]
         if np.linalg.matrix_rank(design[:, used] / np.maximum(design[:, used].max(axis=0), 1e-12)) < len(used):
             out.append("collinear terms among " + ", ".join(names[j] for j in used))
+        out += [f"{names[j]} (fitted below zero, written as 0)" for j in used if getattr(fits.linear, names[j]) == 0.0]
         return tuple(out)
     co = fits.roofline.coefficients()  # type: ignore[union-attr]
     flops = co.flops_per_token * (rows[:, PREFILL] + rows[:, DECODE]) + co.attn_flops_per_token_pair * rows[:, ATTN]

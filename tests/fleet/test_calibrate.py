@@ -87,6 +87,19 @@ def test_fit_linear_recovers_known_coefficients():
         assert getattr(fit, f) == pytest.approx(getattr(LINEAR, f), rel=1e-3, abs=1e-12)
 
 
+def test_a_linear_term_fitted_below_zero_is_reported_as_not_identified():
+    """Prefill iterations that end sooner than a decode iteration's fixed cost would allow (timing noise on a CPU
+    server): the per-prefill-sequence term fits negative, the fit drops it, and the profile says so instead of
+    presenting 0 as measured."""
+    rows = [(p, 0, p, p * p / 2, 1, 0.003 + 1e-5 * p + 1e-8 * p) for p in (16, 64, 128, 256, 512)]
+    rows += [(0, d, c, 0, 0, 0.004 + 1e-4 * d + 1e-8 * c) for d, c in ((1, 70), (2, 140), (3, 500), (4, 280))]
+    fits = calibrate_fit.fit_rows(np.array(rows, dtype=float), None)
+    dropped = {f for f in costmodel.LINEAR_FIELDS if getattr(fits.linear, f) == 0.0}
+    assert "e_s_per_prefill_seq" in dropped and fits.linear.a_s > 0 and fits.linear.c_s_per_decode_seq > 0
+    assert fits.unidentified == tuple(f"{f} (fitted below zero, written as 0)" for f in costmodel.LINEAR_FIELDS
+                                      if f in dropped)
+
+
 # ---------------------------------------------------------------- bad servers: one line, nothing written
 
 
