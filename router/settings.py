@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import ssl
 from pathlib import Path
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
@@ -66,6 +67,9 @@ class RouterSettings(BaseSettings):
                              "many times")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest request body accepted")
     max_connections: int = Field(0, ge=0, description="upstream connection pool size; 0 = unlimited")
+    replica_ca_file: Path | None = Field(None, description="PEM file of CA certificates to trust for https replicas, "
+                                         "besides the system's (a private CA or a self-signed replica); "
+                                         "verification stays on")
     lean_client: bool = Field(True, description="send generation requests to plain-http replicas with the lean "
                               "HTTP/1.1 client (router/h1client.py) instead of aiohttp's client; https replicas "
                               "always use aiohttp's")
@@ -373,6 +377,8 @@ class RouterSettings(BaseSettings):
             if not token:
                 raise ValueError(f"admin_token_file={str(self.admin_token_file)!r}: the file is empty")
             self.admin_token = SecretStr(token)
+        if self.replica_ca_file is not None:
+            replica_tls_context(self.replica_ca_file)  # a missing or unreadable file fails here, in one line
         if self.ops_port is not None and self.ops_port == self.port and self.port != 0:
             raise ValueError(f"ops_port={self.ops_port}: must differ from port")
         if not self.replicas and self.discover is None:
@@ -399,6 +405,19 @@ class RouterSettings(BaseSettings):
                                  f"+ shared_state_timeout_s ({self.shared_state_interval_s + self.shared_state_timeout_s:g}), "
                                  "or live routers would expire between syncs")
         return self
+
+
+def replica_tls_context(ca_file: Path | None) -> ssl.SSLContext:
+    """The verifying context for https replicas: the system's trust store, plus `ca_file`'s certificates."""
+    ctx = ssl.create_default_context()
+    if ca_file is not None:
+        try:
+            ctx.load_verify_locations(cafile=str(ca_file))
+        except ssl.SSLError as exc:  # an OSError too: first
+            raise ValueError(f"replica_ca_file={str(ca_file)!r}: no PEM certificate read ({exc.reason})") from None
+        except OSError as exc:
+            raise ValueError(f"replica_ca_file={str(ca_file)!r}: {exc.strerror or exc}") from None
+    return ctx
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

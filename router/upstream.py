@@ -8,7 +8,7 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.h1client import H1Client, UpstreamConnectError
-from router.settings import RouterSettings
+from router.settings import RouterSettings, replica_tls_context
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -77,7 +77,8 @@ def client_timeout(settings: RouterSettings) -> aiohttp.ClientTimeout:
 
 
 def make_session(settings: RouterSettings) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=settings.max_connections, ttl_dns_cache=10, enable_cleanup_closed=True)
+    connector = aiohttp.TCPConnector(limit=settings.max_connections, ttl_dns_cache=10, enable_cleanup_closed=True,
+                                     ssl=replica_tls_context(settings.replica_ca_file))
     return aiohttp.ClientSession(
         connector=connector, timeout=client_timeout(settings), auto_decompress=False,
         skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),

@@ -2,8 +2,8 @@
 aiohttp's client over TLS, whatever lean_client says (h1client speaks plain http only), and arrive whole.
 
 The certificate is self-signed for 127.0.0.1, made by the openssl CLI. The router verifies replicas against the
-default trust store; here aiohttp's default verifying context is swapped for one that trusts this certificate
-only, for the test's duration (verification stays on: a wrong certificate would fail the probe and requests)."""
+system's trust store plus `replica_ca_file`: with the certificate there, everything passes; without it, the health
+probe fails verification and no request reaches the replica; a file that holds no certificate is refused at start."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import ssl
 import subprocess
 from pathlib import Path
 
-import aiohttp.connector
 import pytest
 
 from router.app import H1, REPLICAS
@@ -40,11 +39,10 @@ def events(k: int) -> bytes:
 
 
 @pytest.mark.parametrize("lean_listener", [True, False], ids=["lean", "aiohttp"])
-async def test_generation_through_an_https_replica(certificate, fakes, router_client, monkeypatch, lean_listener):
+async def test_generation_through_an_https_replica(certificate, router_client, lean_listener):
     cert, key = certificate
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(cert, key)
-    monkeypatch.setattr(aiohttp.connector, "_SSL_CONTEXT_VERIFIED", ssl.create_default_context(cafile=str(cert)))
     small = json.dumps({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "hi"}]}).encode()
     big = b'{"text": "' + b"y" * MB + b'"}'
     stream = events(5)
@@ -56,7 +54,8 @@ async def test_generation_through_an_https_replica(certificate, fakes, router_cl
     url = await replica.start()
     assert url.startswith("https://")
     try:
-        client = await router_client([url], lean_listener=lean_listener, lean_client=True, first_byte_timeout_s=10)
+        client = await router_client([url], lean_listener=lean_listener, lean_client=True, first_byte_timeout_s=10,
+                                     replica_ca_file=cert)
         assert client.app[REPLICAS].ordered[0].routable  # its health probe passed over TLS
         got = {}
         for name in ("small", "big", "stream"):
@@ -68,3 +67,31 @@ async def test_generation_through_an_https_replica(certificate, fakes, router_cl
     assert got == {"small": (200, small), "big": (200, big), "stream": (200, stream)}
     assert replica.requests == ["small", "big", "stream"]
     assert not client.app[H1]._pools  # h1client never saw an https replica
+
+
+async def test_an_https_replica_whose_certificate_is_not_trusted_gets_no_request(certificate, router_client):
+    cert, key = certificate
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    body = json.dumps({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "hi"}]}).encode()
+    replica = ScriptedReplica({"small": sized(200, body, [("Content-Type", "application/json")])}, tls=server_ctx)
+    url = await replica.start()
+    try:
+        client = await router_client([url], first_byte_timeout_s=10, max_retries=0)
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "small"})
+        status = resp.status
+    finally:
+        await replica.stop()
+    assert not client.app[REPLICAS].ordered[0].routable  # the probe failed verification
+    assert status >= 500 and replica.requests == []
+
+
+async def test_a_replica_ca_file_without_a_certificate_is_refused_in_one_line(tmp_path):
+    from router.settings import RouterSettings
+
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate\n")
+    with pytest.raises(ValueError, match=r"replica_ca_file='.*ca.pem': no PEM certificate read"):
+        RouterSettings(replicas=["https://127.0.0.1:9"], replica_ca_file=bad)
+    with pytest.raises(ValueError, match=r"replica_ca_file='.*missing.pem': No such file"):
+        RouterSettings(replicas=["https://127.0.0.1:9"], replica_ca_file=tmp_path / "missing.pem")
