@@ -108,11 +108,13 @@ class _Parsed:
     adapter: str | None = None  # the LoRA adapter the request names (None: the served model)
 
 
-def _parse(body: object, chat: bool, served: str, adapters: frozenset[str] = frozenset()) -> _Parsed:
+def _parse(body: object, chat: bool, served: str | frozenset[str], adapters: frozenset[str] = frozenset()) -> _Parsed:
+    """`served`: the served model's name, or all of its names."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != served and model not in adapters:
+    names = frozenset((served,)) if isinstance(served, str) else served
+    if model is not None and model not in names and model not in adapters:
         raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError")
     if _int_param(body, "n", 1, 1) != 1:
         raise BadRequest("n > 1 is not supported by the emulator")
@@ -139,6 +141,7 @@ class Api:
     def __init__(self, engine: WallClockEngine) -> None:
         self.engine = engine
         self.model = engine.settings.model_name
+        self.names = frozenset((self.model, *engine.settings.aliases))
         self.adapters = frozenset(engine.replica.lora_names[1:])
         self.created = int(time.time())
         bs = engine.settings.block_size
@@ -162,9 +165,10 @@ class Api:
             "parent": None,
             "max_model_len": self.engine.max_model_len,
         }
+        names = [{**card, "id": n} for n in self.engine.settings.aliases]  # vLLM: a card per served name
         loras = [{**card, "id": a, "root": f"/adapters/{a}", "parent": self.model, "max_model_len": None}
                  for a in self.engine.replica.lora_names[1:]]  # vLLM lists an adapter with its path and parent
-        return web.json_response({"object": "list", "data": [card, *loras]})
+        return web.json_response({"object": "list", "data": [card, *names, *loras]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=503, text=self.engine.error) if self.engine.error else web.Response(status=200)
@@ -184,7 +188,7 @@ class Api:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise BadRequest(f"invalid JSON body: {e}") from None
-            p = _parse(body, chat, self.model, self.adapters)
+            p = _parse(body, chat, self.names, self.adapters)
             try:
                 st, stream = self.engine.submit(p.prompt_tokens, p.max_tokens, self._keys(p.text, p.prompt_tokens),
                                                 p.adapter)
@@ -316,7 +320,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--profile", default="llama3-8b-a100", help="hardware/model profile (simulator/profiles/) or a YAML path")
-    p.add_argument("--model-name", "--served-model-name", dest="model_name", default="tiny", help="served model name")
+    p.add_argument("--model-name", "--served-model-name", dest="model_name", nargs="+", default=["tiny"],
+                   metavar="NAME", help="served model name; several are names of the same model, as in vLLM (the "
+                   "first labels the metrics and the answers)")
     p.add_argument("--speed", type=float, default=1.0, help="emulated seconds per wall second (0.5 = half speed)")
     p.add_argument("--slowdown", type=float, default=1.0, help="iteration-time multiplier of this replica (a slower GPU)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -338,7 +344,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
     return EmulatorSettings(
         profile=args.profile,
-        model_name=args.model_name,
+        model_name=args.model_name[0],
+        aliases=tuple(args.model_name[1:]),
         speed=args.speed,
         slowdown=args.slowdown,
         max_num_seqs=args.max_num_seqs,
@@ -369,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     print(f"emulator: {settings.profile} (x{settings.slowdown} slower, speed {settings.speed}) serving "
-          f"{settings.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)  # fmt: skip
+          f"{', '.join(repr(n) for n in (settings.model_name, *settings.aliases))} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)  # fmt: skip
     web.run_app(make_app(settings), host=args.host, port=args.port, print=None, handler_cancellation=True,
                 access_log=None, handle_signals=True, backlog=1024)  # fmt: skip
     return 0

@@ -49,6 +49,7 @@ class Stream:
 class EmulatorSettings:
     profile: str = "llama3-8b-a100"
     model_name: str = "tiny"
+    aliases: tuple[str, ...] = ()  # more served names of the same model (vLLM --served-model-name A B: A labels metrics)
     speed: float = 1.0  # emulated seconds per wall second
     slowdown: float = 1.0  # the replica's iteration-time multiplier (a slower GPU)
     max_num_seqs: int = 256
