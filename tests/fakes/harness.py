@@ -3,10 +3,14 @@ router apps in front of them, all on loopback, all stopped on exit."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -71,3 +75,25 @@ async def two_model_fleet(fakes):
     (b,) = await fakes(1, models=["beta"])
     (c,) = await fakes(1, models=["alpha", "beta"])
     return a, b, c
+
+
+async def wait_router_ready(url: str, proc: asyncio.subprocess.Process, log: Path | None = None,
+                            timeout_s: float = 60.0) -> None:
+    """Poll `url`/ready until it answers 200. Fails the test when the router process exits first (with the end of
+    `log`) or at `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            if proc.returncode is not None:
+                tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
+                pytest.fail(f"the router at {url} exited ({proc.returncode}) before it was ready: {tail}")
+            try:
+                async with session.get(url + "/ready") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if loop.time() > deadline:
+                pytest.fail(f"the router at {url} was not ready in {timeout_s:g} s")
+            await asyncio.sleep(0.1)

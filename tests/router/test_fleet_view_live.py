@@ -23,6 +23,7 @@ from router.fleet_view import FleetSync
 from router.policy.remote_load import RemoteLoad
 from router.policy.tracking import ClusterTracker
 from router.policy.types import RequestInfo
+from tests.fakes.harness import wait_router_ready
 from tests.fakes.redis_server import redis_server
 from tests.router.conftest import wait_for
 
@@ -142,18 +143,7 @@ async def routers(tmp_path: Path, specs: list[list[str]], redis_url: str) -> Asy
                     stdout=out, stderr=out)
             started.append(Router(proc, f"http://127.0.0.1:{port}", log))
         for r in started:
-            for _ in range(300):
-                try:
-                    async with aiohttp.ClientSession() as s, s.get(r.url + "/ready") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if r.proc.returncode is not None:
-                    pytest.fail(f"router exited with {r.proc.returncode}: {r.log.read_text()[-2000:]}")
-                await asyncio.sleep(0.1)
-            else:
-                pytest.fail("router did not become ready in 30 s")
+            await wait_router_ready(r.url, r.proc, r.log)
         yield started
     finally:
         for r in started:

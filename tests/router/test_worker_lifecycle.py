@@ -22,6 +22,7 @@ import pytest
 
 from router.shared import SharedLoad
 from router.workers import ListenError, clean_stale_metrics_dirs, port_guard
+from tests.fakes.harness import wait_router_ready
 from tests.router.test_workers import AUTH, ROOT, TOKEN, Workers, _draining, _free_port
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
@@ -94,19 +95,7 @@ async def router(reps, tmp_path: Path, *args: str, port: int | None = None, work
     w = Workers(proc, url)
     w.port = port  # type: ignore[attr-defined]
     try:
-        deadline = asyncio.get_running_loop().time() + 60
-        while True:
-            if proc.returncode is not None:
-                pytest.fail(f"the router exited ({proc.returncode}): {stderr.read_text()[-2000:]}")
-            try:
-                async with aiohttp.ClientSession() as s, s.get(url + "/ready") as resp:
-                    if resp.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            if asyncio.get_running_loop().time() > deadline:
-                pytest.fail("the router did not become ready in 60 s")
-            await asyncio.sleep(0.1)
+        await wait_router_ready(url, proc, stderr)
         for _ in range(workers):
             await w.pinned()
         yield w

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.policy.types import RequestInfo
 from router.shared import SharedClusterTracker, SharedLoad
 from tests.ci import require_compiled_views
+from tests.fakes.harness import wait_router_ready
 from tests.router.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,16 +109,7 @@ async def workers(reps, *args: str) -> AsyncIterator[Workers]:
         "--log-level", "warning", *args, env=env, cwd=ROOT, start_new_session=True)
     w = Workers(proc, url)
     try:
-        for _ in range(300):
-            try:
-                async with aiohttp.ClientSession() as s, s.get(url + "/ready") as resp:
-                    if resp.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("router --workers 2 did not become ready in 30 s")
+        await wait_router_ready(url, proc)
         await w.pinned()
         await w.pinned()
         yield w
