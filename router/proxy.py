@@ -76,7 +76,7 @@ class Proxy:
         self.replicas = replicas
         self.router = router
         self.metrics = metrics
-        self._upstreams = upstreams(settings.lean_client, h1_getter, session_getter)  # by URL scheme
+        self._upstreams = upstreams(settings.lean_client, h1_getter, session_getter, settings.idle_timeout_s)  # by scheme
         self.draining = False
         self.inflight = 0
         self.accounts = Accounts(metrics)

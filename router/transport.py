@@ -26,7 +26,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from router.errors import BadRequest
-from router.h1client import H1Client
+from router.h1client import H1Client, ReaderTimeoutError
 
 
 class StreamOut(Protocol):
@@ -100,24 +100,100 @@ class H1Upstream:
 
 
 class SessionUpstream:
-    """aiohttp's ClientSession (http and https)."""
+    """aiohttp's ClientSession (http and https), each response watched while the router does not take its data
+    (`_Watched`)."""
 
-    __slots__ = ("_session",)
+    __slots__ = ("_session", "_idle_timeout_s")
 
-    def __init__(self, session: Callable[[], aiohttp.ClientSession]) -> None:
+    def __init__(self, session: Callable[[], aiohttp.ClientSession], idle_timeout_s: float | None = None) -> None:
         self._session = session
+        self._idle_timeout_s = idle_timeout_s
 
     def send_now(self, url: URL, path: str, raw: bytes, headers: CIMultiDict[str]) -> None:
         return None  # aiohttp's client sends once awaited
 
     def post(self, url: URL, path: str, raw: bytes, headers: CIMultiDict[str]) -> Awaitable[UpstreamResponse]:
-        return self._session().post(url.with_path(path), data=raw, headers=headers)  # type: ignore[return-value]
+        sent = self._session().post(url.with_path(path), data=raw, headers=headers)
+        return sent if self._idle_timeout_s is None else _watched(sent, self._idle_timeout_s)  # type: ignore[return-value]
 
 
-def upstreams(lean_client: bool, h1: Callable[[], H1Client],
-              session: Callable[[], aiohttp.ClientSession]) -> dict[str, Upstream]:
+async def _watched(sent: Awaitable[aiohttp.ClientResponse], idle_timeout_s: float) -> UpstreamResponse:
+    return _Watched(await sent, idle_timeout_s)
+
+
+class _Watched:
+    """aiohttp's ClientResponse, with h1client's rule for a reader that stops taking (a client that stopped reading
+    a stream): data waits untaken for idle_timeout_s, the replica's connection is dropped (the replica is freed)
+    and the next read raises ReaderTimeoutError, which does not blame the replica. aiohttp's own read timeout
+    cannot do it: its protocol stops that timer while its buffer is full and reading is paused. One timer per
+    response, re-armed only when it fires, cancelled when the response is released or closed."""
+
+    __slots__ = ("_resp", "_idle", "_taken_bytes", "_taken_at", "_timer", "_cut", "status", "headers", "content")
+
+    def __init__(self, resp: aiohttp.ClientResponse, idle_timeout_s: float) -> None:
+        self._resp = resp
+        self.status, self.headers, self.content = resp.status, resp.headers, self
+        self._idle = idle_timeout_s
+        self._taken_bytes = 0
+        loop = asyncio.get_running_loop()
+        self._taken_at = loop.time()
+        self._cut = False
+        self._timer: asyncio.TimerHandle | None = loop.call_later(idle_timeout_s, self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        content = self._resp.content
+        if content.at_eof() or self._resp.closed:
+            return
+        loop = asyncio.get_running_loop()
+        if content.total_bytes > self._taken_bytes and loop.time() - self._taken_at >= self._idle:
+            self._cut = True
+            self._resp.close()
+            return
+        due = self._taken_at + self._idle if content.total_bytes > self._taken_bytes else loop.time() + self._idle
+        self._timer = loop.call_at(due, self._check)
+
+    def _took(self, data: bytes) -> bytes:
+        if self._cut:
+            raise ReaderTimeoutError(f"response body not taken by the router within {self._idle:g} s")
+        self._taken_bytes += len(data)
+        self._taken_at = asyncio.get_running_loop().time()
+        return data
+
+    # the body, as UpstreamBody
+    async def readany(self) -> bytes:
+        if self._cut:
+            raise ReaderTimeoutError(f"response body not taken by the router within {self._idle:g} s")
+        return self._took(await self._resp.content.readany())
+
+    def read_nowait(self) -> bytes:
+        return self._took(self._resp.content.read_nowait())
+
+    def at_eof(self) -> bool:
+        return self._resp.content.at_eof()
+
+    # the response, as UpstreamResponse
+    async def read(self) -> bytes:
+        return self._took(await self._resp.read())
+
+    def _stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def release(self) -> Any:
+        self._stop()
+        return self._resp.release()
+
+    def close(self) -> None:
+        self._stop()
+        self._resp.close()
+
+
+def upstreams(lean_client: bool, h1: Callable[[], H1Client], session: Callable[[], aiohttp.ClientSession],
+              idle_timeout_s: float | None = None) -> dict[str, Upstream]:
     """The Upstream of each replica URL scheme."""
-    library = SessionUpstream(session)
+    library = SessionUpstream(session, idle_timeout_s)
     return {"http": H1Upstream(h1) if lean_client else library, "https": library}
 
 
