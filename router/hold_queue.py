@@ -176,8 +176,9 @@ class HoldQueue(Generic[R]):
             out.append(lim)
         return out
 
-    async def route(self, info: RequestInfo) -> R:
-        """The request's Route (router.routing), now or once the rule lets it go. Raises NoHealthyReplica."""
+    def route_now(self, info: RequestInfo) -> R | None:
+        """The request's Route when the rule lets it go at once, else None (`route` then holds it). Raises
+        NoHealthyReplica. The proxy asks this before the request's task runs, as it decides without late binding."""
         started = time.perf_counter()  # the decision latency metric counts the view built here
         view = self.view(info)
         if not any(r.healthy for r in view.replicas):
@@ -188,7 +189,14 @@ class HoldQueue(Generic[R]):
         queue = self._queues.get(info.model)
         d = decide(view, self.limits(view), len(queue) if queue else 0, False, 0.0, self.config)
         if d.reason != "hold":
-            return self._go(info, d.reason, self._only(d.reason, d.candidates), None, view, started)
+            return self._go(info, d.reason, self._only(d.reason, d.candidates, view), None, view, started)
+        return None
+
+    async def route(self, info: RequestInfo) -> R:
+        """The request's Route (router.routing), now or once the rule lets it go. Raises NoHealthyReplica."""
+        if (route := self.route_now(info)) is not None:
+            return route
+        queue = self._queues.get(info.model)
         now = self.clock()
         target = info.ttft_target_s
         held = _Held(info, now, asyncio.get_running_loop().create_future(),
@@ -223,8 +231,14 @@ class HoldQueue(Generic[R]):
     # --- internals ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _only(reason: str, candidates: Sequence[int]) -> tuple[int, ...] | None:
-        return None if reason in ("idle", "full", "timeout") else tuple(candidates)
+    def _only(reason: str, candidates: Sequence[int], view: ClusterView) -> tuple[int, ...] | None:
+        """The replicas the policy may pick from, None for any healthy one (also when every healthy one has room:
+        restricting to all of them would change nothing but the cost)."""
+        if reason in ("idle", "full", "timeout"):
+            return None
+        if len(candidates) == sum(r.healthy for r in view.replicas):
+            return None
+        return tuple(candidates)
 
     def _go(self, info: RequestInfo, reason: str, only: tuple[int, ...] | None, held_s: float | None,
             view: ClusterView | None, started: float | None = None) -> R:
@@ -291,7 +305,7 @@ class HoldQueue(Generic[R]):
             d = decide(view, self.limits(view), len(queue) - 1, True, now - head.arrived_s, self.config)
             if d.reason == "hold":
                 break
-            self._let_go(queue, head, d.reason, self._only(d.reason, d.candidates), view, started)
+            self._let_go(queue, head, d.reason, self._only(d.reason, d.candidates, view), view, started)
 
     def _arm(self) -> None:
         """One timer, at the earliest head's queue timeout (a head that is not due yet holds its model's later ones

@@ -37,10 +37,9 @@ def decode(raw: bytes) -> Any:
         raise BadRequest("request body is nested too deeply") from None
 
 
-def _check_type(body: dict[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
-    v = body.get(key)
-    if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
-        raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", param=key)
+# The typed fields the router reads: (key, what it must be, the least it may be; None: a boolean).
+_FIELDS = (("stream", "a boolean", None), ("max_tokens", "an integer", 0),
+           ("max_completion_tokens", "an integer", 0), ("n", "an integer", 1), ("user", "a string", None))
 
 
 def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str, Any]:
@@ -50,16 +49,20 @@ def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    _check_type(body, "stream", (bool,), "a boolean")
-    _check_type(body, "max_tokens", (int,), "an integer")
-    _check_type(body, "max_completion_tokens", (int,), "an integer")
-    _check_type(body, "n", (int,), "an integer")
-    _check_type(body, "user", (str,), "a string")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        if isinstance(body.get(key), int) and body[key] < (1 if key == "n" else 0):
-            raise BadRequest(f"'{key}' must be >= {1 if key == 'n' else 0}, got {body[key]}", param=key)
-        if isinstance(body.get(key), int) and body[key] > max_tokens_limit:
-            raise BadRequest(f"'{key}' must be <= {max_tokens_limit}, got {body[key]}", param=key)
+    get = body.get
+    for key, what, least in _FIELDS:  # one pass: most of these are absent, and this runs for every request
+        v = get(key)
+        if v is None:
+            continue
+        if what == "an integer":
+            if type(v) is not int and (not isinstance(v, int) or isinstance(v, bool)):
+                raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", param=key)
+            if v < least:
+                raise BadRequest(f"'{key}' must be >= {least}, got {v}", param=key)
+            if v > max_tokens_limit:
+                raise BadRequest(f"'{key}' must be <= {max_tokens_limit}, got {v}", param=key)
+        elif not isinstance(v, bool if what == "a boolean" else str):
+            raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", param=key)
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:

@@ -44,6 +44,7 @@ log = logging.getLogger("router.proxy")
 Answer = web.StreamResponse | LeanStream | LeanSent
 # The first attempt started before the request's task ran: its route and, when sent, the upstream response due.
 _Started = tuple[Route, Awaitable[UpstreamResponse] | None]
+_HELD: Any = object()  # _start_now's answer when late binding holds the request
 
 
 async def _ready(answer: Answer) -> Answer:
@@ -134,13 +135,15 @@ class Proxy:
 
     def _start_now(self, info: RequestInfo, raw: bytes, headers, path: str) -> _Started | None:
         """The first attempt's decision and, on an idle kept-alive connection with room under the limit, its
-        send; None when the decision may wait (late binding) or no replica is healthy (the task answers)."""
-        if self.router.holds is not None:
-            return None
+        send; _HELD when late binding holds the request (the task queues it), None when no replica is healthy
+        (the task answers)."""
+        holds = self.router.holds
         try:
-            route = self.router.route(info)
+            route = self.router.route(info) if holds is None else holds.route_now(info)
         except NoHealthyReplica:
             return None
+        if route is None:
+            return _HELD
         try:
             url = route.replica.url
             return route, self._upstreams[url.scheme].send_now(url, path, raw, headers)
@@ -163,10 +166,10 @@ class Proxy:
         for attempt in range(self.settings.max_retries + 1):
             sent = None
             try:
-                if attempt == 0 and first is not None:
+                if attempt == 0 and first is not None and first is not _HELD:
                     route, sent = first
-                elif attempt == 0 and self.router.holds is not None:
-                    route = await self.router.holds.route(info)  # late binding: may wait for a replica with room
+                elif attempt == 0 and self.router.holds is not None:  # late binding: may wait for a replica with room
+                    route = await self.router.holds.route(info)  # asked again: room may have come since the start
                 else:
                     route = self.router.route(info, tried)
             except NoHealthyReplica:

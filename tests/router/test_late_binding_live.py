@@ -13,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from router.app import METRICS, REPLICAS, ROUTER
+from router.app import METRICS, PROXY, REPLICAS, ROUTER
 from router.hold_queue import HoldQueue
 from router.policy.late_binding import DISPATCH_REASONS
 from router.policy.types import RequestInfo
@@ -441,3 +441,44 @@ async def test_a_replica_measured_faster_takes_more_awaiting_prefill_when_room_i
     else:  # 100 tokens each: one request apiece, the rest held
         assert (fast.requests - f0, slow.requests - s0, held(client)) == (1, 1, 4)
     assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 6
+
+
+class _Answered:
+    """A Downstream (router.transport) for calling Proxy.generate directly: records the whole answer."""
+
+    def __init__(self, body: dict) -> None:
+        self.headers: dict[str, str] = {}
+        self.remote = "127.0.0.1"
+        self.body = json.dumps(body).encode()
+        self.status: int | None = None
+
+    def respond(self, status: int, headers, body: bytes):
+        self.status = status
+        return status
+
+    def stream(self, status: int, headers):
+        raise AssertionError("a non-streamed request was answered as a stream")
+
+    def refuse(self, resp):
+        return resp
+
+
+async def test_a_request_with_room_is_dispatched_before_its_task_runs_and_a_full_one_when_room_comes(
+        fakes, router_client):
+    (a,) = await fakes(1)
+    end_a = a.hold("A")
+    client = await router_client([a.url], **LATE, **QUIET)
+    proxy = client.app[PROXY]
+    first = _Answered({"model": "tiny", "prompt": "A", "max_tokens": 1})
+    answer = proxy.generate(first, chat=False)
+    assert outstanding(client) == 1 and held(client) == 0  # decided in the call, as without late binding
+    running = asyncio.ensure_future(answer)
+    await wait_for(lambda: prompts(a) == ["A"])
+    second = _Answered({"model": "tiny", "prompt": "B", "max_tokens": 1})
+    later = asyncio.ensure_future(proxy.generate(second, chat=False))
+    assert outstanding(client) == 1  # the replica is full: not dispatched in the call
+    await wait_for(lambda: held(client) == 1)  # its task queued it
+    end_a.set()
+    assert await running == 200 and await later == 200
+    assert prompts(a) == ["A", "B"] and held(client) == 0 and outstanding(client) == 0
+    assert sample(client, "llm_router_late_dispatches_total", reason="idle") == 2  # each found nothing in flight
