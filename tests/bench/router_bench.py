@@ -24,7 +24,8 @@ worker, proxy_buffering off) and, with --vllm-router (or .venv-vr/bin/vllm-route
 (round_robin) in front of the same backend. Measures
   (a) added latency p50/p99 vs direct at a fixed open-loop rate (default 50 req/s, 20 s), with each proxy's CPU
       time per request over that phase (its process group's, from /proc), and
-  (b) max requests/s with wrk, non-streaming and streaming, for direct, nginx and router.
+  (b) max requests/s with wrk, non-streaming and streaming, for direct, nginx and router, and (b') each proxy's
+      CPU time per request at that maximum: requests per CPU-second, whatever number of threads a proxy runs.
 On a many-core host pin the proxies to the same CPUs and the load elsewhere (--proxy-cpus, --load-cpus, with
 --nginx-workers N --workers N, --wrk-threads, --backend-procs: tests/bench/README.md).
 With --replicas N the backend also answers on 127.0.0.2 .. 127.0.0.N (loopback) and the routers see N replicas,
@@ -526,14 +527,18 @@ def main() -> int:
 
         results["decisions"] = {name: router_stats(f"http://127.0.0.1:{port}")[0] for name, port in targets.items()
                                 if name.startswith("routewise")}
+        results["cpu_us_at_max"] = {}
         for stream in () if args.no_wrk else (False, True):
             key = "streaming" if stream else "non_streaming"
-            results["rps"][key] = {
-                name: wrk(f"http://127.0.0.1:{port}/v1/completions", stream, args.wrk_duration, args.connections, tmp,
-                          args.wrk_threads, load_pin)
-                for name, port in targets.items()
-                if name != "python-floor" or not stream  # it frames by Content-Length only: no chunked streams
-            }
+            results["rps"][key], results["cpu_us_at_max"][key] = {}, {}
+            for name, port in targets.items():
+                if name == "python-floor" and stream:  # it frames by Content-Length only: no chunked streams
+                    continue
+                before = group_cpu_s(groups[name]) if name in groups else 0.0
+                rps = results["rps"][key][name] = wrk(f"http://127.0.0.1:{port}/v1/completions", stream,
+                                                      args.wrk_duration, args.connections, tmp, args.wrk_threads, load_pin)
+                if name in groups:  # the proxy's CPU per request at its maximum: throughput per CPU, whatever its threads
+                    results["cpu_us_at_max"][key][name] = (group_cpu_s(groups[name]) - before) / (rps * args.wrk_duration) * 1e6
     finally:
         for p in reversed(procs):
             stop(p)
@@ -580,6 +585,14 @@ def main() -> int:
     for name in targets:
         cells = [f"{row[name]:9.0f} ({row[name] / row['nginx']:4.2f}x)" if name in row else "-"
                  for row in results["rps"].values()]
+        print(f"{name:<{width}} " + " ".join(f"{c:>22}" for c in cells))
+    cpu = results["cpu_us_at_max"]
+    ref = "vllm-router" if "vllm-router" in cpu["non_streaming"] else "nginx"
+    print(f"\n(b') the proxy's CPU per request at that maximum, in us (x {ref}'s requests per CPU-second: above 1 serves "
+          "more per CPU; a proxy with several threads may use more than one CPU)")
+    print(f"{'target':<{width}} " + " ".join(f"{key:>22}" for key in cpu))
+    for name in (t for t in targets if t in groups):
+        cells = [f"{row[name]:9.1f} ({row[ref] / row[name]:4.2f}x)" if name in row else "-" for row in cpu.values()]
         print(f"{name:<{width}} " + " ".join(f"{c:>22}" for c in cells))
     return 0
 
