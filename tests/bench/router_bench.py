@@ -366,6 +366,25 @@ def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path, threads: i
     return float(m.group(1))
 
 
+def paired(urls: tuple[str, str], pgids: tuple[int, int], stream: bool, duration: int, conns: int, tmp: Path,
+           pin: list[str] = ()) -> tuple[float, float]:
+    """CPU us per request of two proxies loaded at the same time, one wrk each (`conns` connections each): a
+    change against its baseline under the same seconds of the same host, so the host's drift lands on both."""
+    body = dict(BODY, stream=stream)
+    script = tmp / f"paired_{int(stream)}.lua"
+    script.write_text(f"wrk.method = \"POST\"\nwrk.body = '{json.dumps(body, separators=(',', ':'))}'\n"
+                      'wrk.headers["Content-Type"] = "application/json"\n')
+    before = [group_cpu_s(g) for g in pgids]
+    runs = [subprocess.Popen([*pin, "wrk", "-t1", f"-c{conns}", f"-d{duration}s", "-s", str(script), url],
+                             stdout=subprocess.PIPE, text=True) for url in urls]
+    outs = [r.communicate()[0] for r in runs]
+    cpu = [group_cpu_s(g) - b for g, b in zip(pgids, before)]
+    done = [int(re.search(r"(\d+) requests in", out).group(1)) for out in outs]
+    if any(re.search(r"Non-2xx or 3xx responses", out) for out in outs):
+        raise RuntimeError(f"wrk saw error responses in a paired run:\n{outs}")
+    return cpu[0] / done[0] * 1e6, cpu[1] / done[1] * 1e6
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=50.0, help="open-loop request rate (req/s)")
@@ -385,6 +404,10 @@ def main() -> int:
     ap.add_argument("--baseline-tree", metavar="DIR",
                     help="also run each router from another checkout (e.g. `git worktree add DIR <commit>`; its C "
                     "extension built or copied into DIR/router/policy), named <router>-baseline, side by side")
+    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                    help="with --baseline-tree: also (c), each router and its baseline loaded at the same time by one wrk "
+                    "each for ROUNDS rounds of --wrk-duration s, CPU per request side by side (give them the same "
+                    "CPU: --proxy-cpus 1 --load-cpus 0 on two cores)")
     ap.add_argument("--python-floor", action="store_true",
                     help="also measure a bare Python proxy (raw asyncio protocols, no routing): the latency floor "
                     "of any Python router on this host, and its max requests/s (non-streaming only: it frames by "
@@ -420,6 +443,10 @@ def main() -> int:
     if args.baseline_tree and not list(Path(args.baseline_tree).glob("router/policy/_fastnet*.so")):
         sys.exit(f"--baseline-tree {args.baseline_tree}: no router/policy/_fastnet*.so there (the learned policy would run "
                  "on onnxruntime): copy the one from router/policy/ or build it in that tree")
+    if args.paired and not args.baseline_tree:
+        sys.exit("--paired needs --baseline-tree: it loads each router beside its baseline")
+    if args.paired and shutil.which("wrk") is None:
+        sys.exit("--paired needs wrk (apt-get install wrk)")
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if not args.no_wrk:  # (b) needs wrk, and nginx as the reference of its ratios
         for tool, found in (("nginx", nginx), ("wrk", shutil.which("wrk"))):
@@ -539,6 +566,14 @@ def main() -> int:
                                                       args.wrk_duration, args.connections, tmp, args.wrk_threads, load_pin)
                 if name in groups:  # the proxy's CPU per request at its maximum: throughput per CPU, whatever its threads
                     results["cpu_us_at_max"][key][name] = (group_cpu_s(groups[name]) - before) / (rps * args.wrk_duration) * 1e6
+        results["paired"] = {}
+        for name in (t for t in targets if args.paired and f"{t}-baseline" in targets):
+            for stream in (False, True):
+                rows = [paired((f"http://127.0.0.1:{targets[name]}/v1/completions",
+                                f"http://127.0.0.1:{targets[name + '-baseline']}/v1/completions"),
+                               (groups[name], groups[name + "-baseline"]), stream, args.wrk_duration,
+                               max(1, args.connections // 2), tmp, load_pin) for _ in range(args.paired)]
+                results["paired"][f"{name} {'streaming' if stream else 'non_streaming'}"] = rows
     finally:
         for p in reversed(procs):
             stop(p)
@@ -577,6 +612,14 @@ def main() -> int:
             fb = ", ".join(f"{k} {v}" for k, v in d["fallbacks"].items()) or "none"
             print(f"{name:<{width}} {d['decisions']:6d} decisions  p50 <= {d['decision_p50_s'] * 1e6:6.0f} us  "
                   f"p99 <= {d['decision_p99_s'] * 1e6:6.0f} us  fell back {d['fallback_share']:.1%} ({fb})")
+    if results.get("paired"):
+        print(f"\n(c) paired: CPU per request (us) of each router and its baseline, loaded together ({args.paired} rounds "
+              f"of {args.wrk_duration} s, wrk -c{max(1, args.connections // 2)} each); the ratio's median and range")
+        for key, rows in results["paired"].items():
+            ratios = sorted(a / b for a, b in rows)
+            print(f"{key:<{width + 14}} {statistics.median(a for a, _ in rows):7.1f} against "
+                  f"{statistics.median(b for _, b in rows):7.1f}: x{statistics.median(ratios):.3f} "
+                  f"({ratios[0]:.3f}-{ratios[-1]:.3f})")
     if not results["rps"]:
         return 0
     print(f"\n(b) max requests/s with wrk -t{args.wrk_threads} -c{args.connections} -d{args.wrk_duration}s (x nginx, "
