@@ -44,7 +44,8 @@ log = logging.getLogger("router.proxy")
 Answer = web.StreamResponse | LeanStream | LeanSent
 # The first attempt started before the request's task ran: its route and, when sent, the upstream response due.
 _Started = tuple[Route, Awaitable[UpstreamResponse] | None]
-_HELD: Any = object()  # _start_now's answer when late binding holds the request
+_HELD: Any = object()  # _start_now's answers behind late binding: the request is held, or no replica is healthy
+_NONE_HEALTHY: Any = object()
 
 
 async def _ready(answer: Answer) -> Answer:
@@ -135,13 +136,13 @@ class Proxy:
 
     def _start_now(self, info: RequestInfo, raw: bytes, headers, path: str) -> _Started | None:
         """The first attempt's decision and, on an idle kept-alive connection with room under the limit, its
-        send; _HELD when late binding holds the request (the task queues it), None when no replica is healthy
-        (the task answers)."""
+        send; _HELD when late binding holds the request (the task queues it), None or _NONE_HEALTHY when no
+        replica is healthy (the task answers)."""
         holds = self.router.holds
         try:
             route = self.router.route(info) if holds is None else holds.route_now(info)
         except NoHealthyReplica:
-            return None
+            return None if holds is None else _NONE_HEALTHY  # the hold queue has counted it: not asked again
         if route is None:
             return _HELD
         try:
@@ -166,6 +167,8 @@ class Proxy:
         for attempt in range(self.settings.max_retries + 1):
             sent = None
             try:
+                if attempt == 0 and first is _NONE_HEALTHY:
+                    break
                 if attempt == 0 and first is not None and first is not _HELD:
                     route, sent = first
                 elif attempt == 0 and self.router.holds is not None:  # late binding: may wait for a replica with room

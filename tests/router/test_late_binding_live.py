@@ -171,6 +171,9 @@ async def test_held_requests_are_answered_when_no_replica_is_healthy(fakes, rout
     status, body = await second
     assert status == 503 and "no_healthy_replica" in body and not first.done()
     assert sample(client, "llm_router_late_dispatches_total", reason="no_healthy") == 1
+    status, body = await post(client, "C")  # an arrival that finds none healthy is answered, and counted once
+    assert status == 503 and "no_healthy_replica" in body
+    assert sample(client, "llm_router_late_dispatches_total", reason="no_healthy") == 2
     a.health_ok = True
     end_a.set()
     await first
