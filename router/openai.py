@@ -37,9 +37,10 @@ def decode(raw: bytes) -> Any:
         raise BadRequest("request body is nested too deeply") from None
 
 
-# The typed fields the router reads: (key, what it must be, the least it may be; None: a boolean).
-_FIELDS = (("stream", "a boolean", None), ("max_tokens", "an integer", 0),
-           ("max_completion_tokens", "an integer", 0), ("n", "an integer", 1), ("user", "a string", None))
+# The typed fields the router reads: (key, its type, how an error names it, the least an integer may be).
+_FIELDS: tuple[tuple[str, type, str, int | None], ...] = (
+    ("stream", bool, "a boolean", None), ("max_tokens", int, "an integer", 0),
+    ("max_completion_tokens", int, "an integer", 0), ("n", int, "an integer", 1), ("user", str, "a string", None))
 
 
 def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str, Any]:
@@ -50,19 +51,16 @@ def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     get = body.get
-    for key, what, least in _FIELDS:  # one pass: most of these are absent, and this runs for every request
+    for key, typ, what, least in _FIELDS:  # one pass: most of these are absent, and this runs for every request
         v = get(key)
         if v is None:
             continue
-        if what == "an integer":
-            if type(v) is not int and (not isinstance(v, int) or isinstance(v, bool)):
-                raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", param=key)
-            if v < least:
-                raise BadRequest(f"'{key}' must be >= {least}, got {v}", param=key)
-            if v > max_tokens_limit:
-                raise BadRequest(f"'{key}' must be <= {max_tokens_limit}, got {v}", param=key)
-        elif not isinstance(v, bool if what == "a boolean" else str):
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
             raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", param=key)
+        if least is not None and v < least:
+            raise BadRequest(f"'{key}' must be >= {least}, got {v}", param=key)
+        if least is not None and v > max_tokens_limit:
+            raise BadRequest(f"'{key}' must be <= {max_tokens_limit}, got {v}", param=key)
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
