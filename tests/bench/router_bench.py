@@ -349,14 +349,19 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=1000)[int(q * 1000) - 1]
 
 
-def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path, threads: int = 1, pin: list[str] = ()) -> float:
-    body = dict(BODY, stream=stream)
+def wrk_script(tmp: Path, stream: bool) -> Path:
+    """wrk's lua script: POST the bench's completion body, streamed or not."""
     script = tmp / f"post_{int(stream)}.lua"
     script.write_text(
         'wrk.method = "POST"\n'
-        f"wrk.body = '{json.dumps(body, separators=(',', ':'))}'\n"
+        f"wrk.body = '{json.dumps(dict(BODY, stream=stream), separators=(',', ':'))}'\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
     )
+    return script
+
+
+def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path, threads: int = 1, pin: list[str] = ()) -> float:
+    script = wrk_script(tmp, stream)
     out = subprocess.run([*pin, "wrk", f"-t{threads}", f"-c{conns}", f"-d{duration}s", "-s", str(script), url],
                          capture_output=True, text=True, check=True).stdout
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
@@ -370,18 +375,15 @@ def paired(urls: tuple[str, str], pgids: tuple[int, int], stream: bool, duration
            pin: list[str] = ()) -> tuple[float, float]:
     """CPU us per request of two proxies loaded at the same time, one wrk each (`conns` connections each): a
     change against its baseline under the same seconds of the same host, so the host's drift lands on both."""
-    body = dict(BODY, stream=stream)
-    script = tmp / f"paired_{int(stream)}.lua"
-    script.write_text(f"wrk.method = \"POST\"\nwrk.body = '{json.dumps(body, separators=(',', ':'))}'\n"
-                      'wrk.headers["Content-Type"] = "application/json"\n')
+    script = wrk_script(tmp, stream)
     before = [group_cpu_s(g) for g in pgids]
     runs = [subprocess.Popen([*pin, "wrk", "-t1", f"-c{conns}", f"-d{duration}s", "-s", str(script), url],
                              stdout=subprocess.PIPE, text=True) for url in urls]
     outs = [r.communicate()[0] for r in runs]
     cpu = [group_cpu_s(g) - b for g, b in zip(pgids, before)]
-    done = [int(re.search(r"(\d+) requests in", out).group(1)) for out in outs]
     if any(re.search(r"Non-2xx or 3xx responses", out) for out in outs):
         raise RuntimeError(f"wrk saw error responses in a paired run:\n{outs}")
+    done = [int(re.search(r"(\d+) requests in", out).group(1)) for out in outs]
     return cpu[0] / done[0] * 1e6, cpu[1] / done[1] * 1e6
 
 
