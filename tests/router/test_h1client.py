@@ -69,6 +69,33 @@ async def test_reuses_connections_within_the_limit():
     server.close()
 
 
+async def test_an_idle_kept_alive_connection_outlives_the_read_timeout_and_still_times_a_slow_answer():
+    """The read timer stays with the connection between responses: idle in the pool past read_timeout, the
+    connection is reused; a later answer slower than read_timeout still fails as a timeout."""
+    slow = {"on": False}
+
+    def answer(h, b, t):
+        asyncio.get_running_loop().call_later(0.6 if slow["on"] else 0, echo, h, b, t)
+
+    server, url, stats = await serve(answer)
+    client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=0.2)
+    pool = client.pool(url)
+    for i in range(2):
+        r = await pool.post("/v1/completions", b"req%d" % i, CIMultiDict())
+        assert await r.read() == b"req%d" % i
+        r.release()
+        await asyncio.sleep(0.35)  # idle past the read timeout
+    assert stats["connections"] == 1
+    slow["on"] = True
+    with pytest.raises(Exception) as info:
+        r = await pool.post("/v1/completions", b"late", CIMultiDict())
+        await r.read()
+    assert classify(info.value) == "timeout"
+    assert stats["connections"] == 1  # the same connection timed out
+    client.close()
+    server.close()
+
+
 async def test_chunked_body_and_close_drops_the_connection():
     server, url, stats = await serve(lambda h, b, t: t.write(CHUNKED))
     client = H1Client(limit=0, connect_timeout_s=2, read_timeout_s=5)

@@ -95,6 +95,23 @@ async def test_keepalive_requests_then_a_handover_on_the_same_connection(fakes, 
     assert f.requests == 3
 
 
+async def test_keepalive_timeout_runs_from_the_last_answer_not_the_first(fakes, router_client) -> None:
+    """A connection busy past the keep-alive timeout in total stays open while requests keep coming; idle after
+    its last answer, it is closed. (One timer per connection, moved forward: none per request.)"""
+    (f,) = await fakes(1)
+    client = await router_client([f.url], keepalive_timeout_s=0.3)
+    reader, writer = await connect(client)
+    for _ in range(5):  # 5 x 0.15 s: past the timeout counted from the first request
+        writer.write(post())
+        status, _, _ = await read_response(reader)
+        assert status == 200
+        await asyncio.sleep(0.15)
+    assert not reader.at_eof()
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # idle: closed
+    writer.close()
+    assert f.requests == 5
+
+
 async def test_pipelined_and_split_requests_are_answered_in_order(fakes, router_client) -> None:
     (f,) = await fakes(1)
     client = await router_client([f.url])
