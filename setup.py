@@ -1,11 +1,15 @@
-"""Everything is in pyproject.toml except the optional C extension: router.policy._fastnet (the routing network's
-forward pass for one decision, router/policy/fastnet.py; the views and feature rows, router/policy/tracking.py and
-features.py). Its sources are router/policy/fastnet_c/*.c (fastnet.h lists them). Without a C compiler the build
-skips it and the router serves the learned policy with onnxruntime alone."""
+"""Everything is in pyproject.toml except the optional C extensions. Without a C compiler the build skips them and
+the router runs their Python references:
+- router.policy._fastnet: the routing network's forward pass for one decision (router/policy/fastnet.py), the
+  views and feature rows (router/policy/tracking.py and features.py); sources router/policy/fastnet_c/*.c
+  (fastnet.h lists them); without it the learned policy is served by onnxruntime alone;
+- router._fasthttp: the lean HTTP client's chunked-body loop (router/h1client.py); router/fasthttp_c/module.c."""
 
 from glob import glob
 
 from setuptools import Extension, setup
+
+FLAGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi", "-fvisibility=hidden"]
 
 setup(
     ext_modules=[
@@ -13,10 +17,10 @@ setup(
             "router.policy._fastnet",
             sorted(glob("router/policy/fastnet_c/*.c")),  # paths relative to this folder, as setuptools wants them
             depends=["router/policy/fastnet_c/fastnet.h"],
-            extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi",
-                                "-fvisibility=hidden"],
+            extra_compile_args=FLAGS,
             libraries=["m"],
             optional=True,
-        )
+        ),
+        Extension("router._fasthttp", ["router/fasthttp_c/module.c"], extra_compile_args=FLAGS, optional=True),
     ]
 )

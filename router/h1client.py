@@ -20,6 +20,11 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+try:  # the chunked-body loop's common case in C (router/fasthttp_c); without a C compiler, Python alone
+    from router._fasthttp import scan_chunks
+except ImportError:
+    scan_chunks = None
+
 KEEPALIVE_S = 15.0  # idle connections older than this are closed, as aiohttp's connector does
 MAX_HEAD_BYTES = 65536
 HIGH_WATER = 1 << 18  # bytes of body waiting to be read above which the replica's connection stops being read
@@ -294,40 +299,50 @@ class H1Connection(asyncio.Protocol):
                 return
 
     def _chunks(self) -> bool:
-        """Decodes the chunks that have arrived, fed to the body as one piece; False while more bytes are due."""
+        """Decodes the chunks that have arrived, fed to the body as one piece; False while more bytes are due.
+        It reads a bytes copy of the buffer, whose slices are the data. At each size line, `scan_chunks` (C) takes
+        the complete chunks of the canonical form that follow; this loop decodes the rest, and defines every case."""
         buf, pos, state, left = self._buf, 0, self._state, self._left
+        data = bytes(buf)
+        n = len(data)
         out: list[bytes] = []
+        scan = scan_chunks  # None: the Python loop alone (tests compare the two)
         try:
             while True:
+                if scan is not None and state == _CHUNK_SIZE:
+                    pos, piece = scan(data, pos)
+                    if piece:
+                        out.append(piece)
                 if state == _CHUNK_DATA:
-                    take = min(left, len(buf) - pos)
-                    if take == 0:
+                    end = pos + left
+                    if end > n:  # the chunk's rest is due
+                        if pos < n:
+                            out.append(data[pos:])
+                            left, pos = end - n, n
                         return False
-                    out.append(bytes(buf[pos:pos + take]))
-                    pos += take
-                    left -= take
-                    if left:
-                        return False
-                    state = _CHUNK_END
+                    out.append(data[pos:end])
+                    pos, left, state = end, 0, _CHUNK_END
                 if state == _CHUNK_END:
-                    if len(buf) - pos < 2:
+                    if n - pos < 2:
                         return False
-                    if buf[pos:pos + 2] != b"\r\n":
+                    if not data.startswith(b"\r\n", pos):
                         raise MalformedResponse("chunk not followed by CRLF")
                     pos += 2
                     state = _CHUNK_SIZE
-                end = buf.find(b"\r\n", pos)
+                end = data.find(b"\r\n", pos)
                 if end < 0:
-                    if len(buf) - pos > 1024:
+                    if n - pos > 1024:
                         raise MalformedResponse("chunk size line too long")
                     return False
-                line = bytes(buf[pos:end]).split(b";", 1)[0].strip()
+                line = data[pos:end]
+                if b";" in line:  # a chunk extension, ignored
+                    line = line.split(b";", 1)[0]
                 try:
-                    left = int(line, 16)
+                    left = int(line, 16)  # int() strips the whitespace around it, as bytes.strip() does
                 except ValueError:
-                    raise MalformedResponse(f"bad chunk size {line[:20]!r}") from None
+                    raise MalformedResponse(f"bad chunk size {line.strip()[:20]!r}") from None
                 if left < 0:
-                    raise MalformedResponse(f"bad chunk size {line[:20]!r}")
+                    raise MalformedResponse(f"bad chunk size {line.strip()[:20]!r}")
                 pos = end + 2
                 if left == 0:
                     state = _TRAILER

@@ -372,13 +372,17 @@ def wrk(url: str, stream: bool, duration: int, conns: int, tmp: Path, threads: i
 
 
 def paired(urls: tuple[str, str], pgids: tuple[int, int], stream: bool, duration: int, conns: int, tmp: Path,
-           pin: list[str] = ()) -> tuple[float, float]:
+           pin: list[str] = (), swap: bool = False) -> tuple[float, float]:
     """CPU us per request of two proxies loaded at the same time, one wrk each (`conns` connections each): a
-    change against its baseline under the same seconds of the same host, so the host's drift lands on both."""
+    change against its baseline under the same seconds of the same host, so the host's drift lands on both.
+    The wrk started first costs its proxy more CPU per request (two copies of one tree measured 1.5-6 % apart,
+    whichever went first): `swap` starts the second first, and the rounds alternate."""
     script = wrk_script(tmp, stream)
     before = [group_cpu_s(g) for g in pgids]
-    runs = [subprocess.Popen([*pin, "wrk", "-t1", f"-c{conns}", f"-d{duration}s", "-s", str(script), url],
-                             stdout=subprocess.PIPE, text=True) for url in urls]
+    order = (1, 0) if swap else (0, 1)
+    started = {i: subprocess.Popen([*pin, "wrk", "-t1", f"-c{conns}", f"-d{duration}s", "-s", str(script), urls[i]],
+                                   stdout=subprocess.PIPE, text=True) for i in order}
+    runs = [started[0], started[1]]
     outs = [r.communicate()[0] for r in runs]
     cpu = [group_cpu_s(g) - b for g, b in zip(pgids, before)]
     if any(re.search(r"Non-2xx or 3xx responses", out) for out in outs):
@@ -409,7 +413,8 @@ def main() -> int:
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="with --baseline-tree: also (c), each router and its baseline loaded at the same time by one wrk "
                     "each for ROUNDS rounds of --wrk-duration s, CPU per request side by side (give them the same "
-                    "CPU: --proxy-cpus 1 --load-cpus 0 on two cores)")
+                    "CPU: --proxy-cpus 1 --load-cpus 0 on two cores; an even ROUNDS, as the wrk started first "
+                    "alternates)")
     ap.add_argument("--python-floor", action="store_true",
                     help="also measure a bare Python proxy (raw asyncio protocols, no routing): the latency floor "
                     "of any Python router on this host, and its max requests/s (non-streaming only: it frames by "
@@ -574,7 +579,7 @@ def main() -> int:
                 rows = [paired((f"http://127.0.0.1:{targets[name]}/v1/completions",
                                 f"http://127.0.0.1:{targets[name + '-baseline']}/v1/completions"),
                                (groups[name], groups[name + "-baseline"]), stream, args.wrk_duration,
-                               max(1, args.connections // 2), tmp, load_pin) for _ in range(args.paired)]
+                               max(1, args.connections // 2), tmp, load_pin, swap=i % 2 == 1) for i in range(args.paired)]
                 results["paired"][f"{name} {'streaming' if stream else 'non_streaming'}"] = rows
     finally:
         for p in reversed(procs):
@@ -616,11 +621,12 @@ def main() -> int:
                   f"p99 <= {d['decision_p99_s'] * 1e6:6.0f} us  fell back {d['fallback_share']:.1%} ({fb})")
     if results.get("paired"):
         print(f"\n(c) paired: CPU per request (us) of each router and its baseline, loaded together ({args.paired} rounds "
-              f"of {args.wrk_duration} s, wrk -c{max(1, args.connections // 2)} each); the ratio's median and range")
+              f"of {args.wrk_duration} s, wrk -c{max(1, args.connections // 2)} each, the wrk started first alternating); "
+              "the ratio's geometric mean over the rounds, and its range")
         for key, rows in results["paired"].items():
             ratios = sorted(a / b for a, b in rows)
             print(f"{key:<{width + 14}} {statistics.median(a for a, _ in rows):7.1f} against "
-                  f"{statistics.median(b for _, b in rows):7.1f}: x{statistics.median(ratios):.3f} "
+                  f"{statistics.median(b for _, b in rows):7.1f}: x{statistics.geometric_mean(ratios):.3f} "
                   f"({ratios[0]:.3f}-{ratios[-1]:.3f})")
     if not results["rps"]:
         return 0

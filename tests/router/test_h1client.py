@@ -4,14 +4,17 @@ and failures classified like aiohttp's (connect / reset / timeout)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 
 import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from router.h1client import ConnectionLimit, H1Client
+from router import h1client
+from router.h1client import ConnectionLimit, H1Client, H1Connection
 from router.upstream import classify
+from tests.ci import skip_or_fail
 
 CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
 
@@ -280,3 +283,89 @@ async def test_connection_limit_serves_waiters_in_order_and_a_cancelled_one_pass
     handed.cancel()
     await asyncio.gather(handed, return_exceptions=True)
     assert order == ["a", "c"] and limit.try_take()
+
+
+class _Wire:
+    """A transport that takes what the connection writes and nothing else."""
+
+    def write(self, data): pass
+    def is_closing(self): return False
+    def close(self): pass
+    def pause_reading(self): pass
+    def resume_reading(self): pass
+
+
+def _decode(answer: bytes, cuts: list[int]) -> tuple:
+    """What H1Connection makes of `answer` arriving in the pieces `cuts` marks: the body, whether it ended, the
+    failure, the bytes left over and whether the connection is kept."""
+    loop = asyncio.new_event_loop()
+    try:
+        conn = H1Connection(loop)
+        conn.connection_made(_Wire())
+        head = conn.request(b"", None)
+        body, error = b"", None
+        for a, b in zip([0, *cuts], [*cuts, len(answer)]):
+            conn.data_received(answer[a:b])
+            if head.done() and head.exception() is None:
+                try:
+                    body += head.result()[2].read_nowait()
+                except Exception as exc:  # noqa: BLE001 - the failure is the result compared
+                    error = f"{type(exc).__name__}: {exc}"
+                    break
+            elif head.done():
+                error = f"{type(head.exception()).__name__}: {head.exception()}"
+                break
+        ended = head.done() and head.exception() is None and head.result()[2].at_eof()
+        return body, ended, error, bytes(conn._buf), conn.should_close
+    finally:
+        loop.close()
+
+
+def _random_chunked(rng: random.Random) -> bytes:
+    out = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    for _ in range(rng.randint(0, 12)):
+        data = bytes(rng.choice(b"ab\r\n:;0 ") for _ in range(rng.choice((1, 2, 7, 60, 300))))
+        size = rng.choice(["%x", "%X", "%04x", "%x;name=v", "%x ", " %x", "0x%x", "+%x", "%x\t"]) % len(data)
+        if rng.random() < 0.03:
+            size = rng.choice(["zz", "", "1_0", "-1", "%x" % (len(data) + 1), "f" * 17])
+        end = b"\r\n" if rng.random() > 0.03 else rng.choice([b"\n", b"xy", b""])
+        out.append(size.encode() + b"\r\n" + data + end)
+    out.append(rng.choice([b"0\r\n\r\n", b"000\r\n\r\n", b"0;x\r\nTrailer: v\r\n\r\n", b"0\r\n", b""]))
+    if rng.random() < 0.1:
+        out.append(b"HTTP/1.1 200 OK\r\n")  # bytes beyond the answer
+    return b"".join(out)
+
+
+def test_compiled_chunk_scanner_decodes_every_body_as_the_python_loop_does(monkeypatch):
+    """router._fasthttp.scan_chunks takes the common case only: with and without it, each body (canonical or not,
+    broken or not) cut anywhere decodes to the same bytes, end, failure, leftover and keep-alive."""
+    if h1client.scan_chunks is None:
+        skip_or_fail("the C extension router._fasthttp is not built (no C compiler at install)")
+    rng = random.Random(7)
+    compiled = h1client.scan_chunks
+    differ = 0
+    for _ in range(3000):
+        answer = _random_chunked(rng)
+        cuts = sorted(rng.sample(range(1, len(answer)), min(len(answer) - 1, rng.choice((0, 1, 3, 12)))))
+        monkeypatch.setattr(h1client, "scan_chunks", compiled)
+        fast = _decode(answer, cuts)
+        monkeypatch.setattr(h1client, "scan_chunks", None)
+        slow = _decode(answer, cuts)
+        assert fast == slow, (answer, cuts)
+        differ += fast[0] != b""
+    assert differ > 1000  # most bodies had data to compare
+
+
+def test_scan_chunks_takes_canonical_chunks_and_stops_at_anything_else():
+    if h1client.scan_chunks is None:
+        skip_or_fail("the C extension router._fasthttp is not built (no C compiler at install)")
+    scan = h1client.scan_chunks
+    assert scan(b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n", 0) == (21, b"hello world")  # stops at the last chunk
+    assert scan(b"xx5\r\nhello\r\n", 2) == (12, b"hello")
+    assert scan(b"5\r\nhel", 0) == (0, b"")  # not whole yet
+    assert scan(b"5;ext\r\nhello\r\n", 0) == (0, b"")  # an extension: the Python loop's
+    assert scan(b"5\r\nhelloXY", 0) == (0, b"")  # no CRLF after the data
+    assert scan(b"A\r\n0123456789\r\n", 0) == (15, b"0123456789")
+    assert scan(b"f" * 16 + b"\r\n", 0) == (0, b"")  # more digits than it takes
+    with pytest.raises(ValueError):
+        scan(b"abc", 4)
