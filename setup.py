@@ -3,7 +3,9 @@ the router runs their Python references:
 - router.policy._fastnet: the routing network's forward pass for one decision (router/policy/fastnet.py), the
   views and feature rows (router/policy/tracking.py and features.py); sources router/policy/fastnet_c/*.c
   (fastnet.h lists them); without it the learned policy is served by onnxruntime alone;
-- router._fasthttp: the lean HTTP client's chunked-body loop (router/h1client.py); router/fasthttp_c/module.c."""
+- router._fasthttp: the lean listener's request heads (router/lean.py), the lean client's response heads and chunked
+  bodies (router/h1client.py), each the common case beside the Python that defines every case; sources
+  router/fasthttp_c/*.c (fasthttp.h lists them)."""
 
 from glob import glob
 
@@ -21,6 +23,7 @@ setup(
             libraries=["m"],
             optional=True,
         ),
-        Extension("router._fasthttp", ["router/fasthttp_c/module.c"], extra_compile_args=FLAGS, optional=True),
+        Extension("router._fasthttp", sorted(glob("router/fasthttp_c/*.c")), depends=["router/fasthttp_c/fasthttp.h"],
+                  extra_compile_args=FLAGS, optional=True),
     ]
 )

@@ -20,10 +20,10 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-try:  # the chunked-body loop's common case in C (router/fasthttp_c); without a C compiler, Python alone
-    from router._fasthttp import scan_chunks
+try:  # the chunked-body loop's and the head's common case in C (router/fasthttp_c); without a C compiler, Python alone
+    from router._fasthttp import response_head, scan_chunks
 except ImportError:
-    scan_chunks = None
+    response_head = scan_chunks = None
 
 KEEPALIVE_S = 15.0  # idle connections older than this are closed, as aiohttp's connector does
 MAX_HEAD_BYTES = 65536
@@ -355,21 +355,16 @@ class H1Connection(asyncio.Protocol):
                 self._body.feed(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
 
     def _start_body(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts[1]) != 3 or not parts[1].isdigit():
-            raise MalformedResponse(f"bad status line {lines[0][:60]!r}")
-        status = int(parts[1])
-        headers: CIMultiDict[str] = CIMultiDict()
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name != name.strip():
-                raise MalformedResponse(f"bad header line {line[:60]!r}")
-            headers.add(name.decode("utf-8", "surrogateescape"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
+        fast = response_head(head) if response_head is not None else None
+        if fast is None:
+            status, http10, headers = parse_response_head(head)
+        else:
+            status, http10, pairs = fast
+            headers = CIMultiDict(pairs)
         if 100 <= status <= 199 and status != 101:
             return  # an interim answer: the final head follows (state stays _HEAD)
         conn = headers.get("Connection", "").lower()
-        if parts[0] == b"HTTP/1.0" and "keep-alive" not in conn or "close" in conn:
+        if http10 and "keep-alive" not in conn or "close" in conn:
             self.should_close = True
         body = self._body = Body(self)
         if "chunked" in headers.get("Transfer-Encoding", "").lower():
@@ -390,6 +385,22 @@ class H1Connection(asyncio.Protocol):
             head_future.set_result((status, headers, body))
         if self._state == _LENGTH and self._left == 0:
             self._finish()
+
+
+def parse_response_head(head: bytes) -> tuple[int, bool, CIMultiDict[str]]:
+    """(status, HTTP/1.0, headers) of a response head without its blank line; raises MalformedResponse. The common
+    case is read in C (router._fasthttp.response_head, when built); this defines every case."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts[1]) != 3 or not parts[1].isdigit():
+        raise MalformedResponse(f"bad status line {lines[0][:60]!r}")
+    headers: CIMultiDict[str] = CIMultiDict()
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip():
+            raise MalformedResponse(f"bad header line {line[:60]!r}")
+        headers.add(name.decode("utf-8", "surrogateescape"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
+    return int(parts[1]), parts[0] == b"HTTP/1.0", headers
 
 
 class ConnectionLimit:

@@ -32,6 +32,11 @@ from multidict import CIMultiDict
 from router.connections import ADMITTED, peer_address
 from router.errors import BadRequest, error_response
 
+try:  # the head's common case in C (router/fasthttp_c); without a C compiler, parse_plain alone
+    from router._fasthttp import request_head
+except ImportError:
+    request_head = None
+
 log = logging.getLogger("router.lean")
 
 _PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
@@ -62,7 +67,17 @@ class LeanHead:
 
 def parse_head(head: bytes) -> LeanHead | None:
     """The head (request line and header lines, without the blank line) of a plain generation request, or None
-    for anything this parser leaves to aiohttp."""
+    for anything this parser leaves to aiohttp. The common case is read in C (router._fasthttp.request_head, when
+    built); `parse_plain` defines every case."""
+    fast = request_head(head) if request_head is not None else None
+    if fast is not None:
+        chat, pairs, length, close = fast
+        return LeanHead(chat, CIMultiDict(pairs), length, close)
+    return parse_plain(head)
+
+
+def parse_plain(head: bytes) -> LeanHead | None:
+    """parse_head in Python: the reference."""
     lines = head.split(b"\r\n")
     if len(lines) > MAX_HEADERS + 1:
         return None

@@ -1,90 +1,17 @@
-/* router._fasthttp: the lean HTTP/1.1 client's hot loops in C (router/h1client.py keeps the reference).
-
-scan_chunks(data, pos) -> (pos, payload)
-    From `pos`, at the start of a chunk-size line of a chunked body, takes every complete chunk in the canonical
-    form `HEXDIG{1,15} CRLF data CRLF` with a size above 0, and returns the position after the last one taken with
-    their data joined. It stops, leaving the rest to the Python loop, at the first line that is anything else:
-    the last chunk (size 0), a chunk extension, whitespace or any other byte in the size line, a chunk not yet
-    whole, data not followed by CRLF. So the Python loop stays the one definition of every case but the common
-    one, and a body decodes the same with or without this module (tests/router/test_h1client.py holds them
-    together). In Python that loop cost about 1.3 us a chunk; a streamed answer is one chunk per token. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#define MAX_DIGITS 15 /* 2^60: a larger size is left to Python, whose int has no bound */
-
-static int hex_value(unsigned char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
-/* The data of the canonical chunk at `*pos` (its offset and size), advancing `*pos` past it; 0 when none. */
-static int next_chunk(const unsigned char *s, Py_ssize_t n, Py_ssize_t *pos, Py_ssize_t *at, Py_ssize_t *size)
-{
-    Py_ssize_t p = *pos, v = 0;
-    int digits = 0, h;
-    while (p < n && (h = hex_value(s[p])) >= 0) {
-        if (++digits > MAX_DIGITS)
-            return 0;
-        v = (v << 4) | h;
-        p++;
-    }
-    if (digits == 0 || v == 0 || n - p < 2 || s[p] != '\r' || s[p + 1] != '\n')
-        return 0;
-    p += 2;
-    if (v > n - p || n - p - v < 2 || s[p + v] != '\r' || s[p + v + 1] != '\n')
-        return 0;
-    *at = p;
-    *size = v;
-    *pos = p + v + 2;
-    return 1;
-}
-
-static PyObject *py_scan_chunks(PyObject *self, PyObject *args)
-{
-    Py_buffer buf;
-    Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "y*n:scan_chunks", &buf, &start))
-        return NULL;
-    const unsigned char *s = buf.buf;
-    Py_ssize_t n = buf.len;
-    if (start < 0 || start > n) {
-        PyBuffer_Release(&buf);
-        return PyErr_Format(PyExc_ValueError, "scan_chunks: pos %zd outside 0..%zd", start, n);
-    }
-    Py_ssize_t pos = start, at, size, total = 0;
-    while (next_chunk(s, n, &pos, &at, &size))
-        total += size;
-    PyObject *payload = PyBytes_FromStringAndSize(NULL, total);
-    if (payload == NULL) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
-    char *out = PyBytes_AS_STRING(payload);
-    Py_ssize_t end = pos;
-    pos = start;
-    while (pos < end && next_chunk(s, n, &pos, &at, &size)) {
-        memcpy(out, s + at, (size_t)size);
-        out += size;
-    }
-    PyBuffer_Release(&buf);
-    PyObject *result = Py_BuildValue("(nN)", end, payload);
-    return result;
-}
+/* router._fasthttp: the module's method table (fasthttp.h lists the sources). */
+#include "fasthttp.h"
 
 static PyMethodDef methods[] = {
     {"scan_chunks", py_scan_chunks, METH_VARARGS,
      "scan_chunks(data, pos) -> (pos, payload): the complete canonical chunks from pos, their data joined"},
+    {"request_head", py_request_head, METH_VARARGS,
+     "request_head(head) -> (chat, [(name, value)], content_length, close), or None: router.lean.parse_head decides"},
+    {"response_head", py_response_head, METH_VARARGS,
+     "response_head(head) -> (status, http_1_0, [(name, value)]), or None: router.h1client's Python parse decides"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fasthttp", "The lean HTTP client's hot loops, in C.", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fasthttp", "The lean HTTP/1.1 hot loops, in C.", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__fasthttp(void) { return PyModule_Create(&module); }
