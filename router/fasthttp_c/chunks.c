@@ -10,6 +10,8 @@ scan_chunks(data, pos) -> (pos, payload)
     together). In Python that loop cost about 1.3 us a chunk; a streamed answer is one chunk per token. */
 #include "fasthttp.h"
 
+#include <string.h>
+
 #define MAX_DIGITS 15 /* 2^60: a larger size is left to Python, whose int has no bound */
 
 static int hex_value(unsigned char c)
@@ -45,26 +47,21 @@ static int next_chunk(const unsigned char *s, Py_ssize_t n, Py_ssize_t *pos, Py_
     return 1;
 }
 
-PyObject *py_scan_chunks(PyObject *self, PyObject *args)
+PyObject *py_scan_chunks(PyObject *Py_UNUSED(self), PyObject *args)
 {
-    Py_buffer buf;
-    Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "y*n:scan_chunks", &buf, &start))
+    const char *data;
+    Py_ssize_t n, start;
+    if (!PyArg_ParseTuple(args, "y#n:scan_chunks", &data, &n, &start))
         return NULL;
-    const unsigned char *s = buf.buf;
-    Py_ssize_t n = buf.len;
-    if (start < 0 || start > n) {
-        PyBuffer_Release(&buf);
+    if (start < 0 || start > n)
         return PyErr_Format(PyExc_ValueError, "scan_chunks: pos %zd outside 0..%zd", start, n);
-    }
+    const unsigned char *s = (const unsigned char *)data;
     Py_ssize_t pos = start, at, size, total = 0;
     while (next_chunk(s, n, &pos, &at, &size))
         total += size;
     PyObject *payload = PyBytes_FromStringAndSize(NULL, total);
-    if (payload == NULL) {
-        PyBuffer_Release(&buf);
+    if (payload == NULL)
         return NULL;
-    }
     char *out = PyBytes_AS_STRING(payload);
     Py_ssize_t end = pos;
     pos = start;
@@ -72,8 +69,5 @@ PyObject *py_scan_chunks(PyObject *self, PyObject *args)
         memcpy(out, s + at, (size_t)size);
         out += size;
     }
-    PyBuffer_Release(&buf);
-    PyObject *result = Py_BuildValue("(nN)", end, payload);
-    return result;
+    return Py_BuildValue("(nN)", end, payload);
 }
-

@@ -11,5 +11,6 @@ request heads, router/h1client.py's response heads). */
 PyObject *py_scan_chunks(PyObject *self, PyObject *args);
 PyObject *py_request_head(PyObject *self, PyObject *args);
 PyObject *py_response_head(PyObject *self, PyObject *args);
+void heads_init(void); /* the character tables request_head and response_head read */
 
 #endif

@@ -24,18 +24,14 @@ one call. */
 
 static unsigned char token_char[256], value_char[256];
 
-static void init_tables(void)
+void heads_init(void)
 {
-    static int done = 0;
-    if (done)
-        return;
     const char *tchars = "!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
     for (const char *c = tchars; *c; c++)
         token_char[(unsigned char)*c] = 1;
     value_char['\t'] = 1;
     for (int c = 0x20; c < 0x7f; c++)
         value_char[c] = 1;
-    done = 1;
 }
 
 /* Case-insensitive equality of s[0..n) and the lower-case `word`. */
@@ -87,6 +83,18 @@ static const char *line_end(const char *s, const char *end)
     return p + 1 < end ? p : end;
 }
 
+/* The header line after the line ending at *e: 1 with its name [*s, *colon) and value [*vs, *ve), advancing *s and
+   *e to it; 0 at the head's end; -1 when the line is not a token, a colon and tab and visible ASCII. */
+static int next_header(const char **s, const char **e, const char *end, const char **colon, const char **vs,
+                       const char **ve)
+{
+    if (*e >= end)
+        return 0;
+    *s = *e + 2;
+    *e = line_end(*s, end);
+    return header_line(*s, *e, colon, vs, ve) ? 1 : -1;
+}
+
 static int append_pair(PyObject *pairs, const char *ns, Py_ssize_t nn, const char *vs, Py_ssize_t vn)
 {
     PyObject *pair = Py_BuildValue("(s#s#)", ns, nn, vs, vn);
@@ -121,14 +129,15 @@ static int connection_tokens(const char *s, const char *e, int *close)
 static const char POST_COMPLETIONS[] = "POST /v1/completions HTTP/1.1";
 static const char POST_CHAT[] = "POST /v1/chat/completions HTTP/1.1";
 
-PyObject *py_request_head(PyObject *self, PyObject *args)
+/* None: the Python parse decides. */
+static PyObject *defer(PyObject *pairs)
 {
-    Py_buffer buf;
-    if (!PyArg_ParseTuple(args, "y*:request_head", &buf))
-        return NULL;
-    init_tables();
-    const char *s = buf.buf, *end = s + buf.len;
-    PyObject *pairs = NULL, *result = NULL;
+    Py_XDECREF(pairs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *request_head(const char *s, const char *end)
+{
     const char *e = line_end(s, end);
     int chat;
     if (e - s == (Py_ssize_t)sizeof(POST_COMPLETIONS) - 1 && !memcmp(s, POST_COMPLETIONS, (size_t)(e - s)))
@@ -136,91 +145,83 @@ PyObject *py_request_head(PyObject *self, PyObject *args)
     else if (e - s == (Py_ssize_t)sizeof(POST_CHAT) - 1 && !memcmp(s, POST_CHAT, (size_t)(e - s)))
         chat = 1;
     else
-        goto defer;
-    pairs = PyList_New(0);
+        return defer(NULL);
+    PyObject *pairs = PyList_New(0);
     if (pairs == NULL)
-        goto done;
+        return NULL;
     long long length = -1;
-    int close = 0, lines = 1;
-    while (e < end) {
-        s = e + 2;
-        e = line_end(s, end);
-        if (++lines > MAX_LINES)
-            goto defer;
-        const char *colon, *vs, *ve;
-        if (!header_line(s, e, &colon, &vs, &ve))
-            goto defer;
+    int close = 0, lines = 1, got;
+    const char *colon, *vs, *ve;
+    while ((got = next_header(&s, &e, end, &colon, &vs, &ve)) != 0) {
+        if (got < 0 || ++lines > MAX_LINES)
+            return defer(pairs);
         Py_ssize_t nn = colon - s;
         if (is_word(s, nn, "transfer-encoding") || is_word(s, nn, "content-encoding") || is_word(s, nn, "expect") ||
             is_word(s, nn, "upgrade"))
-            goto defer;
+            return defer(pairs);
         if (is_word(s, nn, "content-length")) {
             if (length >= 0 || ve == vs || ve - vs > 15)
-                goto defer;
+                return defer(pairs);
             long long v = 0;
             for (const char *p = vs; p < ve; p++) {
                 if (*p < '0' || *p > '9')
-                    goto defer;
+                    return defer(pairs);
                 v = v * 10 + (*p - '0');
             }
             length = v;
-        } else if (is_word(s, nn, "connection")) {
-            if (!connection_tokens(vs, ve, &close))
-                goto defer;
+        } else if (is_word(s, nn, "connection") && !connection_tokens(vs, ve, &close)) {
+            return defer(pairs);
         }
-        if (append_pair(pairs, s, nn, vs, ve - vs) < 0)
-            goto done;
+        if (append_pair(pairs, s, nn, vs, ve - vs) < 0) {
+            Py_DECREF(pairs);
+            return NULL;
+        }
     }
     if (length < 0)
-        goto defer;
-    result = Py_BuildValue("(OOLO)", chat ? Py_True : Py_False, pairs, length, close ? Py_True : Py_False);
-    goto done;
-defer:
-    result = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(pairs);
-    PyBuffer_Release(&buf);
-    return result;
+        return defer(pairs);
+    return Py_BuildValue("(ONLO)", chat ? Py_True : Py_False, pairs, length, close ? Py_True : Py_False);
 }
 
-PyObject *py_response_head(PyObject *self, PyObject *args)
+static PyObject *response_head(const char *s, const char *end)
 {
-    Py_buffer buf;
-    if (!PyArg_ParseTuple(args, "y*:response_head", &buf))
-        return NULL;
-    init_tables();
-    const char *s = buf.buf, *end = s + buf.len;
-    PyObject *pairs = NULL, *result = NULL;
     const char *e = line_end(s, end);
     /* "HTTP/1.x DDD", then the line's end or a space and the reason */
     if (e - s < 12 || memcmp(s, "HTTP/1.", 7) || (s[7] != '1' && s[7] != '0') || s[8] != ' ' ||
         (e - s > 12 && s[12] != ' '))
-        goto defer;
+        return defer(NULL);
     int status = 0;
     for (int i = 9; i < 12; i++) {
         if (s[i] < '0' || s[i] > '9')
-            goto defer;
+            return defer(NULL);
         status = status * 10 + (s[i] - '0');
     }
     int http10 = s[7] == '0';
-    pairs = PyList_New(0);
+    PyObject *pairs = PyList_New(0);
     if (pairs == NULL)
-        goto done;
-    while (e < end) {
-        s = e + 2;
-        e = line_end(s, end);
-        const char *colon, *vs, *ve;
-        if (!header_line(s, e, &colon, &vs, &ve))
-            goto defer;
-        if (append_pair(pairs, s, colon - s, vs, ve - vs) < 0)
-            goto done;
+        return NULL;
+    int got;
+    const char *colon, *vs, *ve;
+    while ((got = next_header(&s, &e, end, &colon, &vs, &ve)) != 0) {
+        if (got < 0)
+            return defer(pairs);
+        if (append_pair(pairs, s, colon - s, vs, ve - vs) < 0) {
+            Py_DECREF(pairs);
+            return NULL;
+        }
     }
-    result = Py_BuildValue("(iOO)", status, http10 ? Py_True : Py_False, pairs);
-    goto done;
-defer:
-    result = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(pairs);
-    PyBuffer_Release(&buf);
-    return result;
+    return Py_BuildValue("(iON)", status, http10 ? Py_True : Py_False, pairs);
+}
+
+PyObject *py_request_head(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    const char *s;
+    Py_ssize_t n;
+    return PyArg_ParseTuple(args, "y#:request_head", &s, &n) ? request_head(s, s + n) : NULL;
+}
+
+PyObject *py_response_head(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    const char *s;
+    Py_ssize_t n;
+    return PyArg_ParseTuple(args, "y#:response_head", &s, &n) ? response_head(s, s + n) : NULL;
 }

@@ -11,7 +11,13 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fasthttp", "The lean HTTP/1.1 hot loops, in C.", -1,
-                                    methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_fasthttp", .m_doc = "The lean HTTP/1.1 hot loops, in C.", .m_size = -1,
+    .m_methods = methods,
+};
 
-PyMODINIT_FUNC PyInit__fasthttp(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fasthttp(void)
+{
+    heads_init();
+    return PyModule_Create(&module);
+}
