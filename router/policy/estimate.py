@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:  # a prompt's chain in one C call (router/policy/fastnet_c/prefix.c); chain_hash stays the definition
+    from router.policy._fastnet import chain_blocks
+except ImportError:  # built without a C compiler, or from older sources
+    chain_blocks = None
+
 DEFAULT_CHARS_PER_TOKEN = 4.0
 # Router-side prefix blocks are this many (estimated) tokens; Mooncake traces use 512.
 DEFAULT_PREFIX_BLOCK_TOKENS = 64
@@ -55,6 +60,8 @@ def text_prefix_blocks(
     block_chars = max(1, int(block_tokens * chars_per_token))
     data = text.encode("utf-8", "surrogatepass")
     n_full = min(len(data) // block_chars, max_blocks)
+    if chain_blocks is not None:
+        return chain_blocks(data, block_chars, n_full)
     out: list[int] = []
     parent = 0
     for i in range(n_full):

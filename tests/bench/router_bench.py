@@ -404,6 +404,9 @@ def main() -> int:
                     "NAME behind the router's late binding (what holding costs a request that is never held)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="replicas the routers see (the one backend on 127.0.0.1..N; at most 250)")
+    ap.add_argument("--prompt-chars", type=int, default=0, metavar="N",
+                    help="a prompt of N characters instead of the 104 of the default body (the router estimates tokens "
+                    "and hashes 256-character prefix blocks of it: a 2,000-token prompt is about 8,000)")
     ap.add_argument("--aiohttp-listener", action="store_true",
                     help="also run each router with the lean listener off (ROUTEWISE_LEAN_LISTENER=0: every request "
                     "through aiohttp's server side), named <router>-aiohttp, side by side")
@@ -438,6 +441,9 @@ def main() -> int:
     ap.add_argument("--backend-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--floor-only", type=int, nargs=2, metavar=("PORT", "BACKEND_PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.prompt_chars:
+        words = "Hello, how are you today? " * (args.prompt_chars // 26 + 1)
+        BODY["prompt"] = words[:args.prompt_chars]
     if args.backend_only:
         run_backend(args.backend_only, args.replicas, reuse_port=args.backend_procs > 1)
         return 0

@@ -4,6 +4,7 @@
  *   views.c    ClusterTracker.view's snapshots, built from the trackers
  *   rows.c     build_features rows, from the snapshots, by the column table features.py binds
  *   shared.c   router.shared's host-wide in-flight sums
+ *   prefix.c   router.policy.estimate's chained prefix-block hashes (BLAKE2b)
  *   module.c   the module: its method table and constants
  *
  * Nothing here knows a feature or a snapshot field by name or position: router/policy/features.py and
@@ -31,6 +32,8 @@ PyObject *py_best_view(PyObject *self, PyObject *args); /* best_view(replicas, r
 /* shared.c */
 PyObject *py_sum_rows(PyObject *self, PyObject *args);  /* sum_rows(counters, workers, per_worker, fields, ncols) */
 PyObject *py_put_row(PyObject *self, PyObject *args);   /* put_row(counters, offset, values) */
+/* prefix.c */
+PyObject *py_chain_blocks(PyObject *self, PyObject *args); /* chain_blocks(data, block, n) */
 
 /* ---- shared between the sources ---- */
 

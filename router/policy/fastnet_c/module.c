@@ -15,6 +15,8 @@ static PyMethodDef methods[] = {
      "best_view(replicas, request, spec_i, spec_f, weights, dims) -> (pick, finite): rows() and best() in one call"},
     {"sum_rows", py_sum_rows, METH_VARARGS, "sum_rows(counters, workers, per_worker, fields, ncols): router.shared's host-wide sums"},
     {"put_row", py_put_row, METH_VARARGS, "put_row(counters, offset, values): one worker's row of router.shared"},
+    {"chain_blocks", py_chain_blocks, METH_VARARGS,
+     "chain_blocks(data, block, n) -> the chained hashes of data's first n blocks (router.policy.estimate.chain_hash)"},
     {NULL, NULL, 0, NULL},
 };
 
