@@ -1,8 +1,9 @@
 """Everything is in pyproject.toml except the optional C extensions. Without a C compiler the build skips them and
 the router runs their Python references:
 - router.policy._fastnet: the routing network's forward pass for one decision (router/policy/fastnet.py), the
-  views and feature rows (router/policy/tracking.py and features.py); sources router/policy/fastnet_c/*.c
-  (fastnet.h lists them); without it the learned policy is served by onnxruntime alone;
+  views and feature rows (router/policy/tracking.py and features.py), the prompt's prefix-block hashes
+  (router/policy/estimate.py); sources router/policy/fastnet_c/*.c (fastnet.h lists them); without it the learned
+  policy is served by onnxruntime alone;
 - router._fasthttp: the lean listener's request heads (router/lean.py), the lean client's response heads and chunked
   bodies (router/h1client.py), each the common case beside the Python that defines every case; sources
   router/fasthttp_c/*.c (fasthttp.h lists them)."""
