@@ -68,7 +68,8 @@ def _completion_json() -> bytes:
     }).encode()
 
 
-def _stream_body() -> bytes:
+def _stream_chunks() -> list[bytes]:
+    """The streamed answer's HTTP chunks: one per SSE event, like vLLM's, then the last chunk."""
     parts = []
     for i in range(STREAM_EVENTS):
         ev = json.dumps({"id": "cmpl-b", "object": "text_completion", "created": 0, "model": "tiny",
@@ -76,10 +77,11 @@ def _stream_body() -> bytes:
                                       "finish_reason": "length" if i == STREAM_EVENTS - 1 else None}]}).encode()
         parts.append(b"data: " + ev + b"\n\n")
     parts.append(b"data: [DONE]\n\n")
-    out = b""
-    for p in parts:  # one HTTP chunk per SSE event, like vLLM
-        out += f"{len(p):x}\r\n".encode() + p + b"\r\n"
-    return out + b"0\r\n\r\n"
+    return [f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in parts] + [b"0\r\n\r\n"]
+
+
+def _stream_body() -> bytes:
+    return b"".join(_stream_chunks())
 
 
 METRICS_PAGE = (
@@ -97,8 +99,11 @@ def _resp(status: str, ctype: bytes, body: bytes) -> bytes:
 
 class Backend(asyncio.Protocol):
     COMPLETION = _resp("200 OK", b"application/json", _completion_json())
-    STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-              b"Transfer-Encoding: chunked\r\n\r\n" + _stream_body())
+    STREAM_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n")
+    STREAM = STREAM_HEAD + _stream_body()
+    STREAM_CHUNKS = _stream_chunks()
+    GAP_S = 0.0  # --token-gap-ms: a streamed answer's chunks this far apart, each its own write (0: all at once)
     HEALTH = _resp("200 OK", b"text/plain", b"")
     METRICS = _resp("200 OK", b"text/plain; version=0.0.4", METRICS_PAGE)
     MODELS = _resp("200 OK", b"application/json", b'{"object":"list","data":[{"id":"tiny","object":"model"}]}')
@@ -123,7 +128,12 @@ class Backend(asyncio.Protocol):
             self.buf = self.buf[end + 4 + n:]
             path = head.split(b" ", 2)[1]
             if path.startswith(b"/v1/completions") or path.startswith(b"/v1/chat"):
-                self.t.write(self.STREAM if b'"stream":true' in body.replace(b" ", b"") else self.COMPLETION)
+                if b'"stream":true' not in body.replace(b" ", b""):
+                    self.t.write(self.COMPLETION)
+                elif self.GAP_S:
+                    self._trickle()
+                else:
+                    self.t.write(self.STREAM)
             elif path == b"/health":
                 self.t.write(self.HEALTH)
             elif path == b"/metrics":
@@ -134,7 +144,20 @@ class Backend(asyncio.Protocol):
                 self.t.write(self.NOT_FOUND)
 
 
-def run_backend(port: int, hosts_n: int = 1, reuse_port: bool = False) -> None:
+    def _trickle(self) -> None:
+        """The streamed answer as a replica decodes it: the head now, then a token's chunk every GAP_S."""
+        self.t.write(self.STREAM_HEAD)
+        loop = asyncio.get_running_loop()
+        for i, chunk in enumerate(self.STREAM_CHUNKS, 1):
+            loop.call_later(self.GAP_S * i, self._send, chunk)
+
+    def _send(self, data: bytes) -> None:
+        if not self.t.is_closing():
+            self.t.write(data)
+
+
+def run_backend(port: int, hosts_n: int = 1, reuse_port: bool = False, gap_s: float = 0.0) -> None:
+    Backend.GAP_S = gap_s
     try:
         import uvloop
         uvloop.install()
@@ -407,6 +430,9 @@ def main() -> int:
     ap.add_argument("--prompt-chars", type=int, default=0, metavar="N",
                     help="a prompt of N characters instead of the 104 of the default body (the router estimates tokens "
                     "and hashes 256-character prefix blocks of it: a 2,000-token prompt is about 8,000)")
+    ap.add_argument("--token-gap-ms", type=float, default=0.0, metavar="MS",
+                    help="the backend writes a streamed answer's 17 chunks MS apart, one write each, as a replica "
+                    "decodes (default 0: the whole answer in one write); the router then reads each token alone")
     ap.add_argument("--aiohttp-listener", action="store_true",
                     help="also run each router with the lean listener off (ROUTEWISE_LEAN_LISTENER=0: every request "
                     "through aiohttp's server side), named <router>-aiohttp, side by side")
@@ -445,7 +471,7 @@ def main() -> int:
         words = "Hello, how are you today? " * (args.prompt_chars // 26 + 1)
         BODY["prompt"] = words[:args.prompt_chars]
     if args.backend_only:
-        run_backend(args.backend_only, args.replicas, reuse_port=args.backend_procs > 1)
+        run_backend(args.backend_only, args.replicas, reuse_port=args.backend_procs > 1, gap_s=args.token_gap_ms / 1e3)
         return 0
     if args.floor_only:
         run_python_floor(*args.floor_only)
@@ -480,7 +506,8 @@ def main() -> int:
     try:
         for _ in range(args.backend_procs):
             procs.append(subprocess.Popen([sys.executable, __file__, "--backend-only", str(bport), "--replicas",
-                                           str(args.replicas), "--backend-procs", str(args.backend_procs)],
+                                           str(args.replicas), "--backend-procs", str(args.backend_procs),
+                                           "--token-gap-ms", str(args.token_gap_ms)],
                                           start_new_session=True))
         wait_port(bport)
         targets = {"direct": bport}
