@@ -8,7 +8,6 @@ back into the tracker. Shadow evaluation and A/B splits extend `Router.select_ru
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -27,7 +26,7 @@ from router.policy.fallback import BUDGET_COOLDOWN, FALLBACK_REASONS, Decision
 from router.policy.late_binding import restrict
 from router.policy.model_routing import model_label
 from router.policy.served import GUARD_FIELDS, served_policy
-from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info
+from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info, make_view, unhealthy
 from router.replicas import Replica, ReplicaSet
 from router.serving.arms import routing_key
 from router.serving.layer import ServingLayer
@@ -242,9 +241,7 @@ class Router:
         if members is not None:  # only the model's replicas are candidates (a held request's view already is so)
             view = restrict(view, members)
         if exclude:
-            view = ClusterView(tuple(
-                dataclasses.replace(r, healthy=False) if r.replica_id in exclude else r for r in view.replicas
-            ))
+            view = make_view(tuple(unhealthy(r) if r.replica_id in exclude else r for r in view.replicas))
         context = None
         if only is not None:
             context, view = view, restrict(view, only)

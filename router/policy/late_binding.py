@@ -21,11 +21,10 @@ request can overrun it by up to one inter-event gap in the simulator. Callers ha
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from router.policy.types import ClusterView, ReplicaSnapshot
+from router.policy.types import ClusterView, ReplicaSnapshot, make_view, unhealthy
 
 Reason = Literal["room", "hold", "full", "timeout", "idle"]
 #: Why the rule let a request go (every Reason but "hold"): a bounded metric label.
@@ -118,6 +117,4 @@ def decide(
 def restrict(view: ClusterView, candidates: Sequence[int]) -> ClusterView:
     """The view with every replica outside `candidates` marked unhealthy, so a per-request policy picks among them."""
     keep = set(candidates)
-    return ClusterView(
-        tuple(r if i in keep or not r.healthy else dataclasses.replace(r, healthy=False) for i, r in enumerate(view.replicas))
-    )
+    return make_view(tuple(r if i in keep or not r.healthy else unhealthy(r) for i, r in enumerate(view.replicas)))

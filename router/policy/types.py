@@ -134,5 +134,10 @@ def slot_builder(frozen: type, params: tuple[str, ...] | None = None, values: di
 make_snapshot: Callable[..., ReplicaSnapshot] = slot_builder(ReplicaSnapshot)  # type: ignore[assignment]
 #: ClusterView(replicas).
 make_view: Callable[[tuple[ReplicaSnapshot, ...]], ClusterView] = slot_builder(ClusterView)  # type: ignore[assignment]
+#: dataclasses.replace(snapshot, healthy=False): a replica a decision may not pick (late binding's restriction, a
+#: model's other replicas, a retry's exclusions), built as plainly as make_snapshot.
+unhealthy: Callable[[ReplicaSnapshot], ReplicaSnapshot] = slot_builder(  # type: ignore[assignment]
+    ReplicaSnapshot, ("r",), {f.name: "False" if f.name == "healthy" else f"r.{f.name}"
+                              for f in dataclasses.fields(ReplicaSnapshot)})
 #: RequestInfo(...) with its fields positional, in field order.
 make_request_info: Callable[..., RequestInfo] = slot_builder(RequestInfo)  # type: ignore[assignment]

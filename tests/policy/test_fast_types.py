@@ -19,6 +19,7 @@ from router.policy.types import (
     make_request_info,
     make_snapshot,
     make_view,
+    unhealthy,
 )
 from tests.ci import require_compiled_views
 
@@ -44,6 +45,15 @@ def test_fast_view_and_request_info():
     assert info == RequestInfo("q", 12, None, (1, 2), "user") and type(info) is RequestInfo
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.request_id = "x"  # type: ignore[misc]
+
+
+def test_unhealthy_copy_is_dataclasses_replace():
+    snap = make_snapshot(*SNAP_ARGS)
+    fast, slow = unhealthy(snap), dataclasses.replace(snap, healthy=False)
+    assert type(fast) is ReplicaSnapshot and fast == slow and hash(fast) == hash(slow)
+    assert snap.healthy and fast is not snap
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.healthy = True  # type: ignore[misc]
 
 
 def test_tracker_snapshot_age_is_clamped_and_infinite_before_any_scrape():
