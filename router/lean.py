@@ -439,12 +439,12 @@ class LeanConnection(asyncio.Protocol):
         is replaced only when the new deadline comes before it; one that fires before the deadline waits out the
         rest, and one that finds nothing armed is dropped (a timer made and cancelled per request was a
         measurable share of a proxied request's CPU)."""
-        self._timer_kind = kind
-        self._deadline = deadline = self._loop.time() + delay
+        deadline = self._loop.time() + delay
         if self._timer is None or deadline < self._timer_at:
             self._stop_timer()
             self._timer_at = deadline
             self._timer = self._loop.call_at(deadline, self._expired)
+        self._timer_kind, self._deadline = kind, deadline
 
     def _disarm(self) -> None:
         self._timer_kind = ""

@@ -115,6 +115,22 @@ async def test_keepalive_timeout_runs_from_the_last_answer_not_the_first(fakes, 
     assert f.requests == 5
 
 
+@pytest.mark.parametrize("requests, limits", [(0, {"header_timeout_s": 0.3}), (1, {"keepalive_timeout_s": 0.3})])
+async def test_a_connection_idle_from_its_start_or_after_one_answer_is_closed(fakes, router_client, requests,
+                                                                             limits) -> None:
+    """The first deadline a connection gets closes it: the head's, at its start, and the keep-alive's after its first
+    answer, which comes before the head's (10 s) and so replaces its timer."""
+    (f,) = await fakes(1)
+    client = await router_client([f.url], **limits)
+    reader, writer = await connect(client)
+    for _ in range(requests):
+        writer.write(post())
+        status, _, _ = await read_response(reader)
+        assert status == 200
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
 async def test_pipelined_and_split_requests_are_answered_in_order(fakes, router_client) -> None:
     (f,) = await fakes(1)
     client = await router_client([f.url])
