@@ -1,5 +1,5 @@
-"""`python -m fleet` = the `fleet` command."""
+"""`python -m routewise_vllm.fleet` = the `fleet` command."""
 
-from fleet.cli import main
+from routewise_vllm.fleet.cli import main
 
 raise SystemExit(main())

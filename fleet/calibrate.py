@@ -33,8 +33,8 @@ from typing import Callable
 
 import numpy as np
 
-from fleet import calibrate_check, calibrate_fit
-from simulator import costmodel
+from routewise_vllm.fleet import calibrate_check, calibrate_fit
+from routewise_vllm.simulator import costmodel
 
 _WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "

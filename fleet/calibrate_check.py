@@ -16,8 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from simulator import costmodel
-from simulator.types import SimRequest
+from routewise_vllm.simulator import costmodel
+from routewise_vllm.simulator.types import SimRequest
 
 PERCENTILES = ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s")
 
@@ -47,10 +47,10 @@ def lognormal_requests(n: int, rate_rps: float, prompt_median: float, output_med
 def predict(profile: str | Path, requests: Sequence[SimRequest], replicas: int = 1, server: Server = Server(),
             seed: int = 0) -> dict[str, float]:
     """TTFT and E2E p50/p99 of `requests` on `replicas` replicas of `profile` (a name or a YAML path)."""
-    from router.policy.served import served_policy
-    from simulator.cluster import simulate
-    from simulator.config import ClusterConfig, ReplicaGroup, ScrapeConfig
-    from simulator.metrics import Slo, summarize
+    from routewise_vllm.router.policy.served import served_policy
+    from routewise_vllm.simulator.cluster import simulate
+    from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup, ScrapeConfig
+    from routewise_vllm.simulator.metrics import Slo, summarize
 
     group = ReplicaGroup(profile=str(profile), count=replicas, max_num_seqs=server.max_num_seqs,
                          max_num_batched_tokens=server.max_num_batched_tokens, block_size=server.block_size,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from simulator import costmodel
+from routewise_vllm.simulator import costmodel
 
 FOLDS = 5
 # Columns of a sweep row.

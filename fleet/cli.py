@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fleet import calibrate, demo, emulator, fidelity, loadgen
-from simulator import commands
-from simulator.commands import Command
+from routewise_vllm.fleet import calibrate, demo, emulator, fidelity, loadgen
+from routewise_vllm.simulator import commands
+from routewise_vllm.simulator.commands import Command
 
 
 COMMANDS: dict[str, Command] = {

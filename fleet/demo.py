@@ -5,7 +5,7 @@
 1. Starts emulated vLLM replicas (`fleet emulate`, each in its own process group on a free loopback
    port) with a heterogeneous mix: 2 x Llama-3-8B on A100, 1 x on H100, 1 x on A100 slowed 3x (a degraded
    node). `--replica URL` (repeatable) uses real vLLM servers instead and starts no emulator.
-2. Starts the router (`python -m router serve`) in front of them: control arm least-outstanding (the
+2. Starts the router (`router serve`) in front of them: control arm least-outstanding (the
    fallback), treatment arm the learned policy, traffic split 50/50 by a stable hash of the request
    (`--ab-treatment/--ab-share`). A router without those flags gets `--policy <treatment>` alone, and a
    checkout without a shipped learned model gets a stated stand-in treatment.
@@ -35,8 +35,8 @@ from urllib.parse import urlsplit
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleet.fidelity_report import interval95, p99_bootstrap
-from fleet.loadgen import (
+from routewise_vllm.fleet.fidelity_report import interval95, p99_bootstrap
+from routewise_vllm.fleet.loadgen import (
     TRACE_CHOICES,
     ClientSpec,
     PlanSpec,
@@ -160,7 +160,7 @@ def wait_ready(procs: Processes, urls: list[str], router: str, timeout_s: float)
 
 def router_flags(python: str) -> set[str]:
     """The flags `router serve --help` lists (A/B support is detected, not assumed)."""
-    out = subprocess.run([python, "-m", "router", "serve", "--help"], capture_output=True, text=True, cwd=REPO_ROOT,
+    out = subprocess.run([python, "-m", "routewise_vllm.router", "serve", "--help"], capture_output=True, text=True, cwd=REPO_ROOT,
                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"`router serve --help` failed:\n{out.stderr[-2000:]}")
@@ -168,7 +168,7 @@ def router_flags(python: str) -> set[str]:
 
 
 def learned_available() -> bool:
-    from router.policy.registry import DEFAULT_MODEL_PATH
+    from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
 
     return DEFAULT_MODEL_PATH.is_file()
 
@@ -177,7 +177,7 @@ def router_argv(python: str, port: int, replicas: list[str], control: str, treat
                 flags: set[str], late_max_num_seqs: int | None = None) -> tuple[list[str], bool]:  # fmt: skip
     """`late_max_num_seqs`: None = late binding at the batch limits the router infers from the replicas' /metrics
     (the default configuration), N = at N in flight per replica, 0 = off."""
-    argv = [python, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [python, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(port)]
     for url in replicas:
         argv += ["--replica", url]
     if late_max_num_seqs is None:
@@ -379,7 +379,7 @@ def main(args: argparse.Namespace) -> int:
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
                 procs.start(f"emulator-{i}", [
-                    python, "-m", "fleet", "emulate", "--port", str(port), "--profile", rep.profile,
+                    python, "-m", "routewise_vllm.fleet", "emulate", "--port", str(port), "--profile", rep.profile,
                     "--slowdown", str(rep.slowdown), "--max-num-seqs", str(args.max_num_seqs), "--speed", str(args.speed),
                 ])  # fmt: skip
                 urls.append(url)

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from fleet.fidelity_report import (
+from routewise_vllm.fleet.fidelity_report import (
     BASELINE,
     LEARNED,
     Replay,
@@ -51,8 +51,8 @@ from fleet.fidelity_report import (
     report_lines,
     rotated,
 )
-from router.policy.base import Policy
-from simulator.late_binding import split_late
+from routewise_vllm.router.policy.base import Policy
+from routewise_vllm.simulator.late_binding import split_late
 
 DEFAULT_POLICIES = ("least-outstanding", "expected-wait", "learned")
 LOAD_MATCH_ROUNDS = 12  # steps of the warm-up's rate toward the evaluated segment's offered load
@@ -97,7 +97,7 @@ def _tokenize(url: str, model: str, prompts: list[str]) -> list[int]:
 
 
 def _wait_idle(urls: list[str], timeout_s: float = 60.0) -> None:
-    from fleet.calibrate import _total, parse_metrics
+    from routewise_vllm.fleet.calibrate import _total, parse_metrics
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -117,7 +117,7 @@ ENGINE_HISTOGRAMS = ("vllm:inter_token_latency_seconds", "vllm:time_to_first_tok
 
 def _engine_sums(urls: list[str]) -> list[list[tuple[float, float]]]:
     """Per server, (sum, count) of each of ENGINE_HISTOGRAMS."""
-    from fleet.calibrate import _total, parse_metrics
+    from routewise_vllm.fleet.calibrate import _total, parse_metrics
 
     out = []
     for u in urls:
@@ -135,8 +135,8 @@ def replay_real(urls: list[str], policy: str, plan, model: str, work: Path, scra
     its fallback made (a learned policy over its time budget decides as least-outstanding: the simulator must know
     how often that happened live) with the count per reason. `<policy>+late` runs the router with late binding as
     `late` says."""
-    from fleet.router_process import start_router
-    from fleet.loadgen import ClientSpec, run_load
+    from routewise_vllm.fleet.router_process import start_router
+    from routewise_vllm.fleet.loadgen import ClientSpec, run_load
 
     _wait_idle(urls)
     before = _engine_sums(urls)
@@ -175,7 +175,7 @@ def cluster_from_profiles(profile_paths: list[Path], scrape_interval_s: float, m
     """A ClusterConfig of one replica per calibrated profile, with the server settings the profile measured."""
     import yaml
 
-    from simulator.config import ClusterConfig, ReplicaGroup, ScrapeConfig
+    from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup, ScrapeConfig
 
     groups = []
     for path in profile_paths:
@@ -194,11 +194,11 @@ def simulate_same(served: list[Served], cluster, policy: str, estimate_scale: fl
     """The same arrivals and lengths on the simulated fleet: what each request saw, and the fallback share.
     `<policy>+late` runs behind the simulator's late binding (the live rule) with `late`'s tokens per request; the
     simulated replicas' own max_num_seqs are the caps."""
-    from router.policy.late_binding import LateBindingConfig
-    from router.policy.served import served_policy
-    from simulator.cluster import simulate
-    from simulator.late_binding import simulate_late
-    from simulator.types import SimRequest
+    from routewise_vllm.router.policy.late_binding import LateBindingConfig
+    from routewise_vllm.router.policy.served import served_policy
+    from routewise_vllm.simulator.cluster import simulate
+    from routewise_vllm.simulator.late_binding import simulate_late
+    from routewise_vllm.simulator.types import SimRequest
 
     reqs = [SimRequest(i, s.arrival_s, s.prompt_tokens, s.output_tokens, max_tokens=s.output_tokens)
             for i, s in enumerate(served)]
@@ -238,8 +238,8 @@ def simulate_routed(served: list[Served], cluster, estimate_scale: float) -> lis
     the server model alone. Against `simulate_same` (the simulated router decides), it splits a policy's error into
     what the simulated servers get wrong and what the simulated router's different choices add. Not for late
     binding (live holding times are not recorded)."""
-    from simulator.cluster import simulate
-    from simulator.types import SimRequest
+    from routewise_vllm.simulator.cluster import simulate
+    from routewise_vllm.simulator.types import SimRequest
 
     if any(s.replica < 0 for s in served):
         raise FidelityError("simulate_routed: a request without the server that served it")
@@ -256,7 +256,7 @@ def capacity_rps(profile_paths: list[Path], mean_prompt: float, mean_output: flo
     """Requests/s the fleet sustains at full batches (from the calibrated cost model): the time scale's target."""
     import yaml
 
-    from simulator.costmodel import load_profile
+    from routewise_vllm.simulator.costmodel import load_profile
 
     total = 0.0
     for path in profile_paths:
@@ -287,7 +287,7 @@ def plan_at_load(spec, load: float, profile_paths: list[Path]):
     one at 32.1 with 48: the engines were saturated while the speed factors were measured). Offered load rises with
     the rate but not in proportion (a sparse window start at 5.2 req/s gave 0.16 of capacity, at 10 req/s 0.73), so
     rescaling by the ratio oscillates; the rate is bracketed and bisected on its logarithm."""
-    from fleet.loadplan import PlanSpec, build_plan
+    from routewise_vllm.fleet.loadplan import PlanSpec, build_plan
 
     def at(rate: float):
         plan, _ = build_plan(PlanSpec(**{**spec.__dict__, "rate": rate}))
@@ -338,7 +338,7 @@ def fit_in_fleet(args, base, rate: float, estimate_scale: float, urls: list[str]
     trace's TRAIN window (never the evaluated one) through the router, and set each replica's `speed_factor` to its
     engine's real mean inter-token latency over the simulated one. Returns the cluster, the factors, the extra
     request overhead and the warm-up engines' mean inter-token latency."""
-    from fleet.loadplan import PlanSpec, PromptSynth, build_plan
+    from routewise_vllm.fleet.loadplan import PlanSpec, PromptSynth, build_plan
 
     profiles = [Path(g.profile) for g in cluster.replicas]
     evaluated, _ = build_plan(PlanSpec(**{**base.__dict__, "rate": rate}))
@@ -438,7 +438,7 @@ def _split_cpus(client: str | None, n_servers: int) -> tuple[list[int] | None, l
     """--client-cpus as (client CPUs, CPUs left for the servers); (None, None) without it."""
     if not client:
         return None, None
-    from fleet.vllm import cpu_ids, parse_cpu_list
+    from routewise_vllm.fleet.vllm import cpu_ids, parse_cpu_list
 
     try:
         wanted = parse_cpu_list(client)
@@ -502,7 +502,7 @@ def _main(args: argparse.Namespace) -> int:
         if affinity_before is not None:
             os.sched_setaffinity(0, affinity_before)
         if servers:
-            from fleet import vllm
+            from routewise_vllm.fleet import vllm
 
             vllm.stop_servers(servers)
         if not args.out:
@@ -512,7 +512,7 @@ def _main(args: argparse.Namespace) -> int:
 def _checked(args: argparse.Namespace) -> tuple[list[str], list[int] | None, list[int] | None]:
     """(--policies as a list, the client's CPUs, the servers' CPUs), the arguments checked before minutes of
     measurement rather than after."""
-    from router.policy.registry import DEFAULT_MODEL_PATH
+    from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.calibrations < 0:
@@ -526,7 +526,7 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[int] | None, lis
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
-            raise FidelityError(f"--plot {args.plot}: needs matplotlib (pip install 'routewise[sim]')")
+            raise FidelityError(f"--plot {args.plot}: needs matplotlib (pip install 'routewise-vllm[sim]')")
     return policies, client_cpus, server_cpus
 
 
@@ -536,7 +536,7 @@ def _fleet(args: argparse.Namespace, work: Path, server_cpus: list[int] | None, 
     urls = list(args.server)
     if urls:
         return urls, [None] * len(urls), []
-    from fleet import vllm
+    from routewise_vllm.fleet import vllm
 
     python = vllm.vllm_python()
     if python is None:
@@ -574,7 +574,7 @@ def _setup(args: argparse.Namespace, urls: list[str], known_seqs: list, work: Pa
     (fitted to the loaded fleet by the warm-up)."""
     import yaml
 
-    from fleet.loadplan import PlanSpec, build_plan
+    from routewise_vllm.fleet.loadplan import PlanSpec, build_plan
 
     model = vllm_model(urls[0])
     base = PlanSpec(trace=args.trace, window=args.window, start_s=args.start, duration_s=args.duration,
@@ -624,7 +624,7 @@ def _calibrate(args: argparse.Namespace, urls: list[str], known_seqs: list, mode
     """A calibrated profile per server: the median-capacity one of --calibrations sweeps after a warming one."""
     import yaml
 
-    from fleet.calibrate import CalibrationError, SweepSpec, calibrate, profile_document, write_atomically
+    from routewise_vllm.fleet.calibrate import CalibrationError, SweepSpec, calibrate, profile_document, write_atomically
 
     profiles = []
     for i, url in enumerate(urls):
@@ -659,7 +659,7 @@ def _calibrate(args: argparse.Namespace, urls: list[str], known_seqs: list, mode
 def _replay_all(args: argparse.Namespace, policies: list[str], setup: _Setup, work: Path, log) -> Runs:
     """Every policy through the live router, `--repeats` times in rotated order, and each replay simulated: by the
     simulated router, on the real routing, and at the speed the engines ran in it."""
-    from fleet.loadplan import PlanSpec, PromptSynth, build_plan
+    from routewise_vllm.fleet.loadplan import PlanSpec, PromptSynth, build_plan
 
     runs = Runs(policies)
     for rep in range(args.repeats):
@@ -708,7 +708,7 @@ def _write_results(args: argparse.Namespace, work: Path, runs: Runs, report: dic
         (work / "raw.json").write_text(json.dumps(
             {p: {"real": [s.__dict__ for s in real[p]], "sim": [s.__dict__ for s in sim[p]]} for p in real}))
     if args.plot:
-        from fleet.fidelity_plot import plot_fidelity
+        from routewise_vllm.fleet.fidelity_plot import plot_fidelity
 
         log(f"fidelity: wrote {plot_fidelity(real, sim, report, args.plot)}")
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from fleet.loadplan import TRACE_CHOICES, PlannedRequest, PlanSpec, build_plan
+from routewise_vllm.fleet.loadplan import TRACE_CHOICES, PlannedRequest, PlanSpec, build_plan
 
 ARM_HEADER = "x-routewise-arm"
 REPLICA_HEADER = "x-routewise-replica"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.policy.estimate import DEFAULT_CHARS_PER_TOKEN
-from simulator.traces import KNOWN_TRACES, TraceLibrary, split_window, spread_in_buckets
+from routewise_vllm.router.policy.estimate import DEFAULT_CHARS_PER_TOKEN
+from routewise_vllm.simulator.traces import KNOWN_TRACES, TraceLibrary, split_window, spread_in_buckets
 
 # Short trace names of the CLI -> names in simulator/traces.py (both are accepted).
 TRACE_ALIASES = {

@@ -1,4 +1,4 @@
-"""The live router as a real subprocess (`python -m router serve`), plus readers of its /metrics and admin API.
+"""The live router as a real subprocess (`router serve`), plus readers of its /metrics and admin API.
 
 Running the router through its CLI tests what a deployment runs: flag and environment parsing, uvloop, the
 signal-driven drain, and a separate process whose event loop the test's load generator does not share.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.vllm import REPO_ROOT, free_ports, log_tail
+from routewise_vllm.fleet.vllm import REPO_ROOT, free_ports, log_tail
 
 ADMIN_TOKEN = "fleet-admin-token"
 
@@ -107,11 +107,11 @@ def start_router(
     replica_urls: list[str], policy: str, log_dir: Path, scrape_interval_s: float = 0.2,
     env: dict[str, str] | None = None,
 ) -> RouterProcess:
-    """`python -m router serve` on a free loopback port in its own process group; waits until every replica is routable."""
+    """`router serve` on a free loopback port in its own process group; waits until every replica is routable."""
     (port,) = free_ports(1)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"router-{port}.log"
-    args = [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+    args = [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--policy", policy, "--admin-token", ADMIN_TOKEN, "--scrape-interval", str(scrape_interval_s),
             "--log-level", "info"]
     for url in replica_urls:

@@ -1,5 +1,5 @@
 import sys
 
-from router.cli import main
+from routewise_vllm.router.cli import main
 
 sys.exit(main())

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from router.telemetry import RouterMetrics
+from routewise_vllm.router.telemetry import RouterMetrics
 
 if TYPE_CHECKING:
-    from router.routing import Route
+    from routewise_vllm.router.routing import Route
 
 
 def code_class(status: int) -> str:

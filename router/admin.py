@@ -13,10 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
-from router.errors import error_response
-from router.proxy import Proxy
-from router.replicas import Replica
-from router.serving.admin_api import serving_routes
+from routewise_vllm.router.errors import error_response
+from routewise_vllm.router.proxy import Proxy
+from routewise_vllm.router.replicas import Replica
+from routewise_vllm.router.serving.admin_api import serving_routes
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -18,22 +18,22 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import fleet_view
-from router.admin import admin_routes
-from router.endpoints import ENDPOINTS
-from router.listener import openai_errors
-from router.models import models_handler
-from router.probes import Probes
-from router.proxy import Proxy
-from router.replicas import ReplicaSet
-from router.routing import Router
-from router.scraper import Scraper
-from router.settings import RouterSettings
-from router.shared import SharedClusterTracker, SharedLoad
-from router.worker_sync import WorkerSync
-from router.telemetry import BATCH_LIMIT, RouterMetrics
-from router.h1client import H1Client
-from router.upstream import make_h1_client, make_session
+from routewise_vllm.router import fleet_view
+from routewise_vllm.router.admin import admin_routes
+from routewise_vllm.router.endpoints import ENDPOINTS
+from routewise_vllm.router.listener import openai_errors
+from routewise_vllm.router.models import models_handler
+from routewise_vllm.router.probes import Probes
+from routewise_vllm.router.proxy import Proxy
+from routewise_vllm.router.replicas import ReplicaSet
+from routewise_vllm.router.routing import Router
+from routewise_vllm.router.scraper import Scraper
+from routewise_vllm.router.settings import RouterSettings
+from routewise_vllm.router.shared import SharedClusterTracker, SharedLoad
+from routewise_vllm.router.worker_sync import WorkerSync
+from routewise_vllm.router.telemetry import BATCH_LIMIT, RouterMetrics
+from routewise_vllm.router.h1client import H1Client
+from routewise_vllm.router.upstream import make_h1_client, make_session
 
 log = logging.getLogger("router.app")
 

@@ -1,4 +1,4 @@
-"""`router serve`: run the live router (also `python -m router serve`)."""
+"""`router serve`: run the live router (also `python -m routewise_vllm.router serve`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import sys
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.policy.registry import policy_names
-from router.serving.decision_log import DecisionLogError, check_directory
-from router.settings import RouterSettings, build_settings, redacted
+from routewise_vllm.router.policy.registry import policy_names
+from routewise_vllm.router.serving.decision_log import DecisionLogError, check_directory
+from routewise_vllm.router.settings import RouterSettings, build_settings, redacted
 
 # Fields with a flag of their own name below; every other field gets --<field-name> (ALL_FLAGS)
 _OPTIONAL_NONE = "none"  # a flag's value that sets an optional field to None (unset), as ROUTEWISE_<FIELD>=none
@@ -106,8 +106,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def policy_load_error(settings: RouterSettings) -> str | None:
     """One line naming the first policy (main, A/B treatment, shadow) that does not load or cannot score, if any."""
-    from router.policy.registry import is_learned, make_policy
-    from router.serving.reload import check_policy
+    from routewise_vllm.router.policy.registry import is_learned, make_policy
+    from routewise_vllm.router.serving.reload import check_policy
 
     for field in ("policy", "ab_treatment", "shadow_policy"):
         name = getattr(settings, field)
@@ -122,8 +122,8 @@ def policy_load_error(settings: RouterSettings) -> str | None:
 async def serve(settings: RouterSettings, socks: list[socket.socket] | None = None, shared=None) -> None:
     """Serves until SIGTERM/SIGINT, then drains. `socks` (listening, ops) and `shared` (router.shared.SharedLoad,
     slot) make this one worker of `router serve --workers N` (router.workers)."""
-    from router.app import OPS_APP, PROXY, create_app
-    from router.listener import RouterRunner
+    from routewise_vllm.router.app import OPS_APP, PROXY, create_app
+    from routewise_vllm.router.listener import RouterRunner
 
     app = create_app(settings, shared=shared)
     access_log = logging.getLogger("router.access") if settings.access_log else None
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"router: {error}; starting on the fallback, least-outstanding (allow_fallback_start)", file=sys.stderr)
     if settings.shared_state is not None:
-        from router import fleet_view
+        from routewise_vllm.router import fleet_view
 
         missing = fleet_view.check_client()
         if missing is not None:
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     pid = " %(process)d" if settings.workers > 1 else ""
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s")
-    from router.workers import ListenError, listeners, run_workers
+    from routewise_vllm.router.workers import ListenError, listeners, run_workers
 
     try:
         if settings.workers > 1:

@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
-from router.errors import BadRequest
+from routewise_vllm.router.errors import BadRequest
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from router.settings import RouterSettings
+    from routewise_vllm.router.settings import RouterSettings
 
 log = logging.getLogger("router.connections")
 

@@ -22,12 +22,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from router.errors import BadRequest
-from router.models import unknown_model
-from router.openai import decode
+from routewise_vllm.router.errors import BadRequest
+from routewise_vllm.router.models import unknown_model
+from routewise_vllm.router.openai import decode
 
 if TYPE_CHECKING:
-    from router.replicas import ReplicaSet
+    from routewise_vllm.router.replicas import ReplicaSet
 
 
 @dataclass(frozen=True, slots=True)

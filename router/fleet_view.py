@@ -33,10 +33,10 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, CollectorRegistry
 
-from router.policy.remote_load import SHARED_FIELDS, ZERO, Counts, RemoteLoad, own_counts
-from router.settings import redact_url
-from router.shared import FIELDS as HOST_FIELDS
-from router.shared import SharedClusterTracker, SharedReplicaTracker
+from routewise_vllm.router.policy.remote_load import SHARED_FIELDS, ZERO, Counts, RemoteLoad, own_counts
+from routewise_vllm.router.settings import redact_url
+from routewise_vllm.router.shared import FIELDS as HOST_FIELDS
+from routewise_vllm.router.shared import SharedClusterTracker, SharedReplicaTracker
 
 log = logging.getLogger("router.fleet_view")
 
@@ -241,7 +241,7 @@ def check_client() -> str | None:
     try:
         import redis.asyncio  # noqa: F401
     except ImportError:
-        return "shared_state needs the redis package: pip install 'routewise[redis]'"
+        return "shared_state needs the redis package: pip install 'routewise-vllm[redis]'"
     return None
 
 

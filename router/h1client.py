@@ -21,7 +21,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 try:  # the chunked-body loop's and the head's common case in C (router/fasthttp_c); without a C compiler, Python alone
-    from router._fasthttp import response_head, scan_chunks
+    from routewise_vllm.router._fasthttp import response_head, scan_chunks
 except ImportError:
     response_head = scan_chunks = None
 

@@ -44,13 +44,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from router.batch_limit import UNKNOWN_LIMIT
-from router.models import no_replica_message
-from router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
-from router.policy.types import ClusterView, NoHealthyReplica, RequestInfo
-from router.replicas import ReplicaSet
-from router.settings import RouterSettings
-from router.telemetry import RouterMetrics
+from routewise_vllm.router.batch_limit import UNKNOWN_LIMIT
+from routewise_vllm.router.models import no_replica_message
+from routewise_vllm.router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
+from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, RequestInfo
+from routewise_vllm.router.replicas import ReplicaSet
+from routewise_vllm.router.settings import RouterSettings
+from routewise_vllm.router.telemetry import RouterMetrics
 
 
 class Dispatched(Protocol):

@@ -29,11 +29,11 @@ from aiohttp import web
 from aiohttp.tcp_helpers import tcp_nodelay
 from multidict import CIMultiDict
 
-from router.connections import ADMITTED, peer_address
-from router.errors import BadRequest, error_response
+from routewise_vllm.router.connections import ADMITTED, peer_address
+from routewise_vllm.router.errors import BadRequest, error_response
 
 try:  # the head's common case in C (router/fasthttp_c); without a C compiler, parse_plain alone
-    from router._fasthttp import request_head
+    from routewise_vllm.router._fasthttp import request_head
 except ImportError:
     request_head = None
 

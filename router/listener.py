@@ -24,16 +24,16 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from router.connections import (ADMITTED, GLOBAL_CAP, OPS_CAP, PER_CLIENT_CAP, PROBE, PROBE_HEADER_TIMEOUT_S,
+from routewise_vllm.router.connections import (ADMITTED, GLOBAL_CAP, OPS_CAP, PER_CLIENT_CAP, PROBE, PROBE_HEADER_TIMEOUT_S,
                                 PROBE_PATHS, PROBE_SLOTS, ClientConnections, connection_caps, head_too_large,
                                 peer_address, raise_open_file_limit)
-from router.errors import error_body, error_response
-from router.lean import LeanConnection
-from router.settings import RouterSettings
+from routewise_vllm.router.errors import error_body, error_response
+from routewise_vllm.router.lean import LeanConnection
+from routewise_vllm.router.settings import RouterSettings
 
 if TYPE_CHECKING:
-    from router.proxy import Proxy
-    from router.telemetry import RouterMetrics
+    from routewise_vllm.router.proxy import Proxy
+    from routewise_vllm.router.telemetry import RouterMetrics
 
 log = logging.getLogger("router.listener")
 

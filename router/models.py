@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.errors import BadRequest, error_response
+from routewise_vllm.router.errors import BadRequest, error_response
 
 # The replica set and its replicas (router.replicas) are typed Any here: router.replicas imports this module.
 ReplicaSet = Any

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.errors import BadRequest
+from routewise_vllm.router.errors import BadRequest
 
 _DECODER = json.JSONDecoder()
 

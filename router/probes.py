@@ -9,11 +9,11 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from router.errors import BadRequest, error_response
-from router.paths import PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
-from router.proxy import Proxy
-from router.transport import refuse
-from router.upstream import classify, request_headers, response_headers
+from routewise_vllm.router.errors import BadRequest, error_response
+from routewise_vllm.router.paths import PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
+from routewise_vllm.router.proxy import Proxy
+from routewise_vllm.router.transport import refuse
+from routewise_vllm.router.upstream import classify, request_headers, response_headers
 
 
 class Probes:

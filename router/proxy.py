@@ -21,22 +21,22 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.accounting import Accounts, Children, code_class
-from router.h1client import H1Client, ReaderTimeoutError
-from router.lean import LeanSent, LeanStream
-from router.endpoints import ENDPOINTS, read
-from router.errors import BadRequest, error_response, sse_error_event
-from router.models import names_unknown_model, no_replica_response, unknown_model
-from router.openai import decode, validate
-from router.outlier import Inflight
-from router.paths import GENERATION_PATHS
-from router.policy.types import NoHealthyReplica, Outcome, RequestInfo
-from router.replicas import Replica, ReplicaSet
-from router.routing import Route, Router
-from router.settings import RouterSettings
-from router.telemetry import RouterMetrics
-from router.transport import AiohttpRequest, Downstream, UpstreamResponse, read_body, refuse, upstreams
-from router.upstream import UpstreamError, classify, request_headers, response_headers
+from routewise_vllm.router.accounting import Accounts, Children, code_class
+from routewise_vllm.router.h1client import H1Client, ReaderTimeoutError
+from routewise_vllm.router.lean import LeanSent, LeanStream
+from routewise_vllm.router.endpoints import ENDPOINTS, read
+from routewise_vllm.router.errors import BadRequest, error_response, sse_error_event
+from routewise_vllm.router.models import names_unknown_model, no_replica_response, unknown_model
+from routewise_vllm.router.openai import decode, validate
+from routewise_vllm.router.outlier import Inflight
+from routewise_vllm.router.paths import GENERATION_PATHS
+from routewise_vllm.router.policy.types import NoHealthyReplica, Outcome, RequestInfo
+from routewise_vllm.router.replicas import Replica, ReplicaSet
+from routewise_vllm.router.routing import Route, Router
+from routewise_vllm.router.settings import RouterSettings
+from routewise_vllm.router.telemetry import RouterMetrics
+from routewise_vllm.router.transport import AiohttpRequest, Downstream, UpstreamResponse, read_body, refuse, upstreams
+from routewise_vllm.router.upstream import UpstreamError, classify, request_headers, response_headers
 
 log = logging.getLogger("router.proxy")
 

@@ -18,14 +18,14 @@ from enum import Enum
 import aiohttp
 from yarl import URL
 
-from router.batch_limit import BatchLimitInference
-from router.models import fetch_models
-from router.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
-from router.policy.model_routing import members
-from router.policy.tracking import ClusterTracker, ReplicaTracker
-from router.settings import RouterSettings, replica_id
-from router.shared import SharedClusterTracker
-from router.telemetry import RouterMetrics
+from routewise_vllm.router.batch_limit import BatchLimitInference
+from routewise_vllm.router.models import fetch_models
+from routewise_vllm.router.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
+from routewise_vllm.router.policy.model_routing import members
+from routewise_vllm.router.policy.tracking import ClusterTracker, ReplicaTracker
+from routewise_vllm.router.settings import RouterSettings, replica_id
+from routewise_vllm.router.shared import SharedClusterTracker
+from routewise_vllm.router.telemetry import RouterMetrics
 
 log = logging.getLogger("router.replicas")
 

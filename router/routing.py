@@ -17,23 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.endpoints import Parsed
-from router.hold_queue import HoldQueue
-from router.models import no_replica_message
-from router.openai import decode_budget, prompt_text, user_of
-from router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
-from router.policy.fallback import BUDGET_COOLDOWN, FALLBACK_REASONS, Decision
-from router.policy.late_binding import restrict
-from router.policy.model_routing import model_label
-from router.policy.served import GUARD_FIELDS, served_policy
-from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info, make_view, unhealthy
-from router.replicas import Replica, ReplicaSet
-from router.serving.arms import routing_key
-from router.serving.layer import ServingLayer
-from router.serving.shadow import ShadowResult
-from router.settings import RouterSettings, is_learned
-from router.slo import Targets
-from router.telemetry import RouterMetrics
+from routewise_vllm.router.endpoints import Parsed
+from routewise_vllm.router.hold_queue import HoldQueue
+from routewise_vllm.router.models import no_replica_message
+from routewise_vllm.router.openai import decode_budget, prompt_text, user_of
+from routewise_vllm.router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
+from routewise_vllm.router.policy.fallback import BUDGET_COOLDOWN, FALLBACK_REASONS, Decision
+from routewise_vllm.router.policy.late_binding import restrict
+from routewise_vllm.router.policy.model_routing import model_label
+from routewise_vllm.router.policy.served import GUARD_FIELDS, served_policy
+from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info, make_view, unhealthy
+from routewise_vllm.router.replicas import Replica, ReplicaSet
+from routewise_vllm.router.serving.arms import routing_key
+from routewise_vllm.router.serving.layer import ServingLayer
+from routewise_vllm.router.serving.shadow import ShadowResult
+from routewise_vllm.router.settings import RouterSettings, is_learned
+from routewise_vllm.router.slo import Targets
+from routewise_vllm.router.telemetry import RouterMetrics
 
 log = logging.getLogger("router.routing")
 

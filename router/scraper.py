@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import aiohttp
 
-from router.replicas import Replica, ReplicaSet
-from router.telemetry import RouterMetrics
-from router.vllm_metrics import REQUIRED, MetricsParseError, VllmStats, parse_vllm_metrics
+from routewise_vllm.router.replicas import Replica, ReplicaSet
+from routewise_vllm.router.telemetry import RouterMetrics
+from routewise_vllm.router.vllm_metrics import REQUIRED, MetricsParseError, VllmStats, parse_vllm_metrics
 
 log = logging.getLogger("router.scraper")
 

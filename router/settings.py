@@ -19,9 +19,9 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_va
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 from yarl import URL
 
-from router.policy.late_binding import LateBindingConfig
-from router.policy.registry import LEARNED, check_policy_name, is_learned
-from router.paths import DEFAULT_PASSTHROUGH_PATHS, normalise_path
+from routewise_vllm.router.policy.late_binding import LateBindingConfig
+from routewise_vllm.router.policy.registry import LEARNED, check_policy_name, is_learned
+from routewise_vllm.router.paths import DEFAULT_PASSTHROUGH_PATHS, normalise_path
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 

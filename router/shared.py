@@ -33,11 +33,11 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from router.policy.tracking import ClusterTracker, ReplicaTracker
-from router.policy.types import ClusterView, RequestInfo
+from routewise_vllm.router.policy.tracking import ClusterTracker, ReplicaTracker
+from routewise_vllm.router.policy.types import ClusterView, RequestInfo
 
 try:  # numpy's sum and slice assignment cost tens of microseconds on the cold caches of a live decision
-    from router.policy import _fastnet as _compiled
+    from routewise_vllm.router.policy import _fastnet as _compiled
 except ImportError:  # built without a C compiler: numpy does it
     _compiled = None
 

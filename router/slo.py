@@ -19,12 +19,12 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from router.policy.model_routing import model_label
-from router.policy.types import Outcome, RequestInfo
+from routewise_vllm.router.policy.model_routing import model_label
+from routewise_vllm.router.policy.types import Outcome, RequestInfo
 
 if TYPE_CHECKING:
-    from router.settings import RouterSettings
-    from router.telemetry import RouterMetrics
+    from routewise_vllm.router.settings import RouterSettings
+    from routewise_vllm.router.telemetry import RouterMetrics
 
 log = logging.getLogger("router.slo")
 

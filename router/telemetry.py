@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.metric_batch import Batch, FlushingRegistry
+from routewise_vllm.router.metric_batch import Batch, FlushingRegistry
 
 
 def geometric_buckets(lo: float, hi: float, ratio: float) -> tuple[float, ...]:

@@ -25,8 +25,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 from yarl import URL
 
-from router.errors import BadRequest
-from router.h1client import H1Client, ReaderTimeoutError
+from routewise_vllm.router.errors import BadRequest
+from routewise_vllm.router.h1client import H1Client, ReaderTimeoutError
 
 
 class StreamOut(Protocol):

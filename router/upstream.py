@@ -7,8 +7,8 @@ import asyncio
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.h1client import H1Client, UpstreamConnectError
-from router.settings import RouterSettings, replica_tls_context
+from routewise_vllm.router.h1client import H1Client, UpstreamConnectError
+from routewise_vllm.router.settings import RouterSettings, replica_tls_context
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.policy.types import LoraState
+from routewise_vllm.router.policy.types import LoraState
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from router.replicas import ReplicaSet
-from router.serving.reload import PolicyReloader
-from router.shared import SharedLoad
+from routewise_vllm.router.replicas import ReplicaSet
+from routewise_vllm.router.serving.reload import PolicyReloader
+from routewise_vllm.router.shared import SharedLoad
 
 log = logging.getLogger("router.worker_sync")
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from router.settings import RouterSettings
+from routewise_vllm.router.settings import RouterSettings
 
 log = logging.getLogger("router.workers")
 
@@ -201,7 +201,7 @@ def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> in
         from prometheus_client import values
 
         values.ValueClass = values.get_value_class()
-    from router.shared import SharedLoad
+    from routewise_vllm.router.shared import SharedLoad
 
     load = SharedLoad(settings.workers)
     parent = os.getpid()

@@ -16,4 +16,4 @@ if ! .venv/bin/python -c "import aiohttp, prometheus_client, numpy, pydantic_set
 fi
 # The demo reports which replica served each request: it needs the router's opt-in x-routewise-replica header.
 export ROUTEWISE_REPLICA_HEADER=${ROUTEWISE_REPLICA_HEADER:-true}
-exec .venv/bin/python -m fleet demo "$@"
+exec .venv/bin/fleet demo "$@"

@@ -89,7 +89,7 @@ def field_groups(cls) -> dict[str, str]:
 
 def serve_flags() -> dict[str, tuple[list[str], str]]:
     """Settings field -> (the `router serve` flags that set it, their help)."""
-    from router import cli
+    from routewise_vllm.router import cli
 
     build = getattr(cli, "build_parser", None) or getattr(cli, "_parser")
     parser = build()
@@ -104,7 +104,7 @@ def serve_flags() -> dict[str, tuple[list[str], str]]:
 
 
 def settings_markdown() -> str:
-    from router.settings import RouterSettings
+    from routewise_vllm.router.settings import RouterSettings
 
     prefix = RouterSettings.model_config.get("env_prefix", "")
     flags = serve_flags()
@@ -159,8 +159,8 @@ def settings_markdown() -> str:
 
 
 def app_registry(**settings):
-    from router.app import METRICS, create_app
-    from router.settings import RouterSettings
+    from routewise_vllm.router.app import METRICS, create_app
+    from routewise_vllm.router.settings import RouterSettings
 
     app = create_app(RouterSettings(replicas=["http://127.0.0.1:9"], **settings))
     return app[METRICS].registry

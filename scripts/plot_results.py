@@ -28,7 +28,7 @@ FIELDS = ["scenario", "group", "best_per_request_heuristic", "best_per_request_p
 
 def rows_from_compare(paths: list[Path], model: str) -> list[dict]:
     """One row per scenario of the compare documents that has the model's row and some heuristic rows."""
-    from router.policy.registry import BASELINES
+    from routewise_vllm.router.policy.registry import BASELINES
 
     by_scenario: dict[str, dict[str, float]] = {}
     for path in paths:

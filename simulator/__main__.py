@@ -1,5 +1,5 @@
-"""`python -m simulator` = the `simulator` command."""
+"""`python -m routewise_vllm.simulator` = the `simulator` command."""
 
-from simulator.cli import main
+from routewise_vllm.simulator.cli import main
 
 raise SystemExit(main())

@@ -5,7 +5,7 @@ log-normal outputs, mean ~211), Poisson arrivals at 85% of the cluster's capacit
 llama3-8b-a100 replicas, least-outstanding routing. Capacity is measured, not assumed: one
 replica is saturated with a burst of the same lengths and its completion rate is taken.
 
-    python -m simulator.bench [--n-requests N] [--seed S]
+    python -m routewise_vllm.simulator.bench [--n-requests N] [--seed S]
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from router.policy.registry import make_policy
-from simulator.cluster import simulate
-from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.simulator.cluster import simulate
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.types import SimRequest
 
 PROMPT_MEAN, PROMPT_SIGMA = 1155.0, 1.0
 OUTPUT_MEAN, OUTPUT_SIGMA = 211.0, 0.8

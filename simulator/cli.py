@@ -17,11 +17,11 @@ from pathlib import Path
 
 import yaml
 
-from router.policy.late_binding import LateBindingConfig
-from simulator import commands, costmodel
-from simulator.bench import run_bench
-from simulator.commands import Command
-from simulator.experiments import (
+from routewise_vllm.router.policy.late_binding import LateBindingConfig
+from routewise_vllm.simulator import commands, costmodel
+from routewise_vllm.simulator.bench import run_bench
+from routewise_vllm.simulator.commands import Command
+from routewise_vllm.simulator.experiments import (
     ALL,
     ExperimentError,
     compare,
@@ -31,8 +31,8 @@ from simulator.experiments import (
     run_once,
     to_json,
 )
-from simulator.replay import DecisionLogError, read_decision_log, summarize_log
-from simulator.scenario import SCENARIO_GROUPS, load_scenario, replay_scenario, scenario_names
+from routewise_vllm.simulator.replay import DecisionLogError, read_decision_log, summarize_log
+from routewise_vllm.simulator.scenario import SCENARIO_GROUPS, load_scenario, replay_scenario, scenario_names
 
 
 

@@ -53,17 +53,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from router.policy.base import Policy
-from router.policy.estimate import TokenEstimator, chain_hash
-from router.policy.late_binding import restrict
-from router.policy.model_routing import members
-from router.policy.tracking import ClusterTracker
-from router.policy.types import ClusterView, LoraState, Outcome, RequestInfo, make_request_info
-from simulator.config import ClusterConfig
-from simulator.costmodel import load_profile
-from simulator.replica import COMPLETE, ReqState, Replica
-from simulator.shared_state import LaggedFleetView
-from simulator.types import RequestRecord, SimRequest
+from routewise_vllm.router.policy.base import Policy
+from routewise_vllm.router.policy.estimate import TokenEstimator, chain_hash
+from routewise_vllm.router.policy.late_binding import restrict
+from routewise_vllm.router.policy.model_routing import members
+from routewise_vllm.router.policy.tracking import ClusterTracker
+from routewise_vllm.router.policy.types import ClusterView, LoraState, Outcome, RequestInfo, make_request_info
+from routewise_vllm.simulator.config import ClusterConfig
+from routewise_vllm.simulator.costmodel import load_profile
+from routewise_vllm.simulator.replica import COMPLETE, ReqState, Replica
+from routewise_vllm.simulator.shared_state import LaggedFleetView
+from routewise_vllm.simulator.types import RequestRecord, SimRequest
 
 REJECTED_PROMPT_TOO_LONG = "prompt_too_long"  # RequestRecord.error of a request vLLM refuses
 

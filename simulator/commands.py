@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from simulator.traces import TRACES_DIR_HELP, TraceError, use_traces_dir
+from routewise_vllm.simulator.traces import TRACES_DIR_HELP, TraceError, use_traces_dir
 
 EXIT_USAGE = 2
 

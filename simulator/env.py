@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.policy.features import N_FEATURES, action_mask, build_features
-from router.policy.late_binding import LateBindingConfig, restrict
-from router.policy.types import ClusterView, RequestInfo
-from simulator.cluster import ClusterSim
-from simulator.config import ClusterConfig
-from simulator.late_binding import next_choice, sim_limits
-from simulator.types import RequestRecord, SimRequest
+from routewise_vllm.router.policy.features import N_FEATURES, action_mask, build_features
+from routewise_vllm.router.policy.late_binding import LateBindingConfig, restrict
+from routewise_vllm.router.policy.types import ClusterView, RequestInfo
+from routewise_vllm.simulator.cluster import ClusterSim
+from routewise_vllm.simulator.config import ClusterConfig
+from routewise_vllm.simulator.late_binding import next_choice, sim_limits
+from routewise_vllm.simulator.types import RequestRecord, SimRequest
 
 
 class DecisionEnv:

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED, policy_names
-from router.policy.served import served_policy
-from router.policy.late_binding import LateBindingConfig
-from simulator.cluster import ClusterSim, simulate
-from simulator.late_binding import LATE_SUFFIX, simulate_late
-from simulator.metrics import aggregate, render_table, summarize
-from simulator.scenario import SCENARIO_GROUPS, ScenarioError, load_scenario, scenario_names
+from routewise_vllm.router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED, policy_names
+from routewise_vllm.router.policy.served import served_policy
+from routewise_vllm.router.policy.late_binding import LateBindingConfig
+from routewise_vllm.simulator.cluster import ClusterSim, simulate
+from routewise_vllm.simulator.late_binding import LATE_SUFFIX, simulate_late
+from routewise_vllm.simulator.metrics import aggregate, render_table, summarize
+from routewise_vllm.simulator.scenario import SCENARIO_GROUPS, ScenarioError, load_scenario, scenario_names
 
 ALL = "all"
 

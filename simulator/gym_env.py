@@ -17,10 +17,10 @@ from typing import Any, Callable, Literal
 import gymnasium as gym
 import numpy as np
 
-from router.policy.features import N_FEATURES
-from simulator.config import ClusterConfig
-from simulator.env import DecisionEnv
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.features import N_FEATURES
+from routewise_vllm.simulator.config import ClusterConfig
+from routewise_vllm.simulator.env import DecisionEnv
+from routewise_vllm.simulator.types import SimRequest
 
 ScenarioFactory = Callable[[np.random.Generator], tuple[ClusterConfig, list[SimRequest]]]
 OBS_HIGH = 1e3

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from router.policy.fallback import FallbackPolicy
-from router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
+from routewise_vllm.router.policy.fallback import FallbackPolicy
+from routewise_vllm.router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
 
 
 #: `<policy>+late`: the policy behind late binding (simulator compare rows, fleet fidelity and router_bench targets)
@@ -55,7 +55,7 @@ def simulate_late(config, requests, policy, seed: int | None = None, late: LateB
     ("fifo"); the same without targets.
     `reasons["hold"]` counts hold decisions (a head offered and held again counts again); `sim.n_holds`
     (in `reasons["held_requests"]`) counts requests that entered the queue."""
-    from simulator.cluster import ClusterSim, Policy
+    from routewise_vllm.simulator.cluster import ClusterSim, Policy
 
     late = late or LateBindingConfig()
     sim = ClusterSim(config, requests, seed=seed)

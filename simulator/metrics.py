@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.traces import WARMUP_TENANT
-from simulator.types import RequestRecord
+from routewise_vllm.simulator.traces import WARMUP_TENANT
+from routewise_vllm.simulator.types import RequestRecord
 
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
 PERCENTILE_METHOD = "linear"

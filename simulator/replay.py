@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from simulator.types import SimRequest
+from routewise_vllm.simulator.types import SimRequest
 
 FORMAT_VERSION = 1
 _FILE_RE = re.compile(r"^decisions-(\d{6,})\.jsonl$")

@@ -41,9 +41,9 @@ import math
 from collections import OrderedDict, deque
 from typing import Sequence
 
-from simulator.config import ReplicaGroup
-from simulator.costmodel import Profile
-from simulator.types import SimRequest
+from routewise_vllm.simulator.config import ReplicaGroup
+from routewise_vllm.simulator.costmodel import Profile
+from routewise_vllm.simulator.types import SimRequest
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
 IDLE, ITER, JUMP, DOWN = 0, 1, 2, 3

@@ -18,12 +18,12 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from simulator.config import ClusterConfig, expand_names
-from simulator.costmodel import load_profile
-from simulator.metrics import Slo
-from simulator.traces import Split, TraceLibrary
-from simulator.types import SimRequest
-from simulator.workload import WorkloadSpec
+from routewise_vllm.simulator.config import ClusterConfig, expand_names
+from routewise_vllm.simulator.costmodel import load_profile
+from routewise_vllm.simulator.metrics import Slo
+from routewise_vllm.simulator.traces import Split, TraceLibrary
+from routewise_vllm.simulator.types import SimRequest
+from routewise_vllm.simulator.workload import WorkloadSpec
 
 SCENARIOS_DIR = Path(__file__).parent / "scenarios"
 _SPLIT_SALT = {"train": 0x7261696E, "eval": 0x6576616C}

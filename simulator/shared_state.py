@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from router.policy.remote_load import Counts, RemoteLoad, own_counts
-from router.policy.tracking import ClusterTracker
+from routewise_vllm.router.policy.remote_load import Counts, RemoteLoad, own_counts
+from routewise_vllm.router.policy.tracking import ClusterTracker
 
 
 class LaggedFleetView:

@@ -1,6 +1,6 @@
 """Deadline-first against FIFO behind late binding, on the same arrivals: which held request a freed slot takes.
 
-    python -m simulator.slo_order SCENARIO [--policy least-outstanding] [--seeds 3] [--split eval]
+    python -m routewise_vllm.simulator.slo_order SCENARIO [--policy least-outstanding] [--seeds 3] [--split eval]
 
 A scenario with `classes` (each request drawn into a class carrying its own TTFT / TPOT targets, the live router's
 x-slo-ttft-ms / x-slo-tpot-ms) is built once per seed and run twice behind late binding, with the held requests
@@ -18,12 +18,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from router.policy.served import served_policy
-from simulator.late_binding import simulate_late
-from simulator.metrics import Slo, request_table
-from simulator.scenario import ScenarioError, load_scenario
-from simulator.types import RequestRecord, SimRequest
-from simulator.workload import WARMUP_TENANT
+from routewise_vllm.router.policy.served import served_policy
+from routewise_vllm.simulator.late_binding import simulate_late
+from routewise_vllm.simulator.metrics import Slo, request_table
+from routewise_vllm.simulator.scenario import ScenarioError, load_scenario
+from routewise_vllm.simulator.types import RequestRecord, SimRequest
+from routewise_vllm.simulator.workload import WARMUP_TENANT
 
 ORDERS = ("fifo", "deadline")
 
@@ -75,7 +75,7 @@ def render(result: dict[str, dict[int, dict[str, float]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m simulator.slo_order", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m routewise_vllm.simulator.slo_order", description=__doc__.split("\n\n")[0])
     p.add_argument("scenario")
     p.add_argument("--policy", default="least-outstanding")
     p.add_argument("--seeds", type=int, default=3)

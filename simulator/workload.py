@@ -23,7 +23,7 @@ from typing import Annotated, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from simulator.traces import (
+from routewise_vllm.simulator.traces import (
     KNOWN_TRACES,
     WARMUP_S,
     WARMUP_TENANT,
@@ -33,8 +33,8 @@ from simulator.traces import (
     split_window,
     spread_in_buckets,
 )
-from simulator.replay import DecisionLogWorkload
-from simulator.types import SimRequest
+from routewise_vllm.simulator.replay import DecisionLogWorkload
+from routewise_vllm.simulator.types import SimRequest
 
 
 class _Strict(BaseModel):

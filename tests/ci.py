@@ -30,7 +30,7 @@ def require_compiled_views():
     """The C view builder (router.policy.tracking._compiled). Without the C extension: a skip locally, a failure
     under CI, which builds it. An extension built that cannot bind the view and row tables fails the import of
     router.policy itself, everywhere."""
-    from router.policy import fastnet, tracking
+    from routewise_vllm.router.policy import fastnet, tracking
 
     if not fastnet.available():
         skip_or_fail("the C extension router.policy._fastnet is not built (no C compiler at install)")

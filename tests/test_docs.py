@@ -39,7 +39,7 @@ def test_check_mode_names_a_stale_file(tmp_path, monkeypatch, capsys):
 
 
 def test_settings_reference_lists_every_field_with_its_variable():
-    from router.settings import RouterSettings
+    from routewise_vllm.router.settings import RouterSettings
 
     text = (ROOT / "docs" / "settings.md").read_text()
     for name in RouterSettings.model_fields:

@@ -15,13 +15,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from router.app import REPLICAS, ROUTER, create_app
-from router.policy import FEATURE_NAMES, build_features
-from router.settings import RouterSettings
-from router.vllm_metrics import parse_vllm_metrics
-from simulator.cluster import ClusterSim
-from simulator.config import ClusterConfig, ReplicaGroup, ScrapeConfig
-from simulator.types import SimRequest
+from routewise_vllm.router.app import REPLICAS, ROUTER, create_app
+from routewise_vllm.router.policy import FEATURE_NAMES, build_features
+from routewise_vllm.router.settings import RouterSettings
+from routewise_vllm.router.vllm_metrics import parse_vllm_metrics
+from routewise_vllm.simulator.cluster import ClusterSim
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup, ScrapeConfig
+from routewise_vllm.simulator.types import SimRequest
 
 PAGE = (Path(__file__).parent / "data" / "vllm_metrics_0.32.0.txt").read_text()
 FIRST_AT, SECOND_AT = 5.0, 5.001

@@ -20,12 +20,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "simulator", "fleet", "trainer")
+NAMESPACE = "routewise_vllm"  # the import name of each folder: routewise_vllm.router is router/
 
 BLOCKER = """
 import sys
 class _Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in {blocked!r}:
+        if name.removeprefix('routewise_vllm.').split('.')[0] in {blocked!r}:
             raise ImportError(f'{{name}} is blocked by the layering test')
         return None
 sys.meta_path.insert(0, _Block())
@@ -43,7 +44,7 @@ def _import_with_blocked(modules: list[str], blocked: set[str]) -> subprocess.Co
 
 def _package_modules(package: str) -> list[str]:
     return sorted(
-        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        NAMESPACE + "." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         for p in (ROOT / package).rglob("*.py")
         if p.name != "__main__.py"  # running it is the command itself
     )
@@ -83,7 +84,7 @@ def _imports(path: Path) -> set[str]:
             visit(child)
 
     visit(ast.parse(path.read_text(), filename=str(path)))
-    return found
+    return {m.removeprefix(NAMESPACE + ".") for m in found}  # named as the folders are
 
 
 def _project_files() -> dict[str, Path]:
@@ -178,8 +179,8 @@ def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
     """The detector itself: two modules importing each other inside functions are a cycle."""
     pkg = tmp_path / "simulator"
     pkg.mkdir()
-    (pkg / "a.py").write_text("def f():\n    from simulator.b import g\n")
-    (pkg / "b.py").write_text("from simulator import a\n")
+    (pkg / "a.py").write_text("def f():\n    from routewise_vllm.simulator.b import g\n")
+    (pkg / "b.py").write_text("from routewise_vllm.simulator import a\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("simulator",))
     with pytest.raises(AssertionError):

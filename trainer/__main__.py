@@ -1,6 +1,6 @@
 import sys
 
-from trainer.cli import main
+from routewise_vllm.trainer.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

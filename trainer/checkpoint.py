@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
-from trainer.config import ConfigError, TrainConfig, config_from_dict
-from trainer.network import RoutingNet
+from routewise_vllm.router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
+from routewise_vllm.trainer.config import ConfigError, TrainConfig, config_from_dict
+from routewise_vllm.trainer.network import RoutingNet
 
 FORMAT = "routewise-trainer-checkpoint/1"
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from simulator.traces import TRACES_DIR_HELP, TraceError, use_traces_dir
+from routewise_vllm.simulator.traces import TRACES_DIR_HELP, TraceError, use_traces_dir
 
 ALL = "all"
 READS_TRACES = {"train", "evaluate"}
@@ -49,14 +49,14 @@ def _ray_argument(p: argparse.ArgumentParser, what: str) -> None:
         "--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
         help=f"run on a Ray cluster instead of local worker processes: {what}. ADDRESS: auto (default; RAY_ADDRESS if set, "
         "else the cluster `ray start` began on this machine), ray://HOST:10001, HOST:6379, or local (a private instance "
-        "on this machine). Needs the extra: pip install 'routewise[ray]'",
+        "on this machine). Needs the extra: pip install 'routewise-vllm[ray]'",
     )  # fmt: skip
 
 
 def _train(args: argparse.Namespace) -> int:
-    from trainer.checkpoint import checkpoint_config, read_checkpoint
-    from trainer.config import load_config
-    from trainer.ppo import train
+    from routewise_vllm.trainer.checkpoint import checkpoint_config, read_checkpoint
+    from routewise_vllm.trainer.config import load_config
+    from routewise_vllm.trainer.ppo import train
 
     overrides = list(args.overrides) + ([f"run.run_dir={args.run_dir}"] if args.run_dir else [])
     overrides += [f"run.ray={json.dumps(args.ray)}"] if args.ray else []
@@ -102,9 +102,9 @@ def _evaluate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED
-    from simulator.experiments import ExperimentError, resolve_scenarios, to_json
-    from trainer import evaluate as ev
+    from routewise_vllm.router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED
+    from routewise_vllm.simulator.experiments import ExperimentError, resolve_scenarios, to_json
+    from routewise_vllm.trainer import evaluate as ev
 
     if args.seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
@@ -172,9 +172,9 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from trainer.checkpoint import load_network
-    from trainer.export import export_onnx, model_size_bytes, parity_check
-    from trainer.observations import simulator_observations
+    from routewise_vllm.trainer.checkpoint import load_network
+    from routewise_vllm.trainer.export import export_onnx, model_size_bytes, parity_check
+    from routewise_vllm.trainer.observations import simulator_observations
 
     ckpt = Path(args.checkpoint)
     net, cfg, doc = load_network(ckpt)
@@ -198,9 +198,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _write_card(path: Path, ckpt: Path, cfg, doc: dict, version: str, size: int, report) -> None:
-    from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION
-    from trainer.checkpoint import load_network
-    from trainer.network import parameter_count
+    from routewise_vllm.router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION
+    from routewise_vllm.trainer.checkpoint import load_network
+    from routewise_vllm.trainer.network import parameter_count
 
     summary_path = ckpt.parent / "summary.json"
     run = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
@@ -241,7 +241,7 @@ COMMANDS = {
     "evaluate": ("the learned policy and every baseline on the same seeds: table with 95%% CIs, plots", _evaluate_arguments, _evaluate),
     "export": ("export a checkpoint to ONNX (normalisation folded in) and check parity with torch", _export_arguments, _export),
 }
-from trainer.fleet_cli import FLEET_COMMANDS  # noqa: E402 - finetune/follow live in their own module
+from routewise_vllm.trainer.fleet_cli import FLEET_COMMANDS  # noqa: E402 - finetune/follow live in their own module
 
 COMMANDS |= FLEET_COMMANDS
 
@@ -258,12 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from trainer.checkpoint import CheckpointError
-    from trainer.config import ConfigError
-    from trainer.export import ExportError
-    from trainer.finetune import FinetuneError
-    from trainer.fleet_log import FleetLogError
-    from trainer.ray_backend import RayBackendError
+    from routewise_vllm.trainer.checkpoint import CheckpointError
+    from routewise_vllm.trainer.config import ConfigError
+    from routewise_vllm.trainer.export import ExportError
+    from routewise_vllm.trainer.finetune import FinetuneError
+    from routewise_vllm.trainer.fleet_log import FleetLogError
+    from routewise_vllm.trainer.ray_backend import RayBackendError
 
     args = build_parser().parse_args(argv)
     try:

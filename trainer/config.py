@@ -160,7 +160,7 @@ class WarmStartConfig(_Strict):
     @field_validator("behaviours")
     @classmethod
     def _known_behaviours(cls, names: list[str]) -> list[str]:
-        from router.policy.registry import BASELINES
+        from routewise_vllm.router.policy.registry import BASELINES
 
         for name in names:
             if name not in BASELINES:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trainer.instances import InstanceSpec
+from routewise_vllm.trainer.instances import InstanceSpec
 
 
 @dataclass(frozen=True)

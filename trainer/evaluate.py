@@ -13,16 +13,16 @@ from pathlib import Path
 
 import numpy as np
 
-from router.policy.registry import BASELINES
-from simulator.metrics import render_table
+from routewise_vllm.router.policy.registry import BASELINES
+from routewise_vllm.simulator.metrics import render_table
 
 LEARNED_LABEL = "learned"
 
 
 def learned_onnx(policy: str, out_dir: Path) -> Path:
     """An ONNX file for `policy` (.onnx as is; a checkpoint is exported into out_dir)."""
-    from trainer.checkpoint import load_network
-    from trainer.export import check_onnx_file, export_onnx
+    from routewise_vllm.trainer.checkpoint import load_network
+    from routewise_vllm.trainer.export import check_onnx_file, export_onnx
 
     path = Path(policy)
     if path.suffix == ".onnx":
@@ -49,12 +49,12 @@ def run_comparison(
     """`simulator.experiments.compare` of the baselines and the learned ONNX (with `late_binding`, each also behind
     the router's late binding, as `NAME+late`); on the Ray cluster at `ray` when given (trainer/ray_backend.py: the
     ONNX file travels with each task)."""
-    from simulator.experiments import compare
+    from routewise_vllm.simulator.experiments import compare
 
     policies = list(baselines) + ([str(onnx_path)] if onnx_path is not None else [])
     if ray is None:
         return compare(scenarios, policies, seeds, split=split, workers=workers, progress=progress, late_binding=late_binding)
-    from trainer.ray_backend import RayExecutor, connect
+    from routewise_vllm.trainer.ray_backend import RayExecutor, connect
 
     with connect(ray, num_cpus=max(1, workers)) as ray_module:
         executor = RayExecutor(ray_module, files=[onnx_path] if onnx_path is not None else [])
@@ -102,7 +102,7 @@ def learned_summary(doc: dict, onnx_path: Path) -> list[dict]:
     """Per scenario: the learned policy vs the best heuristic (p99 ratio, goodput difference). In a late-binding
     document (`NAME+late` rows) also the learned policy behind late binding vs the best heuristic behind it (like
     with like) and vs the best per-request heuristic, with goodput against the best heuristic row of either kind."""
-    from simulator.late_binding import LATE_SUFFIX
+    from routewise_vllm.simulator.late_binding import LATE_SUFFIX
 
     out = []
     by_sc: dict[str, dict[str, dict]] = {}
@@ -164,10 +164,10 @@ def plot(doc: dict, onnx_path: Path | None, scenarios: list[str], seed: int, spl
     import matplotlib.pyplot as plt
     from tqdm import tqdm
 
-    from router.policy.served import served_policy
-    from simulator.cluster import simulate
-    from simulator.late_binding import simulate_late, split_late
-    from simulator.scenario import load_scenario
+    from routewise_vllm.router.policy.served import served_policy
+    from routewise_vllm.simulator.cluster import simulate
+    from routewise_vllm.simulator.late_binding import simulate_late, split_late
+    from routewise_vllm.simulator.scenario import load_scenario
 
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []

@@ -20,10 +20,10 @@ import numpy as np
 import onnx
 import torch
 
-from router.policy import fastnet
-from router.policy.fastnet import PARITY_TIE
-from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_MODEL_INPUTS, model_inputs
-from trainer.network import LogitsOnly, RoutingNet
+from routewise_vllm.router.policy import fastnet
+from routewise_vllm.router.policy.fastnet import PARITY_TIE
+from routewise_vllm.router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_MODEL_INPUTS, model_inputs
+from routewise_vllm.trainer.network import LogitsOnly, RoutingNet
 
 OPSET = 17
 
@@ -93,7 +93,7 @@ def export_onnx(net: RoutingNet, path: str | Path, policy_version: str, training
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
     if fastnet.METADATA_KEY in meta and fastnet.available():
-        from router.policy.onnx_policy import OnnxPolicy
+        from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
 
         served = OnnxPolicy(path)
         if served.describe()["executor"] != "fastnet":
@@ -171,7 +171,7 @@ def model_size_bytes(path: str | Path) -> int:
 
 def check_onnx_file(path: str | Path) -> dict[str, str]:
     """Load an ONNX file and check it against the contract; raise ExportError naming file and mismatch."""
-    from router.policy.onnx_policy import ModelLoadError, load_session
+    from routewise_vllm.router.policy.onnx_policy import ModelLoadError, load_session
 
     try:
         sess = load_session(Path(path))

@@ -52,11 +52,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_FEATURES, model_inputs
-from trainer.config import NetworkConfig
-from trainer.fleet_log import FleetData, read_fleet_log
-from trainer.latency import LOGIT_SCALE, MIN_TTFT_S, pinball_loss
-from trainer.network import RoutingNet
+from routewise_vllm.router.policy.features import FEATURE_SPEC_HASH, FEATURE_VERSION, N_FEATURES, model_inputs
+from routewise_vllm.trainer.config import NetworkConfig
+from routewise_vllm.trainer.fleet_log import FleetData, read_fleet_log
+from routewise_vllm.trainer.latency import LOGIT_SCALE, MIN_TTFT_S, pinball_loss
+from routewise_vllm.trainer.network import RoutingNet
 
 
 class FinetuneError(ValueError):
@@ -154,7 +154,7 @@ def load_init_model(path: str | Path) -> tuple[RoutingNet, dict]:
     or a training checkpoint. Raises FinetuneError naming the file."""
     path = Path(path)
     if path.suffix == ".pt":
-        from trainer.checkpoint import CheckpointError, load_network
+        from routewise_vllm.trainer.checkpoint import CheckpointError, load_network
 
         try:
             net, cfg, doc = load_network(path)
@@ -165,7 +165,7 @@ def load_init_model(path: str | Path) -> tuple[RoutingNet, dict]:
         raise FinetuneError(f"{path}: --init must be an .onnx model or a .pt checkpoint")
     import onnx
 
-    from trainer.export import ExportError, check_onnx_file
+    from routewise_vllm.trainer.export import ExportError, check_onnx_file
 
     try:
         meta = check_onnx_file(path)  # loads in onnxruntime, checks the feature contract
@@ -404,7 +404,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def finetune(decision_log: str | Path, init: str | Path, out: str | Path, cfg: FinetuneConfig = FinetuneConfig()) -> FinetuneReport:
     """Read the log, fit, export `out` (+ `out`.json card) atomically; raises FinetuneError / FleetLogError."""
-    from trainer.export import ExportError, check_onnx_file, export_onnx
+    from routewise_vllm.trainer.export import ExportError, check_onnx_file, export_onnx
 
     start = time.perf_counter()
     out = Path(out)

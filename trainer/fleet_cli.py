@@ -41,7 +41,7 @@ def _quantile_argument(p: argparse.ArgumentParser) -> None:
 def _finetune(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from trainer.finetune import FinetuneConfig, finetune
+    from routewise_vllm.trainer.finetune import FinetuneConfig, finetune
 
     cfg = FinetuneConfig(holdout=args.holdout, epochs=args.epochs, min_steps=args.min_steps, lr=args.lr, anchor=args.anchor,
                          max_records=args.max_records, early_stop=args.early_stop, quantile=args.quantile)
@@ -70,8 +70,8 @@ def _follow_arguments(p: argparse.ArgumentParser) -> None:
 def _follow(args: argparse.Namespace) -> int:
     import os
 
-    from trainer.finetune import FinetuneConfig
-    from trainer.follow import Follower
+    from routewise_vllm.trainer.finetune import FinetuneConfig
+    from routewise_vllm.trainer.follow import Follower
 
     token = args.admin_token or os.environ.get("ROUTEWISE_ADMIN_TOKEN")
     follower = Follower(args.decision_log, args.models, init=args.init, router=args.router, admin_token=token,

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
-from simulator.replay import DecisionLogError, log_paths
-from simulator.replay import _field as _get  # the replay's field check: one wording for both readers
+from routewise_vllm.router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
+from routewise_vllm.simulator.replay import DecisionLogError, log_paths
+from routewise_vllm.simulator.replay import _field as _get  # the replay's field check: one wording for both readers
 
 FORMAT_VERSION = 1
 

@@ -25,10 +25,10 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
-from router.policy.registry import DEFAULT_MODEL_PATH
-from simulator.replay import log_paths
-from trainer.finetune import FinetuneConfig, FinetuneError, finetune
-from trainer.fleet_log import FleetLogError
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
+from routewise_vllm.simulator.replay import log_paths
+from routewise_vllm.trainer.finetune import FinetuneConfig, FinetuneError, finetune
+from routewise_vllm.trainer.fleet_log import FleetLogError
 
 log = logging.getLogger("trainer.follow")
 

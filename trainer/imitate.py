@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from trainer.network import RoutingNet, masked_categorical
+from routewise_vllm.trainer.network import RoutingNet, masked_categorical
 
 
 def behaviour_clone(

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.bench import saturated_rps
-from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.costmodel import known_profiles, load_profile
-from simulator.traces import WARMUP_TENANT
-from simulator.types import SimRequest
-from trainer.config import EnvConfig
+from routewise_vllm.simulator.bench import saturated_rps
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.costmodel import known_profiles, load_profile
+from routewise_vllm.simulator.traces import WARMUP_TENANT
+from routewise_vllm.simulator.types import SimRequest
+from routewise_vllm.trainer.config import EnvConfig
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class InstanceBuilder:
 
     def scenario(self, name: str):
         if name not in self._scenarios:
-            from simulator.scenario import load_scenario
+            from routewise_vllm.simulator.scenario import load_scenario
 
             self._scenarios[name] = load_scenario(name, split=self.split)
         return self._scenarios[name]

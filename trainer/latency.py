@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from router.policy.registry import make_policy
-from trainer.episode import ExploreJob, LatencySamples
-from trainer.network import RoutingNet
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.trainer.episode import ExploreJob, LatencySamples
+from routewise_vllm.trainer.network import RoutingNet
 
 LOGIT_SCALE = 10.0  # logit difference per unit of log-TTFT difference: 10 % faster -> ~0.95 more logit
 MIN_TTFT_S = 1e-3  # targets are clipped below, before the log

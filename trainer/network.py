@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from router.policy.features import MODEL_INPUT_NAMES, N_MODEL_INPUTS, model_inputs
-from trainer.config import NetworkConfig
+from routewise_vllm.router.policy.features import MODEL_INPUT_NAMES, N_MODEL_INPUTS, model_inputs
+from routewise_vllm.trainer.config import NetworkConfig
 
 MASKED_LOGIT = -1e9  # what masked replicas get (the ONNX contract allows a large negative number)
 _OBS_CLIP = 10.0

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.config import TrainConfig
-from trainer.instances import InstanceBuilder, InstanceSpec
-from trainer.network import RoutingNet
-from trainer.rollout import SpecEnv, policy_episodes
+from routewise_vllm.trainer.config import TrainConfig
+from routewise_vllm.trainer.instances import InstanceBuilder, InstanceSpec
+from routewise_vllm.trainer.network import RoutingNet
+from routewise_vllm.trainer.rollout import SpecEnv, policy_episodes
 
 
 def simulator_observations(net: RoutingNet, cfg: TrainConfig, n: int, seed: int = 7, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:

@@ -46,15 +46,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
-from trainer.config import PPOConfig, TrainConfig
-from trainer.instances import InstanceSpec, random_fleet_specs
-from trainer.network import RoutingNet, masked_categorical
-from trainer.episode import Episode, ExploreJob, HeuristicJob, HeuristicRun, LatencySamples, RolloutJob
-from trainer.rollout import WorkerPool
+from routewise_vllm.router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
+from routewise_vllm.trainer.config import PPOConfig, TrainConfig
+from routewise_vllm.trainer.instances import InstanceSpec, random_fleet_specs
+from routewise_vllm.trainer.network import RoutingNet, masked_categorical
+from routewise_vllm.trainer.episode import Episode, ExploreJob, HeuristicJob, HeuristicRun, LatencySamples, RolloutJob
+from routewise_vllm.trainer.rollout import WorkerPool
 
 if TYPE_CHECKING:
-    from trainer.ray_backend import RayWorkerPool  # same interface as WorkerPool; imported only with run.ray
+    from routewise_vllm.trainer.ray_backend import RayWorkerPool  # same interface as WorkerPool; imported only with run.ray
 
 
 # ==============================================================================================
@@ -147,7 +147,7 @@ def select_best_heuristics(pool: WorkerPool, cfg: TrainConfig) -> tuple[dict[str
     Returns (best name per scenario, mean p99 per scenario and baseline, every run's summary by
     (scenario, seed, policy) for later comparisons on the same instances).
     """
-    from router.policy.registry import COMPARED_BASELINES as names
+    from routewise_vllm.router.policy.registry import COMPARED_BASELINES as names
 
     specs = eval_specs(cfg, max(cfg.warm_start.selection_seeds, cfg.run.eval_seeds))
     jobs = [HeuristicJob(s, p) for s in specs + validation_specs(cfg) for p in names]
@@ -182,7 +182,7 @@ def ppo_jobs(cfg: TrainConfig, best: dict[str, str], update: int, rng: np.random
 def _latency_warm_start(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, rng: np.random.Generator, progress: bool) -> list[dict]:
     """Warm start by TTFT regression (trainer/latency.py): heuristic-routed exploration episodes,
     then `dagger_rounds` rounds routed by the fitted network, each followed by more fitting on all data."""
-    from trainer.latency import fit_latency
+    from routewise_vllm.trainer.latency import fit_latency
 
     c, w = cfg.env.curriculum, cfg.warm_start
 
@@ -219,7 +219,7 @@ def _imitation_warm_start(
     pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, best: dict[str, str], rng: np.random.Generator, progress: bool
 ) -> list[dict]:
     """Warm start by imitation of the best heuristic per scenario (trainer/imitate.py)."""
-    from trainer.imitate import behaviour_clone
+    from routewise_vllm.trainer.imitate import behaviour_clone
 
     c, w = cfg.env.curriculum, cfg.warm_start
     jobs = []
@@ -295,7 +295,7 @@ def worker_pool(cfg: TrainConfig) -> Iterator[WorkerPool | RayWorkerPool]:
         with WorkerPool(cfg, cfg.run.workers) as pool:
             yield pool
         return
-    from trainer.ray_backend import RayWorkerPool, connect
+    from routewise_vllm.trainer.ray_backend import RayWorkerPool, connect
 
     with connect(cfg.run.ray, num_cpus=max(1, cfg.run.workers)) as ray, RayWorkerPool(ray, cfg) as pool:
         yield pool
@@ -438,7 +438,7 @@ def evaluate_on_train(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, best:
     eps = [e for e in every if not e.spec.random_fleet]
     out: dict[str, float] = {}
     if validation:  # p99 over the best of the heuristics on each instance (chosen with hindsight, as the bench does)
-        from router.policy.registry import COMPARED_BASELINES as names
+        from routewise_vllm.router.policy.registry import COMPARED_BASELINES as names
 
         ratios = [
             e.summary["ttft_p99_s"] / max(1e-9, min(heuristic_runs[(e.spec.scenario, e.spec.seed, n)]["ttft_p99_s"] for n in names))
@@ -534,7 +534,7 @@ class _Run:
         return time.time() - self.wall0
 
     def checkpoint(self, name: str, extra: dict | None = None) -> Path:
-        from trainer.checkpoint import save_checkpoint
+        from routewise_vllm.trainer.checkpoint import save_checkpoint
 
         self.state.wall_s = self.elapsed()
         self.state.rng_state = self.rng.bit_generator.state
@@ -551,7 +551,7 @@ class _Run:
 
 def _start(cfg: TrainConfig, run_dir: Path, resume: str | Path | None) -> tuple[RoutingNet, torch.optim.Optimizer, TrainState, np.random.Generator]:
     """A fresh network, optimiser, state and generator, or those of the checkpoint `resume`."""
-    from trainer.checkpoint import load_network, read_checkpoint
+    from routewise_vllm.trainer.checkpoint import load_network, read_checkpoint
 
     torch.set_num_threads(cfg.run.torch_threads)
     torch.manual_seed(cfg.run.seed)
@@ -606,7 +606,7 @@ def _warm_start_phase(run: _Run, pool: WorkerPool, progress: bool) -> None:
 
 def _reference_net(run: _Run) -> RoutingNet | None:
     """The warm-start network, PPO's KL reference (None when the KL term is off or there is no warm start)."""
-    from trainer.checkpoint import load_network
+    from routewise_vllm.trainer.checkpoint import load_network
 
     if run.cfg.ppo.ref_kl_coef_start <= 0:
         return None

@@ -10,8 +10,8 @@ naming the address when ray is missing or the cluster cannot be reached.
 
 Addresses: `local` (start a private Ray instance on this machine, shut down afterwards), `auto`
 (`RAY_ADDRESS` if set, else the cluster started here with `ray start`), `ray://HOST:10001` (Ray
-client) or `HOST:6379` (a head node's GCS). On a remote cluster this process's `router`, `simulator`
-and `trainer` packages are shipped to the workers (Ray `py_modules`), so the nodes run the driver's
+client) or `HOST:6379` (a head node's GCS). On a remote cluster this process's `routewise_vllm.router`, `.simulator`
+and `.trainer` packages are shipped to the workers (Ray `py_modules`), so the nodes run the driver's
 code; they need routewise's `[train]` dependencies (torch, gymnasium, ...) installed.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -28,10 +29,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from simulator.traces import TRACES_DIR_ENV
-from trainer.config import RAY_AUTO, RAY_LOCAL, TrainConfig, parse_ray_address
+from routewise_vllm.simulator.traces import TRACES_DIR_ENV
+from routewise_vllm.trainer.config import RAY_AUTO, RAY_LOCAL, TrainConfig, parse_ray_address
 
-INSTALL_HINT = "pip install 'routewise[ray]'"
+INSTALL_HINT = "pip install 'routewise-vllm[ray]'"
 CONNECT_TIMEOUT_S = 5.0
 # A private local instance stays small: it shares the machine with the learner.
 LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
@@ -71,12 +72,17 @@ def _check_reachable(address: str) -> None:
 
 
 def _shipped_runtime_env() -> dict:
-    """This process's code (and trace folder choice) for the workers of a remote cluster."""
-    import router
-    import simulator
-    import trainer
+    """This process's code (and trace folder choice) for the workers of a remote cluster.
 
-    env: dict[str, Any] = {"py_modules": [str(Path(m.__file__).parent) for m in (router, simulator, trainer)]}
+    Ray imports a shipped folder by its own name, so the three packages are copied under a folder named as their
+    namespace (routewise_vllm/router, ...): the workers import them as this process does."""
+    from routewise_vllm import router, simulator, trainer
+
+    staged = Path(tempfile.mkdtemp(prefix="routewise-ray-")) / "routewise_vllm"
+    for package in (router, simulator, trainer):
+        folder = Path(package.__file__).parent
+        shutil.copytree(folder, staged / package.__name__.rpartition(".")[2], ignore=shutil.ignore_patterns("__pycache__"))
+    env: dict[str, Any] = {"py_modules": [str(staged)]}
     if os.environ.get(TRACES_DIR_ENV):
         env["env_vars"] = {TRACES_DIR_ENV: os.environ[TRACES_DIR_ENV]}
     return env
@@ -115,7 +121,7 @@ class _RolloutActor:
     """A `trainer.rollout.WorkerState` in a Ray actor (one CPU, one torch thread, like a local worker)."""
 
     def __init__(self, cfg_json: str) -> None:
-        from trainer.rollout import WorkerState
+        from routewise_vllm.trainer.rollout import WorkerState
 
         self.state = WorkerState(TrainConfig.model_validate_json(cfg_json), torch_threads=1)
 
@@ -134,7 +140,7 @@ class RayWorkerPool:
     """
 
     def __init__(self, ray, cfg: TrainConfig) -> None:
-        from trainer.rollout import WorkerError
+        from routewise_vllm.trainer.rollout import WorkerError
 
         self._ray = ray
         self._error = WorkerError
@@ -174,7 +180,7 @@ class RayWorkerPool:
         return out
 
     def split(self, items: list, key=None) -> list[list]:
-        from trainer.rollout import split_items
+        from routewise_vllm.trainer.rollout import split_items
 
         return split_items(items, self.size, key)
 

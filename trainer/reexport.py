@@ -2,7 +2,7 @@
 read back from the old graph into a RoutingNet (same config, from the model's metadata), exported anew,
 and the two files must agree: identical argmax and logits within 1e-4 on simulator observations.
 
-    python -m trainer.reexport OLD.onnx NEW.onnx [--observations 4096]
+    python -m routewise_vllm.trainer.reexport OLD.onnx NEW.onnx [--observations 4096]
 
 Used to move router/policy/models/default.onnx to the smaller graphs without retraining (the
 second time onto feature contract 3, whose graph takes `model_inputs`: an OLD file of the previous contract,
@@ -21,10 +21,10 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from router.policy.features import N_FEATURES, model_inputs
-from trainer.config import NetworkConfig, TrainConfig
-from trainer.export import export_onnx
-from trainer.network import RoutingNet
+from routewise_vllm.router.policy.features import N_FEATURES, model_inputs
+from routewise_vllm.trainer.config import NetworkConfig, TrainConfig
+from routewise_vllm.trainer.export import export_onnx
+from routewise_vllm.trainer.network import RoutingNet
 
 
 def _module_key(node_name: str) -> str:
@@ -93,7 +93,7 @@ def compare_files(old: Path, new: Path, feats: np.ndarray, masks: np.ndarray) ->
 def compare_fast_path(path: Path, feats: np.ndarray, masks: np.ndarray) -> tuple[float, float] | None:
     """(max |logit diff|, identical-argmax share) of the router's fast path against onnxruntime on the same
     observations, or None when the file has no fast path here (router/policy/fastnet.py)."""
-    from router.policy.onnx_policy import OnnxPolicy
+    from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
 
     policy = OnnxPolicy(path)
     fast = policy._fast
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     train_cfg = TrainConfig.model_validate(json.loads(meta["training_config"]))
     net = net_from_onnx(model, train_cfg.network)
     export_onnx(net, args.new, meta["policy_version"], json.loads(meta["training_config"]))
-    from trainer.observations import simulator_observations
+    from routewise_vllm.trainer.observations import simulator_observations
 
     feats, masks = simulator_observations(net, train_cfg, args.observations)
     worst, agree = compare_files(Path(args.old), Path(args.new), feats, masks)

@@ -15,20 +15,20 @@ import traceback
 import numpy as np
 import torch
 
-from router.policy.base import Policy
-from router.policy.fallback import FallbackPolicy
-from router.policy.registry import LEARNED
-from router.policy.served import served_policy
-from router.policy.features import N_FEATURES, action_mask, build_features
-from router.policy.late_binding import LateBindingConfig
-from router.policy.registry import make_policy
-from router.policy.types import ClusterView, RequestInfo
-from simulator.env import DecisionEnv
-from trainer.config import TrainConfig
-from trainer.episode import Episode, ExploreJob, HeuristicJob, HeuristicRun, LatencySamples, RolloutJob
-from trainer.instances import InstanceBuilder, InstanceSpec
-from trainer.latency import explore_episode
-from trainer.network import RoutingNet, masked_categorical
+from routewise_vllm.router.policy.base import Policy
+from routewise_vllm.router.policy.fallback import FallbackPolicy
+from routewise_vllm.router.policy.registry import LEARNED
+from routewise_vllm.router.policy.served import served_policy
+from routewise_vllm.router.policy.features import N_FEATURES, action_mask, build_features
+from routewise_vllm.router.policy.late_binding import LateBindingConfig
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.router.policy.types import ClusterView, RequestInfo
+from routewise_vllm.simulator.env import DecisionEnv
+from routewise_vllm.trainer.config import TrainConfig
+from routewise_vllm.trainer.episode import Episode, ExploreJob, HeuristicJob, HeuristicRun, LatencySamples, RolloutJob
+from routewise_vllm.trainer.instances import InstanceBuilder, InstanceSpec
+from routewise_vllm.trainer.latency import explore_episode
+from routewise_vllm.trainer.network import RoutingNet, masked_categorical
 
 
 class TorchPolicy(Policy):
@@ -203,7 +203,7 @@ def policy_episodes(
 # Worker processes
 # ----------------------------------------------------------------------------------------------
 def summarise_records(records, slo) -> dict[str, float]:
-    from simulator.metrics import summarize
+    from routewise_vllm.simulator.metrics import summarize
 
     return summarize(records, slo)
 
@@ -290,7 +290,7 @@ class WorkerState:
 
 
 def _worker_main(conn, cfg_json: str, torch_threads: int) -> None:
-    from trainer.config import TrainConfig
+    from routewise_vllm.trainer.config import TrainConfig
 
     state = WorkerState(TrainConfig.model_validate_json(cfg_json), torch_threads)
     while True:

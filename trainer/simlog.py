@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from router.policy.registry import make_policy
-from router.policy.types import ClusterView, RequestInfo
-from router.policy.decision_record import PendingRecord, decision_record
-from simulator.scenario import load_scenario
-from trainer.config import TrainConfig
-from trainer.instances import InstanceBuilder, InstanceSpec
-from trainer.rollout import SpecEnv
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.router.policy.types import ClusterView, RequestInfo
+from routewise_vllm.router.policy.decision_record import PendingRecord, decision_record
+from routewise_vllm.simulator.scenario import load_scenario
+from routewise_vllm.trainer.config import TrainConfig
+from routewise_vllm.trainer.instances import InstanceBuilder, InstanceSpec
+from routewise_vllm.trainer.rollout import SpecEnv
 
 
 def _env(scenario: str, max_requests: int) -> SpecEnv:

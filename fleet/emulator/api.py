@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from fleet.emulator.engine import EmulatorSettings, Stream, WallClockEngine
-from router.policy.estimate import TokenEstimator, text_prefix_blocks
-from simulator.config import expand_names
+from routewise_vllm.fleet.emulator.engine import EmulatorSettings, Stream, WallClockEngine
+from routewise_vllm.router.policy.estimate import TokenEstimator, text_prefix_blocks
+from routewise_vllm.simulator.config import expand_names
 
 ESTIMATOR = TokenEstimator()
 DEFAULT_MAX_TOKENS = 16

@@ -10,11 +10,11 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from fleet.emulator.metrics import VllmMetrics
-from simulator.config import LoraConfig, ReplicaGroup
-from simulator.costmodel import load_profile
-from simulator.replica import COMPLETE, DECODE, DONE, FIRST, ITER, WAITING, Replica, ReqState
-from simulator.types import SimRequest
+from routewise_vllm.fleet.emulator.metrics import VllmMetrics
+from routewise_vllm.simulator.config import LoraConfig, ReplicaGroup
+from routewise_vllm.simulator.costmodel import load_profile
+from routewise_vllm.simulator.replica import COMPLETE, DECODE, DONE, FIRST, ITER, WAITING, Replica, ReqState
+from routewise_vllm.simulator.types import SimRequest
 
 
 # ---------------------------------------------------------------- one request's stream

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
+from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo
 
 
 class PolicyUnavailable(RuntimeError):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from router.policy.base import Policy, argmin_random_ties, healthy_or_raise
-from router.policy.features import EXPECTED_WAIT_DECODE_WEIGHT
-from router.policy.types import ClusterView, NoHealthyReplica, ReplicaSnapshot, RequestInfo
+from routewise_vllm.router.policy.base import Policy, argmin_random_ties, healthy_or_raise
+from routewise_vllm.router.policy.features import EXPECTED_WAIT_DECODE_WEIGHT
+from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, ReplicaSnapshot, RequestInfo
 
 
 class RoundRobin(Policy):

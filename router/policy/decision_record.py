@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES, action_mask, build_features
-from router.policy.types import ClusterView, RequestInfo
+from routewise_vllm.router.policy.features import FEATURE_SPEC_HASH, N_FEATURES, action_mask, build_features
+from routewise_vllm.router.policy.types import ClusterView, RequestInfo
 
 FORMAT_VERSION = 1
 

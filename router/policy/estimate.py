@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 try:  # a prompt's chain in one C call (router/policy/fastnet_c/prefix.c); chain_hash stays the definition
-    from router.policy._fastnet import chain_blocks
+    from routewise_vllm.router.policy._fastnet import chain_blocks
 except ImportError:  # built without a C compiler, or from older sources
     chain_blocks = None
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.policy.base import Policy, PolicyUnavailable, best_of
-from router.policy.types import ClusterView, Outcome, ReplicaSnapshot, RequestInfo
+from routewise_vllm.router.policy.base import Policy, PolicyUnavailable, best_of
+from routewise_vllm.router.policy.types import ClusterView, Outcome, ReplicaSnapshot, RequestInfo
 
 # The bounded set of labels `Decision.fallback_reason` can take (used as a metric label).
 FALLBACK_REASONS = (

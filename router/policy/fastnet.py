@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from router.policy.features import (
+from routewise_vllm.router.policy.features import (
     EXPECTED_WAIT_DECODE_WEIGHT,
     FEATURE_NAMES,
     MODEL_INPUT_NAMES,
@@ -34,7 +34,7 @@ from router.policy.features import (
 )
 
 try:
-    from router.policy import _fastnet
+    from routewise_vllm.router.policy import _fastnet
 except ImportError:  # built without a C compiler: onnxruntime serves alone
     _fastnet = None
 

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 
 # The expected-wait score, one definition for the feature, the expected-wait heuristic (baselines.ExpectedWait)
 # and the network's in-graph copy (trainer/network.py CrossReplicaInputs, which the shipped model was trained
@@ -44,7 +44,7 @@ from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 EXPECTED_WAIT_DECODE_WEIGHT = 0.1
 
 try:
-    from router.policy import _fastnet as _compiled
+    from routewise_vllm.router.policy import _fastnet as _compiled
 except ImportError:  # built without a C compiler: the Python rows below
     _compiled = None
 

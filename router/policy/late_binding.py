@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from router.policy.types import ClusterView, ReplicaSnapshot, make_view, unhealthy
+from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot, make_view, unhealthy
 
 Reason = Literal["room", "hold", "full", "timeout", "idle"]
 #: Why the rule let a request go (every Reason but "hold"): a bounded metric label.

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from router.policy import fastnet
-from router.policy.base import Policy, PolicyUnavailable, best_of
-from router.policy.features import (
+from routewise_vllm.router.policy import fastnet
+from routewise_vllm.router.policy.base import Policy, PolicyUnavailable, best_of
+from routewise_vllm.router.policy.features import (
     FEATURE_NAMES,
     FEATURE_SPEC_HASH,
     N_MODEL_INPUTS,
@@ -33,7 +33,7 @@ from router.policy.features import (
     compiled_row_args,
     model_inputs,
 )
-from router.policy.types import ClusterView, RequestInfo
+from routewise_vllm.router.policy.types import ClusterView, RequestInfo
 
 
 _HEALTHY_COL = FEATURE_NAMES.index("healthy")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router.policy.base import Policy
-from router.policy.baselines import BASELINE_CLASSES
+from routewise_vllm.router.policy.base import Policy
+from routewise_vllm.router.policy.baselines import BASELINE_CLASSES
 
 BASELINES: dict[str, type[Policy]] = {cls.name: cls for cls in BASELINE_CLASSES}
 # What a learned policy is measured and selected against: every baseline but random, which never wins, and
@@ -53,7 +53,7 @@ def make_policy(name: str, seed: int | None = None, **kwargs) -> Policy:
         return BASELINES[name](seed=seed, **kwargs)
     path = model_path(name)
     if path is not None:
-        from router.policy.onnx_policy import OnnxPolicy  # onnxruntime only when asked for
+        from routewise_vllm.router.policy.onnx_policy import OnnxPolicy  # onnxruntime only when asked for
 
         return OnnxPolicy(path, seed=seed, **kwargs)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())} or a path to an .onnx file")

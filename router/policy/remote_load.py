@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.policy.tracking import ClusterTracker, ReplicaTracker
+from routewise_vllm.router.policy.tracking import ClusterTracker, ReplicaTracker
 
 # What one router contributes to a replica's load in the others' views: requests in flight, their prompt and
 # expected decode tokens, those awaiting a first token and their prompt tokens. Not dispatched_since_scrape

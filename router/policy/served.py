@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.policy.base import Policy
-from router.policy.baselines import LeastOutstanding
-from router.policy.fallback import LEARNED_GUARDS, FallbackPolicy
-from router.policy.registry import is_learned, make_policy
-from router.policy.types import ClusterView
+from routewise_vllm.router.policy.base import Policy
+from routewise_vllm.router.policy.baselines import LeastOutstanding
+from routewise_vllm.router.policy.fallback import LEARNED_GUARDS, FallbackPolicy
+from routewise_vllm.router.policy.registry import is_learned, make_policy
+from routewise_vllm.router.policy.types import ClusterView
 
 GUARD_FIELDS = ("max_stats_age_s", "overload_margin", "overload_ratio", "min_confidence")
 DEFAULT_BUDGET_S = 0.0005  # router/settings.py decision_budget_s

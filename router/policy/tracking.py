@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
-from router.policy.types import ClusterView, LoraState, ReplicaSnapshot, RequestInfo, make_view, slot_builder
+from routewise_vllm.router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
+from routewise_vllm.router.policy.types import ClusterView, LoraState, ReplicaSnapshot, RequestInfo, make_view, slot_builder
 
 try:
-    from router.policy import _fastnet as _compiled
+    from routewise_vllm.router.policy import _fastnet as _compiled
 except ImportError:  # built without a C compiler: the Python snapshots below
     _compiled = None
 

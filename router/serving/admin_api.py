@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from router.errors import error_response
-from router.serving.layer import ServingLayer
+from routewise_vllm.router.errors import error_response
+from routewise_vllm.router.serving.layer import ServingLayer
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

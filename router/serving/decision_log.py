@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from router.policy.decision_record import FORMAT_VERSION, PendingRecord, decision_record, decode_features
+from routewise_vllm.router.policy.decision_record import FORMAT_VERSION, PendingRecord, decision_record, decode_features
 
 __all__ = ["DROP_REASONS", "FORMAT_VERSION", "DecisionLogError", "DecisionLogWriter", "PendingRecord", "check_directory",
            "decision_record", "decode_features", "log_files"]

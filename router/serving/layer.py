@@ -19,14 +19,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from router.policy.fallback import FallbackPolicy
-from router.policy.types import ClusterView, Outcome
-from router.serving.arms import ABSplit, GuardConfig, RollbackGuard
-from router.serving.decision_log import DecisionLogWriter, PendingRecord
-from router.serving.metrics import ServingMetrics
-from router.serving.promotion import ExploringPolicy, PromotionConfig, PromotionController
-from router.serving.reload import PolicyFileWatcher, PolicyReloader, is_reloadable
-from router.serving.shadow import ShadowEvaluator
+from routewise_vllm.router.policy.fallback import FallbackPolicy
+from routewise_vllm.router.policy.types import ClusterView, Outcome
+from routewise_vllm.router.serving.arms import ABSplit, GuardConfig, RollbackGuard
+from routewise_vllm.router.serving.decision_log import DecisionLogWriter, PendingRecord
+from routewise_vllm.router.serving.metrics import ServingMetrics
+from routewise_vllm.router.serving.promotion import ExploringPolicy, PromotionConfig, PromotionController
+from routewise_vllm.router.serving.reload import PolicyFileWatcher, PolicyReloader, is_reloadable
+from routewise_vllm.router.serving.shadow import ShadowEvaluator
 
 log = logging.getLogger("router.serving")
 

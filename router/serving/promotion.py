@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from router.policy.base import best_of
-from router.serving.arms import RollbackGuard
+from routewise_vllm.router.policy.base import best_of
+from routewise_vllm.router.serving.arms import RollbackGuard
 
 log = logging.getLogger("router.promotion")
 

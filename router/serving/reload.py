@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from router.policy.base import Policy, PolicyUnavailable
-from router.policy.registry import is_learned, make_policy
-from router.policy.registry import model_path as registry_model_path
-from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+from routewise_vllm.router.policy.base import Policy, PolicyUnavailable
+from routewise_vllm.router.policy.registry import is_learned, make_policy
+from routewise_vllm.router.policy.registry import model_path as registry_model_path
+from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 
 log = logging.getLogger("router.reload")
 

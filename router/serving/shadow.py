@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.policy.fallback import FallbackPolicy
-from router.policy.types import ClusterView, Outcome, RequestInfo
+from routewise_vllm.router.policy.fallback import FallbackPolicy
+from routewise_vllm.router.policy.types import ClusterView, Outcome, RequestInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from router.serving.arms import GuardConfig, RollbackGuard  # noqa: E402
+from routewise_vllm.router.serving.arms import GuardConfig, RollbackGuard  # noqa: E402
 
 
 def run(seed: int, ratio: float, n: int, sigma: float, cfg: GuardConfig) -> int | None:

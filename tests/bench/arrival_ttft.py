@@ -27,7 +27,7 @@ from pathlib import Path
 
 async def measure(url: str, streams: list[int], args: argparse.Namespace) -> dict[int, list[float]]:
     """{stream count: the probe's client TTFTs} on the server at `url`, alone."""
-    from fleet.calibrate import Client, _Text, _total, discover
+    from routewise_vllm.fleet.calibrate import Client, _Text, _total, discover
 
     client = Client(url, 30.0)
     try:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     streams = [int(x) for x in args.streams.split(",") if x.strip()]
 
-    from fleet import vllm
+    from routewise_vllm.fleet import vllm
 
     python = vllm.vllm_python()
     if python is None:

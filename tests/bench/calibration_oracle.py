@@ -33,9 +33,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fleet import calibrate, calibrate_check, calibrate_fit  # noqa: E402
-from fleet.demo import free_port  # noqa: E402
-from simulator import costmodel  # noqa: E402
+from routewise_vllm.fleet import calibrate, calibrate_check, calibrate_fit  # noqa: E402
+from routewise_vllm.fleet.demo import free_port  # noqa: E402
+from routewise_vllm.simulator import costmodel  # noqa: E402
 
 LINEAR_TRUTH = str(costmodel.PROFILES_DIR / "measured" / "cpu-tiny-linear.yaml")
 
@@ -86,7 +86,7 @@ class Emulator:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleet", "emulate", "--port", str(self.port), "--profile", family.truth,
+            [sys.executable, "-m", "routewise_vllm.fleet", "emulate", "--port", str(self.port), "--profile", family.truth,
              "--max-num-seqs", str(family.max_num_seqs), "--speed", str(family.speed)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         )

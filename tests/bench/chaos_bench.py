@@ -1,4 +1,4 @@
-"""Chaos benchmark: the live router (a real `python -m router serve` process) in front of a misbehaving
+"""Chaos benchmark: the live router (a real `router serve` process) in front of a misbehaving
 fleet under steady mixed load. A script that prints its figures (a short run is a CI test:
 tests/router/test_chaos.py).
 
@@ -157,7 +157,7 @@ async def run(args: argparse.Namespace) -> dict:
            "ROUTEWISE_HEALTH_INTERVAL_S": "0.5", "ROUTEWISE_BREAKER_COOLDOWN_S": str(args.cooldown),
            "ROUTEWISE_STALL_TIMEOUT_S": str(args.stall_timeout), "ROUTEWISE_FIRST_BYTE_TIMEOUT_S": "10",
            "ROUTEWISE_SCRAPE_INTERVAL_S": "0.5"}
-    cmd = [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(rport), "--ops-port",
+    cmd = [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(rport), "--ops-port",
            str(oport), "--policy", args.policy, "--log-level", "warning"]
     for p in ports.values():
         cmd += ["--replica", f"http://127.0.0.1:{p}"]

@@ -20,10 +20,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from router.policy import (  # noqa: E402
+from routewise_vllm.router.policy import (  # noqa: E402
     BASELINES, ClusterTracker, FallbackPolicy, LeastOutstanding, RequestInfo, make_policy, text_prefix_blocks,
 )
-from router.policy.onnx_policy import OnnxPolicy  # noqa: E402
+from routewise_vllm.router.policy.onnx_policy import OnnxPolicy  # noqa: E402
 
 
 def requests(rng: np.random.Generator, n: int = 64) -> list[RequestInfo]:

@@ -31,12 +31,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from router.policy import FallbackPolicy, LeastOutstanding, build_features  # noqa: E402
-from router.policy.features import model_inputs  # noqa: E402
-from router.policy.onnx_policy import OnnxPolicy  # noqa: E402
-from router.policy.registry import DEFAULT_MODEL_PATH  # noqa: E402
-from router.policy.tracking import ClusterTracker  # noqa: E402
-from router.policy.types import RequestInfo  # noqa: E402
+from routewise_vllm.router.policy import FallbackPolicy, LeastOutstanding, build_features  # noqa: E402
+from routewise_vllm.router.policy.features import model_inputs  # noqa: E402
+from routewise_vllm.router.policy.onnx_policy import OnnxPolicy  # noqa: E402
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH  # noqa: E402
+from routewise_vllm.router.policy.tracking import ClusterTracker  # noqa: E402
+from routewise_vllm.router.policy.types import RequestInfo  # noqa: E402
 
 
 def make_model(args, tmp: Path) -> tuple[Path, str]:
@@ -45,10 +45,10 @@ def make_model(args, tmp: Path) -> tuple[Path, str]:
     if args.from_trainer:
         import torch
 
-        from router.policy.features import N_FEATURES
-        from trainer.config import NetworkConfig
-        from trainer.export import export_onnx
-        from trainer.network import RoutingNet
+        from routewise_vllm.router.policy.features import N_FEATURES
+        from routewise_vllm.trainer.config import NetworkConfig
+        from routewise_vllm.trainer.export import export_onnx
+        from routewise_vllm.trainer.network import RoutingNet
 
         torch.manual_seed(0)
         cfg = NetworkConfig(hidden=args.hidden, heads=args.heads, layers=args.layers)

@@ -13,9 +13,9 @@ import itertools
 
 import numpy as np
 
-from simulator.experiments import resolve_scenarios
-from simulator.scenario import load_scenario
-from simulator.workload import TraceWorkload
+from routewise_vllm.simulator.experiments import resolve_scenarios
+from routewise_vllm.simulator.scenario import load_scenario
+from routewise_vllm.simulator.workload import TraceWorkload
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 
 def ensure_log(directory: Path, records: int, scenario: str, episode_requests: int = 2000) -> int:
-    from trainer.simlog import simulate_log
+    from routewise_vllm.trainer.simlog import simulate_log
 
     f = directory / "decisions-000001.jsonl"
     have = sum(1 for _ in open(f)) if f.is_file() else 0
@@ -51,7 +51,7 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2", MKL_NUM_THREADS="2")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ft.onnx"
-        cmd = [sys.executable, "-m", "trainer", "finetune", "--decision-log", str(log), "--init",
+        cmd = [sys.executable, "-m", "routewise_vllm.trainer", "finetune", "--decision-log", str(log), "--init",
                str(REPO / "router/policy/models/default.onnx"), "-o", str(out), "--max-records", str(args.records), "--json"]
         start = time.perf_counter()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED  # noqa: E402
-from simulator.experiments import compare, resolve_scenarios  # noqa: E402
-from trainer.finetune import FinetuneConfig, finetune  # noqa: E402
-from trainer.fleet_cli import parse_quantile  # noqa: E402
-from trainer.simlog import simulate_log  # noqa: E402
+from routewise_vllm.router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED  # noqa: E402
+from routewise_vllm.simulator.experiments import compare, resolve_scenarios  # noqa: E402
+from routewise_vllm.trainer.finetune import FinetuneConfig, finetune  # noqa: E402
+from routewise_vllm.trainer.fleet_cli import parse_quantile  # noqa: E402
+from routewise_vllm.trainer.simlog import simulate_log  # noqa: E402
 
 HEURISTICS = list(BASELINES)
 FINETUNED = "fine-tuned"

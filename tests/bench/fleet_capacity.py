@@ -16,9 +16,9 @@ import argparse
 
 import numpy as np
 
-from simulator.bench import saturated_rps
-from simulator.experiments import resolve_scenarios
-from simulator.scenario import load_scenario
+from routewise_vllm.simulator.bench import saturated_rps
+from routewise_vllm.simulator.experiments import resolve_scenarios
+from routewise_vllm.simulator.scenario import load_scenario
 
 
 def fleet_capacity(name: str, n: int = 1500, seed: int = 0) -> tuple[float, list[tuple[str, int, float]]]:

@@ -42,13 +42,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from fleet.fidelity_report import interval95, p99_bootstrap, rotated  # noqa: E402
-from fleet.router_process import start_router  # noqa: E402
-from fleet.vllm import (  # noqa: E402
+from routewise_vllm.fleet.fidelity_report import interval95, p99_bootstrap, rotated  # noqa: E402
+from routewise_vllm.fleet.router_process import start_router  # noqa: E402
+from routewise_vllm.fleet.vllm import (  # noqa: E402
     DEEP_ROOMY_FLEET_ARGS, FLEET_ARGS, SERVED_MODEL_NAME, SLOW_ROOMY_FLEET_ARGS, SMALL, ensure_tiny_model, start_servers, stop_servers, vllm_python,
 )
-from trainer.finetune import FinetuneConfig, finetune  # noqa: E402
-from trainer.fleet_cli import parse_quantile  # noqa: E402
+from routewise_vllm.trainer.finetune import FinetuneConfig, finetune  # noqa: E402
+from routewise_vllm.trainer.fleet_cli import parse_quantile  # noqa: E402
 
 FLEETS = {"capacity": FLEET_ARGS, "slow-roomy": SLOW_ROOMY_FLEET_ARGS, "deep-roomy": DEEP_ROOMY_FLEET_ARGS}
 
@@ -109,8 +109,8 @@ def run_policy(urls: list[str], policy: str, requests: list[dict], work: Path, l
 
 def errors_on(log_dir: Path, models: dict[str, Path], pair_window_s: float = 0.5) -> dict[str, dict]:
     """Prediction error of each model on a decision log it was not fitted on (c from the first half)."""
-    from trainer.finetune import all_logits, calibrate, load_init_model, prediction_errors, split
-    from trainer.fleet_log import read_fleet_log
+    from routewise_vllm.trainer.finetune import all_logits, calibrate, load_init_model, prediction_errors, split
+    from routewise_vllm.trainer.fleet_log import read_fleet_log
 
     data = read_fleet_log(log_dir)
     fit_c, held = split(data, 0.5)
@@ -127,8 +127,8 @@ def error_floor(log_dir: Path) -> dict[str, float]:
     its first half): a constant, and a ridge regression on the chosen replica's features fitted on the same
     traffic the errors are measured on. What the features cannot explain (scheduling jitter on a shared CPU)
     stays in both, so no fine-tune can be expected to go much below the ridge's figure on that traffic."""
-    from trainer.finetune import baseline_errors, split
-    from trainer.fleet_log import read_fleet_log
+    from routewise_vllm.trainer.finetune import baseline_errors, split
+    from routewise_vllm.trainer.fleet_log import read_fleet_log
 
     b = baseline_errors(*split(read_fleet_log(log_dir), 0.5))
     return {"constant": b["constant"], "ridge_on_same_traffic": b["ridge_chosen_replica"]}

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from simulator.costmodel import Profile, load_profile  # noqa: E402
+from routewise_vllm.simulator.costmodel import Profile, load_profile  # noqa: E402
 
 GIB = 1024**3
 
@@ -246,7 +246,7 @@ def write_profile(path: Path, profile_name: str, fitted: Profile, summary: dict)
     profile's file with its efficiencies and fixed cost replaced and what was measured beside them."""
     import yaml
 
-    from simulator.costmodel import PROFILES_DIR
+    from routewise_vllm.simulator.costmodel import PROFILES_DIR
 
     doc = yaml.safe_load((PROFILES_DIR / f"{profile_name}.yaml").read_text())
     doc["name"] = f"{profile_name}-measured"
@@ -413,7 +413,7 @@ def report(profile: Profile, rows: list[tuple[Probe, float]], ceil: dict, tiny: 
     the refitted profile)."""
     import numpy as np
 
-    from fleet.calibrate_fit import fit_rows
+    from routewise_vllm.fleet.calibrate_fit import fit_rows
 
     # both forms as `fleet calibrate` fits them, with their held-out RMS relative errors (the rule that picks a form)
     arr = np.asarray(_fit_rows(rows), dtype=np.float64)

@@ -21,13 +21,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from router.policy.baselines import LeastOutstanding  # noqa: E402
-from router.policy.fallback import LEARNED_GUARDS, FallbackPolicy  # noqa: E402
-from router.policy.registry import make_policy  # noqa: E402
-from simulator.cluster import ClusterSim  # noqa: E402
-from simulator.experiments import resolve_scenarios  # noqa: E402
-from simulator.metrics import summarize  # noqa: E402
-from simulator.scenario import load_scenario  # noqa: E402
+from routewise_vllm.router.policy.baselines import LeastOutstanding  # noqa: E402
+from routewise_vllm.router.policy.fallback import LEARNED_GUARDS, FallbackPolicy  # noqa: E402
+from routewise_vllm.router.policy.registry import make_policy  # noqa: E402
+from routewise_vllm.simulator.cluster import ClusterSim  # noqa: E402
+from routewise_vllm.simulator.experiments import resolve_scenarios  # noqa: E402
+from routewise_vllm.simulator.metrics import summarize  # noqa: E402
+from routewise_vllm.simulator.scenario import load_scenario  # noqa: E402
 
 VARIANTS = {
     "relative (default)": LEARNED_GUARDS,

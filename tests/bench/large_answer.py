@@ -5,7 +5,7 @@
 A replica on loopback (tests/fakes/scripted_replica.py, in this process) answers every completion with one JSON
 body of --size-mb MB (Content-Length) after --delay seconds, as a replica generating for that long would. For
 each path (lean listener or aiohttp's server side, times h1client or aiohttp's client) a router runs as
-`python -m router serve` in its own process group; the requests alternate, direct to the replica then through
+`router serve` in its own process group; the requests alternate, direct to the replica then through
 the router, one at a time, and the added time is each pair's difference. Printed: p50 and max added ms, and
 the replica's ejections after the run (the router's /admin/replicas), which must be none.
 """
@@ -75,7 +75,7 @@ async def run(args: argparse.Namespace) -> dict:
                 port = free_port()
                 env = {**os.environ, "ROUTEWISE_ADMIN_TOKEN": "bench", "ROUTEWISE_LEAN_LISTENER": str(int(lean_listener)),
                        "ROUTEWISE_LEAN_CLIENT": str(int(lean_client))}
-                proc = subprocess.Popen([sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port",
+                proc = subprocess.Popen([sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port",
                                          str(port), "--replica", direct, "--policy", "least-outstanding",
                                          "--log-level", "warning"], cwd=REPO, env=env, start_new_session=True)
                 try:

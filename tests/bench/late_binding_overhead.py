@@ -19,11 +19,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from router.hold_queue import HoldQueue  # noqa: E402
-from router.policy import FallbackPolicy, LeastOutstanding  # noqa: E402
-from router.replicas import ReplicaSet  # noqa: E402
-from router.settings import RouterSettings  # noqa: E402
-from router.telemetry import RouterMetrics  # noqa: E402
+from routewise_vllm.router.hold_queue import HoldQueue  # noqa: E402
+from routewise_vllm.router.policy import FallbackPolicy, LeastOutstanding  # noqa: E402
+from routewise_vllm.router.replicas import ReplicaSet  # noqa: E402
+from routewise_vllm.router.settings import RouterSettings  # noqa: E402
+from routewise_vllm.router.telemetry import RouterMetrics  # noqa: E402
 from tests.bench.decision_latency import cluster, requests  # noqa: E402
 
 

@@ -15,9 +15,9 @@ from aiohttp.test_utils import TestServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fleet.emulator import EmulatorSettings, make_app  # noqa: E402
-from fleet.loadgen import ClientSpec, run_load, summarize  # noqa: E402
-from fleet.loadplan import PlannedRequest, PlanSpec, build_plan  # noqa: E402
+from routewise_vllm.fleet.emulator import EmulatorSettings, make_app  # noqa: E402
+from routewise_vllm.fleet.loadgen import ClientSpec, run_load, summarize  # noqa: E402
+from routewise_vllm.fleet.loadplan import PlannedRequest, PlanSpec, build_plan  # noqa: E402
 
 TPOT_P50_S = (0.004, 0.05)  # H100 decode steps are ~6-9 ms: near that, not near zero or near the E2E
 TIMEOUT_WALL_S = 3.0  # a 1 s client timeout ends the run long before the 14 s answer would

@@ -25,10 +25,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from router.policy.served import served_policy  # noqa: E402
-from simulator.cluster import simulate  # noqa: E402
-from simulator.metrics import summarize  # noqa: E402
-from simulator.scenario import load_scenario  # noqa: E402
+from routewise_vllm.router.policy.served import served_policy  # noqa: E402
+from routewise_vllm.simulator.cluster import simulate  # noqa: E402
+from routewise_vllm.simulator.metrics import summarize  # noqa: E402
+from routewise_vllm.simulator.scenario import load_scenario  # noqa: E402
 
 POLICIES = ("least-outstanding", "prefix-aware", "expected-wait", "learned")
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fleet.demo import DEFAULT_FLEET, Processes, free_port, wait_ready  # noqa: E402
-from fleet.loadgen import ClientSpec, run_load, summarize  # noqa: E402
-from fleet.loadplan import PlanSpec, build_plan  # noqa: E402
-from fleet.router_process import start_router  # noqa: E402
+from routewise_vllm.fleet.demo import DEFAULT_FLEET, Processes, free_port, wait_ready  # noqa: E402
+from routewise_vllm.fleet.loadgen import ClientSpec, run_load, summarize  # noqa: E402
+from routewise_vllm.fleet.loadplan import PlanSpec, build_plan  # noqa: E402
+from routewise_vllm.fleet.router_process import start_router  # noqa: E402
 from tests.fakes.redis_server import RedisServer, require_redis  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def main() -> int:
             urls = []
             for i, rep in enumerate(DEFAULT_FLEET):
                 port = free_port()
-                procs.start(f"replica-{i}", [sys.executable, "-m", "fleet", "emulate", "--port", str(port), "--profile",
+                procs.start(f"replica-{i}", [sys.executable, "-m", "routewise_vllm.fleet", "emulate", "--port", str(port), "--profile",
                                              rep.profile, "--slowdown", str(rep.slowdown), "--max-num-seqs", "8",
                                              "--speed", "0.5"])
                 urls.append(f"http://127.0.0.1:{port}")

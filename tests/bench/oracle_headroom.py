@@ -30,13 +30,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from router.policy.base import Policy  # noqa: E402
-from router.policy.served import served_policy  # noqa: E402
-from router.policy.types import ClusterView, RequestInfo  # noqa: E402
-from simulator.cluster import ClusterSim  # noqa: E402
-from simulator.metrics import summarize  # noqa: E402
-from simulator.replica import ReqState  # noqa: E402
-from simulator.scenario import load_scenario  # noqa: E402
+from routewise_vllm.router.policy.base import Policy  # noqa: E402
+from routewise_vllm.router.policy.served import served_policy  # noqa: E402
+from routewise_vllm.router.policy.types import ClusterView, RequestInfo  # noqa: E402
+from routewise_vllm.simulator.cluster import ClusterSim  # noqa: E402
+from routewise_vllm.simulator.metrics import summarize  # noqa: E402
+from routewise_vllm.simulator.replica import ReqState  # noqa: E402
+from routewise_vllm.simulator.scenario import load_scenario  # noqa: E402
 
 HEURISTICS = ("least-outstanding", "least-token-load", "weighted-scorer", "prefix-aware", "expected-wait")
 DECODE_WEIGHT = 0.1  # decode tokens share each step's token budget (as in the expected-wait heuristic)

@@ -38,14 +38,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from router.policy.registry import COMPARED_BASELINES  # noqa: E402
-from router.policy.served import served_policy  # noqa: E402
-from simulator.bench import saturated_rps  # noqa: E402
-from simulator.cluster import simulate  # noqa: E402
-from simulator.late_binding import LATE_SUFFIX, simulate_late  # noqa: E402
-from simulator.metrics import summarize  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs  # noqa: E402
+from routewise_vllm.router.policy.registry import COMPARED_BASELINES  # noqa: E402
+from routewise_vllm.router.policy.served import served_policy  # noqa: E402
+from routewise_vllm.simulator.bench import saturated_rps  # noqa: E402
+from routewise_vllm.simulator.cluster import simulate  # noqa: E402
+from routewise_vllm.simulator.late_binding import LATE_SUFFIX, simulate_late  # noqa: E402
+from routewise_vllm.simulator.metrics import summarize  # noqa: E402
+from routewise_vllm.trainer.config import load_config  # noqa: E402
+from routewise_vllm.trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs  # noqa: E402
 
 SEED_BASE = 3_000_000  # the trainer's validation fleets (run.validation_fleets) start at 2,000,000
 HEURISTICS = list(COMPARED_BASELINES)

@@ -33,14 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fleet.loadgen import ClientSpec, run_load  # noqa: E402
-from fleet.loadplan import PlanSpec, build_plan  # noqa: E402
-from fleet.router_process import ADMIN_TOKEN, start_router  # noqa: E402
-from fleet.vllm import (  # noqa: E402
+from routewise_vllm.fleet.loadgen import ClientSpec, run_load  # noqa: E402
+from routewise_vllm.fleet.loadplan import PlanSpec, build_plan  # noqa: E402
+from routewise_vllm.fleet.router_process import ADMIN_TOKEN, start_router  # noqa: E402
+from routewise_vllm.fleet.vllm import (  # noqa: E402
     DEEP_ROOMY_FLEET_ARGS, ROOMY, SERVED_MODEL_NAME, SMALL, ensure_tiny_model, start_servers, stop_servers, vllm_python,
 )
-from router.policy.late_binding import LateBindingConfig, speed_scales  # noqa: E402
-from router.policy.types import ClusterView, ReplicaSnapshot  # noqa: E402
+from routewise_vllm.router.policy.late_binding import LateBindingConfig, speed_scales  # noqa: E402
+from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot  # noqa: E402
 
 SLOTS = {SMALL: 4, ROOMY: 16}  # the servers' --max-num-seqs (fleet/vllm.py FLEET_ARGS)
 

@@ -50,8 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fleet.vllm import parse_cpu_list
-from simulator.late_binding import split_late
+from routewise_vllm.fleet.vllm import parse_cpu_list
+from routewise_vllm.simulator.late_binding import split_late
 
 REPO = Path(__file__).resolve().parents[2]
 BODY = {"model": "tiny", "prompt": "Hello, how are you today? " * 4, "max_tokens": 16}
@@ -547,7 +547,7 @@ def main() -> int:
             shared = {"ROUTEWISE_SHARED_STATE": f"redis://127.0.0.1:{redis_port}/0"}
             variants["-shared"] = (shared, REPO)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(free_port()), *replicas,
+                [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(free_port()), *replicas,
                  "--policy", "least-outstanding", "--log-level", "warning"], cwd=REPO, start_new_session=True,
                 env={**os.environ, **shared}))
         for n in (int(w) for w in args.workers.split(",")):
@@ -557,7 +557,7 @@ def main() -> int:
                     rport = targets[name] = free_port()
                     base, late = split_late(policy)
                     procs.append(subprocess.Popen(
-                        [*nice, sys.executable, "-m", "router", "serve", "--workers", str(n), "--host", "127.0.0.1",
+                        [*nice, sys.executable, "-m", "routewise_vllm.router", "serve", "--workers", str(n), "--host", "127.0.0.1",
                          "--port", str(rport), *replicas, "--policy", base,
                          "--log-level", "warning"],
                         cwd=tree, start_new_session=True,
@@ -590,7 +590,7 @@ def main() -> int:
             results["ttft_ms"] = {name: {"p50": pct(v, 0.5) * 1e3, "p99": pct(v, 0.99) * 1e3, "n": len(v)}
                                   for name, v in ttfts.items()}
         # each router's own view of its decisions over the latency phase (before wrk adds its load)
-        from fleet.demo import router_stats
+        from routewise_vllm.fleet.demo import router_stats
 
         results["decisions"] = {name: router_stats(f"http://127.0.0.1:{port}")[0] for name, port in targets.items()
                                 if name.startswith("routewise")}

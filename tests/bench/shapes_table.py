@@ -1,6 +1,6 @@
 """The model card's fleet-shape table from a `simulator compare --json` document (no simulation here).
 
-    python -m simulator compare --scenario shapes --seeds 3 --workers 2 --late-binding --json > shapes.json
+    simulator compare --scenario shapes --seeds 3 --workers 2 --late-binding --json > shapes.json
     python tests/bench/shapes_table.py shapes.json
     python tests/bench/shapes_table.py suite.json --learned runs/fleets/candidate.onnx   # a candidate model's row
     python tests/bench/shapes_table.py suite.json shapes.json --models learned,runs/a.onnx,runs/b.onnx   # side by side
@@ -21,8 +21,8 @@ import argparse
 import json
 import math
 
-from router.policy.registry import BASELINES, LEARNED
-from simulator.late_binding import LATE_SUFFIX
+from routewise_vllm.router.policy.registry import BASELINES, LEARNED
+from routewise_vllm.simulator.late_binding import LATE_SUFFIX
 
 LATE_HEURISTICS = {name + LATE_SUFFIX for name in BASELINES}  # the `<heuristic>+late` rows
 

@@ -1,4 +1,4 @@
-"""Soak: the live router (a real `python -m router serve` process) in front of emulated vLLM replicas under a
+"""Soak: the live router (a real `router serve` process) in front of emulated vLLM replicas under a
 steady mixed load for a long time, while one replica is killed and restarted, one is broken and one is slow.
 A script that prints its figures (docs/soak.md); a 60 s run is a CI test (tests/router/test_soak.py).
 
@@ -49,7 +49,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from fleet.demo import Processes, free_port  # noqa: E402
+from routewise_vllm.fleet.demo import Processes, free_port  # noqa: E402
 
 TOKEN = "soak-admin-token"
 MODEL = "soak-model"
@@ -193,7 +193,7 @@ async def load(base: str, rate: float, until: float, tally: Tally, hang_s: float
 
 
 def emulate_argv(port: int, slowdown: float = 1.0) -> list[str]:
-    return [sys.executable, "-m", "fleet", "emulate", "--port", str(port), "--profile", "llama3-8b-a100",
+    return [sys.executable, "-m", "routewise_vllm.fleet", "emulate", "--port", str(port), "--profile", "llama3-8b-a100",
             "--model-name", MODEL, "--max-num-seqs", "8", "--slowdown", str(slowdown)]
 
 
@@ -279,7 +279,7 @@ async def run(args: argparse.Namespace) -> dict:
         role = dict(zip(urls, ("steady", "killed", "slow", "broken")))
         rport = free_port()
         base = f"http://127.0.0.1:{rport}"
-        argv = [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(rport),
+        argv = [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(rport),
                 "--policy", args.policy, "--late-binding", "--admin-token", TOKEN, "--decision-log", str(log_dir),
                 "--scrape-interval", "0.5", "--log-level", "warning"]
         for u in urls:

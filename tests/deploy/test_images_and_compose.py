@@ -146,8 +146,8 @@ def cli_flags(*module_args: str) -> set[str]:
 
 @pytest.mark.parametrize("name", COMPOSE_FILES)
 def test_compose_router_command_is_accepted(name: str) -> None:
-    from router.cli import _parser
-    from router.settings import build_settings
+    from routewise_vllm.router.cli import _parser
+    from routewise_vllm.router.settings import build_settings
 
     services = compose(name)["services"]
     router = services["router"]

@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.settings import RouterSettings, load_config_file
+from routewise_vllm.router.settings import RouterSettings, load_config_file
 from tests.ci import in_ci
 
 from .queries import REPO
@@ -250,8 +250,8 @@ def test_router_probes_hit_real_router_paths(name: str) -> None:
 
 
 def test_router_serves_the_probe_paths() -> None:
-    from router.app import create_app
-    from router.settings import build_settings
+    from routewise_vllm.router.app import create_app
+    from routewise_vllm.router.settings import build_settings
 
     app = create_app(build_settings(replicas=["http://127.0.0.1:9"], policy="least-outstanding"))
     paths = {r.resource.canonical for r in app.router.routes() if r.method == "GET"}

@@ -12,8 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.settings import RouterSettings, load_config_file
-from trainer.cli import build_parser
+from routewise_vllm.router.settings import RouterSettings, load_config_file
+from routewise_vllm.trainer.cli import build_parser
 
 from .queries import REPO
 from .test_k8s import KUBERNETES_VERSION, find, kustomize, pod_spec
@@ -69,8 +69,8 @@ def test_k8s_router_and_trainer_share_the_volumes(tmp_path: Path) -> None:
 
 
 def test_compose_learning_override() -> None:
-    from router.cli import _parser
-    from router.settings import build_settings
+    from routewise_vllm.router.cli import _parser
+    from routewise_vllm.router.settings import build_settings
 
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     router, trainer = services["router"], services["trainer"]

@@ -6,7 +6,7 @@ Stack (all loopback, own process groups, stopped by process group at the end):
     ejects the first of them to reach the breaker; ejecting the second would put 3 of 5 replicas out
     of rotation, over the 0.5 panic threshold, so that ejection is refused and counted)
   + one dead replica URL (nothing listens: health and scrape errors, an unhealthy replica)
-  -> `python -m router serve` (decision budget forced to 1 ns, so every decision records an
+  -> `router serve` (decision budget forced to 1 ns, so every decision records an
      `over_budget` fallback and llm_router_fallbacks_total has samples)
   <- Debian's /usr/bin/prometheus, scraping the router every second and evaluating
      deploy/prometheus/alerts.yml every second.
@@ -136,16 +136,16 @@ class Stack:
 
 def router_help() -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "router", "serve", "--help"], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-m", "routewise_vllm.router", "serve", "--help"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
-        pytest.fail(f"`python -m router serve --help` failed ({r.returncode}):\n{r.stderr[-2000:]}")
+        pytest.fail(f"`router serve --help` failed ({r.returncode}):\n{r.stderr[-2000:]}")
     return r.stdout
 
 
 def load_candidate(router_url: str, tmp: Path) -> None:
     """What `trainer follow` hands over: a model with its card (NAME.json) beside it, reloaded into the treatment."""
-    from router.policy.registry import DEFAULT_MODEL_PATH
+    from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
 
     model = Path(shutil.copy(DEFAULT_MODEL_PATH, tmp / "candidate.onnx"))
     model.with_suffix(".json").write_text(json.dumps(CANDIDATE_CARD))
@@ -244,7 +244,7 @@ def stack(tmp_path_factory) -> Stack:
         }))
         router_port = free_port()
         router_url = f"http://127.0.0.1:{router_port}"
-        cmd = [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(router_port),
+        cmd = [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(router_port),
                *(arg for url in (*fakes, dead) for arg in ("--replica", url)),
                "--policy", "learned", "--config", str(config)]
         # automatic promotion judges learned arms only: the shipped model on both, until the candidate arrives

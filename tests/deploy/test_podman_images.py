@@ -154,7 +154,7 @@ def test_router_image_serves_two_emulated_replicas(podman: Podman, tmp_path: Pat
     try:
         for i, (port, profile) in enumerate(zip(ports[1:], ("llama3-8b-a100", "llama3-8b-l4"))):
             log = tmp_path / f"emulator-{i}.log"
-            proc = procs.start(f"emulator-{i}", [sys.executable, "-m", "fleet", "emulate", "--port", str(port),
+            proc = procs.start(f"emulator-{i}", [sys.executable, "-m", "routewise_vllm.fleet", "emulate", "--port", str(port),
                                                  "--served-model-name", "llama", "--profile", profile], log)
             wait_for(f"emulator {i}", lambda p=port: http_get(f"http://127.0.0.1:{p}/health")[0] == 200, 60, proc, log)
         # the port by environment, so the image's HEALTHCHECK (which reads ROUTEWISE_PORT) probes the right one
@@ -178,7 +178,7 @@ def test_router_image_serves_two_emulated_replicas(podman: Podman, tmp_path: Pat
         assert_healthy(podman, container)
         # the policy's compiled fast path was built into the image and loads there
         fast = podman("run", "--rm", "--network", "none", "--entrypoint", "python", image, "-c",
-                      "from router.policy import fastnet; print(fastnet.available())")
+                      "from routewise_vllm.router.policy import fastnet; print(fastnet.available())")
         assert fast.stdout.strip() == "True", fast.stdout + fast.stderr
         assert podman("inspect", "--format", "{{.Config.User}}", container).stdout.strip() == f"{NON_ROOT_UID}:{NON_ROOT_UID}"
         pid = podman("inspect", "--format", "{{.State.Pid}}", container).stdout.strip()

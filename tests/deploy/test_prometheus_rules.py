@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from router.app import METRICS, create_app
-from router.settings import RouterSettings
+from routewise_vllm.router.app import METRICS, create_app
+from routewise_vllm.router.settings import RouterSettings
 
 from .queries import ALERTS, PROMETHEUS_CONFIG, alert_rules, dashboard_queries
 from .tools import require_tool

@@ -7,8 +7,8 @@ from __future__ import annotations
 import yaml
 from yarl import URL
 
-from router.cli import _parser
-from router.settings import build_settings
+from routewise_vllm.router.cli import _parser
+from routewise_vllm.router.settings import build_settings
 
 from .queries import REPO
 from .test_k8s import BASE, BASE_OBJECTS, find, pod_spec

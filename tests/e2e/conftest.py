@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.vllm import (
+from routewise_vllm.fleet.vllm import (
     FLEET_ARGS,
     VLLM_PYTHON_ENV,
     VllmServer,

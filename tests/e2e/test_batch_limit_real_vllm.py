@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.router_process import start_router
-from fleet.vllm import SERVED_MODEL_NAME, start_servers, stop_servers
-from router.settings import replica_id
+from routewise_vllm.fleet.router_process import start_router
+from routewise_vllm.fleet.vllm import SERVED_MODEL_NAME, start_servers, stop_servers
+from routewise_vllm.router.settings import replica_id
 from tests.e2e.conftest import STARTUP_TIMEOUT_S
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

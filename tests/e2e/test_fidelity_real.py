@@ -13,11 +13,11 @@ import os
 import pytest
 import yaml
 
-from fleet.fidelity import capacity_rps
-from fleet.fidelity_report import METRICS, PERCENTILES
-from fleet.cli import main
-from fleet.vllm import SMALL
-from simulator.costmodel import load_profile
+from routewise_vllm.fleet.fidelity import capacity_rps
+from routewise_vllm.fleet.fidelity_report import METRICS, PERCENTILES
+from routewise_vllm.fleet.cli import main
+from routewise_vllm.fleet.vllm import SMALL
+from routewise_vllm.simulator.costmodel import load_profile
 
 POLICIES = ("least-outstanding", "expected-wait")
 

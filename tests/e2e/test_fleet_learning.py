@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from router.policy.registry import DEFAULT_MODEL_PATH
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
 
-from fleet.router_process import ADMIN_TOKEN, start_router
-from fleet.vllm import REPO_ROOT, SERVED_MODEL_NAME
+from routewise_vllm.fleet.router_process import ADMIN_TOKEN, start_router
+from routewise_vllm.fleet.vllm import REPO_ROOT, SERVED_MODEL_NAME
 
 pytestmark = pytest.mark.vllm
 
@@ -55,7 +55,7 @@ def test_follow_fine_tunes_on_the_live_log_and_hands_over(vllm_servers, tmp_path
         while sum(f.read_text().count("\n") for f in logdir.glob("decisions-*.jsonl")) < 160 and time.monotonic() < deadline:
             time.sleep(0.1)
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), ROUTEWISE_ADMIN_TOKEN=ADMIN_TOKEN, OMP_NUM_THREADS="1")
-        r = subprocess.run([sys.executable, "-m", "trainer", "follow", "--decision-log", str(logdir), "--models", str(models),
+        r = subprocess.run([sys.executable, "-m", "routewise_vllm.trainer", "follow", "--decision-log", str(logdir), "--models", str(models),
                             "--init", str(primary), "--router", router.base_url, "--every-records", "100",
                             "--min-improvement", "-1", "--once"],
                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

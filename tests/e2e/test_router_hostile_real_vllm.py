@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
-from fleet.router_process import start_router
+from routewise_vllm.fleet.router_process import start_router
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 

@@ -1,4 +1,4 @@
-"""The real router (`python -m router serve`) in front of real vLLM CPU servers, driven by the official openai client.
+"""The real router (`router serve`) in front of real vLLM CPU servers, driven by the official openai client.
 
 - OpenAI endpoints pass through unchanged (completions, chat, streaming, /v1/models).
 - Under load the router's own state (its /metrics gauges and /admin/replicas) follows the replicas' real /metrics,
@@ -27,10 +27,10 @@ import pytest
 from openai import APIConnectionError, APIError, AsyncOpenAI, NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.settings import replica_id
+from routewise_vllm.router.settings import replica_id
 
-from fleet.router_process import RouterMetricsPage, RouterProcess, start_router
-from fleet.vllm import (
+from routewise_vllm.fleet.router_process import RouterMetricsPage, RouterProcess, start_router
+from routewise_vllm.fleet.vllm import (
     FLEET_ARGS,
     ROOMY,
     SERVED_MODEL_NAME,
@@ -556,8 +556,8 @@ async def test_learned_policy_decides_real_traffic(vllm_servers, log_dir):
     reason that means the model or its inputs are broken, and the compiled fast path serves where it is built.
     Whether the CPU-time budget rule trips on a host also running vLLM is not asserted (the rule is tested with
     injected stalls in tests/policy/); the decisions its cool-down kept from the model are left out of the share."""
-    from router.policy import fastnet
-    from router.policy.fallback import FALLBACK_REASONS
+    from routewise_vllm.router.policy import fastnet
+    from routewise_vllm.router.policy.fallback import FALLBACK_REASONS
 
     n_requests = 150  # more than one budget window (100 decisions)
     completed, page, arms = await route_completions(vllm_servers, "learned", log_dir, n_requests, 2, concurrency=8)

@@ -22,7 +22,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.vllm import FLEET_ARGS, ROOMY, SERVED_MODEL_NAME, SMALL
+from routewise_vllm.fleet.vllm import FLEET_ARGS, ROOMY, SERVED_MODEL_NAME, SMALL
 
 RECORDED_PAGE = Path(__file__).resolve().parents[1] / "data" / "vllm_metrics_0.32.0.txt"
 SMALL_MAX_NUM_SEQS = int(FLEET_ARGS[SMALL][FLEET_ARGS[SMALL].index("--max-num-seqs") + 1])
@@ -277,7 +277,7 @@ def test_metrics_move_under_concurrent_load(vllm_servers):
 
 def _assert_router_parser_agrees(page: str) -> None:
     """The live router's parser must read a real page the same way prometheus_client does."""
-    from router.vllm_metrics import parse_vllm_metrics
+    from routewise_vllm.router.vllm_metrics import parse_vllm_metrics
 
     expected = read(page)
     stats = parse_vllm_metrics(page)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from fleet.vllm import FLEET_ARGS, SERVED_MODEL_NAME, start_servers, stop_servers
+from routewise_vllm.fleet.vllm import FLEET_ARGS, SERVED_MODEL_NAME, start_servers, stop_servers
 from tests.e2e.conftest import STARTUP_TIMEOUT_S
 
 

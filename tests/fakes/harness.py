@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from router.app import PROXY, create_app
-from router.listener import RouterRunner
-from router.settings import RouterSettings
+from routewise_vllm.router.app import PROXY, create_app
+from routewise_vllm.router.listener import RouterRunner
+from routewise_vllm.router.settings import RouterSettings
 from tests.fakes.fake_vllm import FakeVllm
 
 

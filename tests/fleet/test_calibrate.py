@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import yaml
 
-from fleet import calibrate, calibrate_fit
-from simulator import costmodel
-from fleet.cli import main
-from simulator.config import ReplicaGroup
-from simulator.replica import Replica, ReqState
-from simulator.types import SimRequest
+from routewise_vllm.fleet import calibrate, calibrate_fit
+from routewise_vllm.simulator import costmodel
+from routewise_vllm.fleet.cli import main
+from routewise_vllm.simulator.config import ReplicaGroup
+from routewise_vllm.simulator.replica import Replica, ReqState
+from routewise_vllm.simulator.types import SimRequest
 from tests.fakes.fake_vllm import FakeVllm
 
 LINEAR = costmodel.LinearCost(0.004, 1.5e-4, 6e-4, 2e-7, 0.012)
@@ -169,15 +169,15 @@ def test_wrong_model_names_what_is_served(fake_vllm, tmp_path, capsys):
 
 
 def _cluster(path, **over):
-    from simulator.config import ClusterConfig, ScrapeConfig
+    from routewise_vllm.simulator.config import ClusterConfig, ScrapeConfig
 
     return ClusterConfig(replicas=[ReplicaGroup(profile=str(path), max_num_seqs=4, block_size=32)],
                          scrape=ScrapeConfig(jitter_s=0.0), estimator_sigma=0.0, **over)
 
 
 def test_request_overhead_of_a_measured_profile_adds_to_ttft_and_e2e(tmp_path):
-    from router.policy.served import served_policy
-    from simulator.cluster import simulate
+    from routewise_vllm.router.policy.served import served_policy
+    from routewise_vllm.simulator.cluster import simulate
 
     runs = {}
     for overhead in (0.0, 0.05):
@@ -192,7 +192,7 @@ def test_request_overhead_of_a_measured_profile_adds_to_ttft_and_e2e(tmp_path):
 
 
 def test_estimator_scale_biases_what_the_policy_sees(tmp_path):
-    from simulator.cluster import ClusterSim
+    from routewise_vllm.simulator.cluster import ClusterSim
 
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(measured_doc()))
@@ -211,7 +211,7 @@ def test_decode_rows_count_the_batch_a_capped_server_ran():
     against its 16-slot twin's 148)."""
     from aiohttp.test_utils import TestServer
 
-    from fleet.emulator import EmulatorSettings, make_app
+    from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
 
     spec = calibrate.SweepSpec(prefill_tokens=(16, 256), batches=(1, 2), contexts=(32,), long_context_fraction=0.01,
                                mixed_prefill_tokens=(), decode_tokens=24, max_concurrency=16, max_rounds=1)
@@ -236,7 +236,7 @@ def test_a_repeated_sweep_does_not_prefill_from_the_previous_sweeps_cache():
     first sweep). Where the server still reports prefix-cache hits, the row counts only the tokens it computed."""
     from aiohttp.test_utils import TestServer
 
-    from fleet.emulator import EmulatorSettings, make_app
+    from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
 
     async def run() -> list[calibrate.Probe]:
         server = TestServer(make_app(EmulatorSettings(block_size=16)), host="127.0.0.1")

@@ -51,8 +51,8 @@ def test_a_linear_form_fitted_on_a_narrow_sweep_is_not_chosen_over_the_roofline(
     """Held-out choice: rows from a roofline server, the linear form scores worse on iterations it did not see."""
     import numpy as np
 
-    from fleet import calibrate_fit
-    from simulator import costmodel
+    from routewise_vllm.fleet import calibrate_fit
+    from routewise_vllm.simulator import costmodel
 
     truth = costmodel.load_profile("llama3-8b-a100")
     rows = []

@@ -37,7 +37,7 @@ def _demo(*args: str, sigint_ignored: bool = False) -> subprocess.Popen:
     """`sigint_ignored`: start it the way a shell without job control starts `demo &` (SIGINT ignored, kept by exec)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "fleet", "demo", "--no-progress", *args],
+        [sys.executable, "-m", "routewise_vllm.fleet", "demo", "--no-progress", *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         preexec_fn=_ignore_sigint if sigint_ignored else None,
     )  # fmt: skip
@@ -71,7 +71,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def test_router_gets_ab_flags_only_when_it_lists_them():
-    from fleet.demo import router_argv
+    from routewise_vllm.fleet.demo import router_argv
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     argv, ab = router_argv("py", 9, urls, "least-outstanding", "learned", 0.5, {"--policy", "--ab-treatment", "--ab-share"})
@@ -91,8 +91,8 @@ def test_router_gets_ab_flags_only_when_it_lists_them():
 def test_late_binding_counts_come_from_the_routers_own_metrics():
     from prometheus_client import generate_latest
 
-    from fleet.demo import late_binding_summary
-    from router.telemetry import RouterMetrics
+    from routewise_vllm.fleet.demo import late_binding_summary
+    from routewise_vllm.router.telemetry import RouterMetrics
 
     metrics = RouterMetrics()
     text = generate_latest(metrics.registry).decode()
@@ -164,7 +164,7 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
     rule trips on a shared host is not asserted (that rule is tested with injected stalls in tests/policy/)."""
     import json
 
-    from router.policy.fallback import FALLBACK_REASONS
+    from routewise_vllm.router.policy.fallback import FALLBACK_REASONS
 
     code, out, err = _run_demo("--duration", "30", "--json", str(tmp_path / "demo.json"))
     assert code == 0, err[-3000:]
@@ -186,7 +186,7 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
 
 
 def test_decision_summary_reads_fallback_share_and_latency_per_arm():
-    from fleet.demo import decision_summary
+    from routewise_vllm.fleet.demo import decision_summary
 
     text = "\n".join([
         "# TYPE llm_router_decision_latency_seconds histogram",
@@ -206,8 +206,8 @@ def test_decision_summary_reads_fallback_share_and_latency_per_arm():
 
 
 def test_p99_verdict_ranks_the_arms_only_outside_the_noise():
-    from fleet.demo import p99_intervals, p99_verdict
-    from fleet.loadgen import RequestResult
+    from routewise_vllm.fleet.demo import p99_intervals, p99_verdict
+    from routewise_vllm.fleet.loadgen import RequestResult
 
     rng = np.random.default_rng(0)
 

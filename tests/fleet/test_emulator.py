@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI, NotFoundError, BadRequestError
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.emulator import EmulatorSettings, make_app
+from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -182,7 +182,7 @@ async def test_client_disconnect_aborts_the_request():
 
 
 async def test_a_failing_model_fails_requests_and_health_instead_of_hanging():
-    from fleet.emulator import ENGINE_KEY
+    from routewise_vllm.fleet.emulator import ENGINE_KEY
 
     async with emulator() as (server, client):
         engine = server.app[ENGINE_KEY]

@@ -10,9 +10,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI, NotFoundError
 
-from fleet.emulator import EmulatorSettings, make_app
-from fleet.emulator.api import add_arguments, settings_from_args
-from router.vllm_metrics import parse_vllm_metrics
+from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
+from routewise_vllm.fleet.emulator.api import add_arguments, settings_from_args
+from routewise_vllm.router.vllm_metrics import parse_vllm_metrics
 
 pytestmark = pytest.mark.timeout(60)
 

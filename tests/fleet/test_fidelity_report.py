@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fleet.fidelity_report import Served, compare, format_report
+from routewise_vllm.fleet.fidelity_report import Served, compare, format_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,8 +50,8 @@ def test_different_ranking_is_reported():
 def test_a_request_over_max_model_len_names_server_request_and_value(tmp_path):
     import yaml
 
-    from fleet.fidelity import FidelityError, check_fits
-    from fleet.loadplan import PlannedRequest
+    from routewise_vllm.fleet.fidelity import FidelityError, check_fits
+    from routewise_vllm.fleet.loadplan import PlannedRequest
 
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"model": {"max_model_len": 1024}}))
@@ -65,7 +65,7 @@ def test_a_request_over_max_model_len_names_server_request_and_value(tmp_path):
 def test_unreachable_fleet_is_one_line(capsys):
     import socket
 
-    from fleet.cli import main
+    from routewise_vllm.fleet.cli import main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,7 +76,7 @@ def test_unreachable_fleet_is_one_line(capsys):
 
 
 def test_in_flight_at_arrival_counts_the_same_server_only():
-    from fleet.fidelity_report import Served, in_flight_at_arrival
+    from routewise_vllm.fleet.fidelity_report import Served, in_flight_at_arrival
 
     rows = [Served(0.0, 10, 5, 0.01, 0.01, 1.0, 0), Served(0.1, 10, 5, 0.01, 0.01, 1.0, 1),
             Served(0.5, 10, 5, 0.01, 0.01, 0.2, 0), Served(0.6, 10, 5, 0.01, 0.01, 0.2, 0),
@@ -89,7 +89,7 @@ def test_ttft_line_finds_a_per_request_delay_and_ignores_a_queued_tail():
     """Median TTFT = 20 ms + 3 ms per request in flight at arrival, with a tenth of the requests queued for
     seconds: the line is the 20 ms + 3 ms one (medians per in-flight count), which ordinary least squares on
     the requests would tilt."""
-    from fleet.fidelity_report import Served, in_flight_at_arrival, ttft_line
+    from routewise_vllm.fleet.fidelity_report import Served, in_flight_at_arrival, ttft_line
 
     rng = np.random.default_rng(0)
     rows, t = [], 0.0
@@ -107,7 +107,7 @@ def test_ttft_line_finds_a_per_request_delay_and_ignores_a_queued_tail():
 
 
 def test_ttft_line_with_slots_leaves_out_requests_that_queued_for_a_batch_slot():
-    from fleet.fidelity_report import Served, in_flight_at_arrival, ttft_line
+    from routewise_vllm.fleet.fidelity_report import Served, in_flight_at_arrival, ttft_line
 
     rng = np.random.default_rng(1)
     rows, t = [], 0.0
@@ -125,7 +125,7 @@ def test_ttft_line_with_slots_leaves_out_requests_that_queued_for_a_batch_slot()
 def test_extra_overhead_is_a_constant_shift_not_a_queueing_tail():
     """A real fleet that adds 8 ms to every request: 8 ms. One that queues its busiest half for seconds the
     simulator did not (no constant shift): nothing, where the median gap would have said ~1 s."""
-    from fleet.fidelity_report import extra_overhead
+    from routewise_vllm.fleet.fidelity_report import extra_overhead
 
     rng = np.random.default_rng(0)
     sim = list(rng.uniform(0.02, 0.2, 2000))
@@ -168,7 +168,7 @@ def test_gain_interval_brackets_the_gain_and_is_reproducible():
 
 
 def test_plot_draws_a_png_of_the_report(tmp_path):
-    from fleet.fidelity_plot import plot_fidelity
+    from routewise_vllm.fleet.fidelity_plot import plot_fidelity
 
     rng = np.random.default_rng(5)
     real = {p: _served(list(rng.uniform(0.01, s, 300))) for p, s in (("least-outstanding", 1.0), ("learned", 0.5))}
@@ -181,7 +181,7 @@ def test_plot_draws_a_png_of_the_report(tmp_path):
 def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys, tmp_path):
     import importlib.util
 
-    from fleet.cli import main
+    from routewise_vllm.fleet.cli import main
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -189,12 +189,12 @@ def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys, tmp
     # an unreachable server would fail later: the missing matplotlib must be named first
     assert main(["fidelity", "--server", "http://127.0.0.1:9", "--plot", str(tmp_path / "f.png"), "--quiet"]) == 1
     err = capsys.readouterr().err
-    assert "--plot" in err and "matplotlib" in err and "routewise[sim]" in err
+    assert "--plot" in err and "matplotlib" in err and "routewise-vllm[sim]" in err
     assert not (tmp_path / "f.png").exists()
 
 
 def test_repeats_rotate_the_order_and_pool_without_mixing_in_flight_counts():
-    from fleet.fidelity_report import in_flight_at_arrival, pool_repeats, rotated
+    from routewise_vllm.fleet.fidelity_report import in_flight_at_arrival, pool_repeats, rotated
 
     pols = ["least-outstanding", "expected-wait", "learned"]
     assert [rotated(pols, r) for r in range(4)] == [pols, pols[1:] + pols[:1], pols[2:] + pols[:2], pols]
@@ -207,14 +207,14 @@ def test_repeats_rotate_the_order_and_pool_without_mixing_in_flight_counts():
 
 
 def test_repeats_below_one_is_one_line(capsys):
-    from fleet.cli import main
+    from routewise_vllm.fleet.cli import main
 
     assert main(["fidelity", "--server", "http://127.0.0.1:9", "--repeats", "0", "--quiet"]) == 1
     assert "--repeats 0: must be 1 or more" in capsys.readouterr().err
 
 
 def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
-    from fleet.fidelity_report import per_repeat, repeat_lines
+    from routewise_vllm.fleet.fidelity_report import per_repeat, repeat_lines
 
     pols = ["least-outstanding", "learned"]
     fast, slow = _served([0.1] * 99 + [0.5]), _served([0.1] * 99 + [1.0])
@@ -239,14 +239,14 @@ def test_per_repeat_gives_each_repeat_its_order_ranking_and_gain():
 def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
     """`NAME+late`: the simulation runs the live rule (simulate_late) with the run's tokens per request, and the
     router gets the same setting and each server's batch cap through its environment."""
-    from fleet.fidelity import FidelityError, LateBinding, simulate_same
-    from fleet.fidelity_report import Served
-    from router.policy.late_binding import LateBindingConfig
-    from router.policy.served import served_policy
-    from router.settings import build_settings
-    from simulator.config import ClusterConfig, ReplicaGroup
-    from simulator.late_binding import simulate_late, split_late
-    from simulator.types import SimRequest
+    from routewise_vllm.fleet.fidelity import FidelityError, LateBinding, simulate_same
+    from routewise_vllm.fleet.fidelity_report import Served
+    from routewise_vllm.router.policy.late_binding import LateBindingConfig
+    from routewise_vllm.router.policy.served import served_policy
+    from routewise_vllm.router.settings import build_settings
+    from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+    from routewise_vllm.simulator.late_binding import simulate_late, split_late
+    from routewise_vllm.simulator.types import SimRequest
 
     assert split_late("learned+late") == ("learned", True) and split_late("learned") == ("learned", False)
     cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1, max_num_seqs=2),
@@ -272,9 +272,9 @@ def test_late_policies_run_behind_late_binding_live_and_simulated(monkeypatch):
 def test_real_routing_sends_each_request_where_the_real_router_did():
     """simulate_routed: the server model alone. Every request lands on the server recorded for it (here all on the
     slower one, where least-outstanding would alternate), and the errors against the real runs are per policy."""
-    from fleet.fidelity import FidelityError, simulate_routed, simulate_same
-    from fleet.fidelity_report import pct_errors
-    from simulator.config import ClusterConfig, ReplicaGroup
+    from routewise_vllm.fleet.fidelity import FidelityError, simulate_routed, simulate_same
+    from routewise_vllm.fleet.fidelity_report import pct_errors
+    from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
 
     cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1, max_num_seqs=2),
                                       ReplicaGroup(profile="llama3-8b-h100", count=1, max_num_seqs=2)])
@@ -306,8 +306,8 @@ def test_warm_up_plan_offers_the_evaluated_segments_load(tmp_path, case):
     rate offers another load than the evaluated segment: plan_at_load finds the rate that offers the same."""
     import yaml
 
-    from fleet.fidelity import offered_load, plan_at_load
-    from fleet.loadplan import PlanSpec, build_plan
+    from routewise_vllm.fleet.fidelity import offered_load, plan_at_load
+    from routewise_vllm.fleet.loadplan import PlanSpec, build_plan
 
     c = WARM_UP_CASES[case]
     a, b, cs, e = c["cost"]
@@ -330,9 +330,9 @@ def test_warm_up_plan_offers_the_evaluated_segments_load(tmp_path, case):
 
 
 def test_fit_speed_finds_the_factors_at_which_the_engines_run_as_fast_as_the_real_ones():
-    from fleet.fidelity import fit_speed, simulate_same
-    from fleet.fidelity_report import mean_itl
-    from simulator.config import ClusterConfig, ReplicaGroup
+    from routewise_vllm.fleet.fidelity import fit_speed, simulate_same
+    from routewise_vllm.fleet.fidelity_report import mean_itl
+    from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
 
     cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-a100", count=1, max_num_seqs=8),
                                       ReplicaGroup(profile="llama3-8b-h100", count=1, max_num_seqs=8)])
@@ -347,7 +347,7 @@ def test_fit_speed_finds_the_factors_at_which_the_engines_run_as_fast_as_the_rea
 
 
 def test_ttft_by_hop_weighs_each_hop_by_its_own_counts():
-    from fleet.fidelity_report import Replay, ttft_by_hop
+    from routewise_vllm.fleet.fidelity_report import Replay, ttft_by_hop
 
     a = Replay(_served([0.03, 0.05]), [], [(0.02, 1), (0.06, 2)], (0.07, 2), 0.0, {})
     b = Replay(_served([0.04]), [], [(0.0, 0), (0.03, 1)], (0.02, 1), 0.0, {})
@@ -357,8 +357,8 @@ def test_ttft_by_hop_weighs_each_hop_by_its_own_counts():
 
 
 def test_client_cpus_are_checked_before_anything_starts(monkeypatch, capsys):
-    from fleet import vllm
-    from fleet.cli import main
+    from routewise_vllm.fleet import vllm
+    from routewise_vllm.fleet.cli import main
 
     monkeypatch.setattr(vllm, "cpu_ids", lambda: [0, 1])
     cases = {
@@ -375,8 +375,8 @@ def test_client_cpus_are_checked_before_anything_starts(monkeypatch, capsys):
 
 
 def test_client_cpus_with_external_servers_need_no_cpu_left(monkeypatch):
-    from fleet import vllm
-    from fleet.fidelity import _split_cpus
+    from routewise_vllm.fleet import vllm
+    from routewise_vllm.fleet.fidelity import _split_cpus
 
     monkeypatch.setattr(vllm, "cpu_ids", lambda: [0, 1, 2, 3])
     assert _split_cpus(None, 2) == (None, None)
@@ -392,9 +392,9 @@ def test_a_run_on_a_stubbed_fleet_goes_through_every_step_to_the_report(monkeypa
 
     import yaml
 
-    from fleet import fidelity
-    from fleet.cli import main
-    from fleet.fidelity_report import Replay, Served
+    from routewise_vllm.fleet import fidelity
+    from routewise_vllm.fleet.cli import main
+    from routewise_vllm.fleet.fidelity_report import Replay, Served
 
     src = yaml.safe_load((ROOT / "simulator/profiles/measured/cpu-tiny-linear.yaml").read_text())
     profiles = []

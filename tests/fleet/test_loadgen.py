@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestServer
 
-from router.policy.estimate import TokenEstimator, text_prefix_blocks
-from fleet.emulator import EmulatorSettings, make_app
-from fleet.loadgen import ClientSpec, format_side_by_side, format_table, run_load, summarize
-from fleet.loadplan import PlannedRequest, PlanSpec, PromptSynth, build_plan
-from simulator.traces import TraceLibrary
+from routewise_vllm.router.policy.estimate import TokenEstimator, text_prefix_blocks
+from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
+from routewise_vllm.fleet.loadgen import ClientSpec, format_side_by_side, format_table, run_load, summarize
+from routewise_vllm.fleet.loadplan import PlannedRequest, PlanSpec, PromptSynth, build_plan
+from routewise_vllm.simulator.traces import TraceLibrary
 
 pytestmark = pytest.mark.timeout(60)
 EST = TokenEstimator()
@@ -160,7 +160,7 @@ async def _completed(server) -> int:
     """Requests the emulator finished, from its vLLM-style /metrics."""
     import aiohttp
 
-    from fleet.calibrate import _total, parse_metrics
+    from routewise_vllm.fleet.calibrate import _total, parse_metrics
 
     async with aiohttp.ClientSession() as session:
         async with session.get(str(server.make_url("/metrics"))) as resp:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fleet.vllm import (
+from routewise_vllm.fleet.vllm import (
     DEEP_ROOMY_FLEET_ARGS, FLEET_ARGS, ROOMY, SLOW_ROOMY_FLEET_ARGS, SMALL, parse_cpu_list, slow_roomy_fleet_args,
 )
 
@@ -50,7 +50,7 @@ def test_cpu_lists_parse_like_taskset():
 
 
 def test_servers_start_on_the_cores_given_one_each_in_turn(monkeypatch, tmp_path):
-    from fleet import vllm
+    from routewise_vllm.fleet import vllm
 
     started = []
 

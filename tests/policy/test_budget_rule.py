@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
-from router.policy import ClusterView, FallbackPolicy, LeastOutstanding, Policy, ReplicaSnapshot, RequestInfo
-from router.policy.fallback import BUDGET_COOLDOWN, BUDGET_TRIP, BUDGET_WINDOW
+from routewise_vllm.router.policy import ClusterView, FallbackPolicy, LeastOutstanding, Policy, ReplicaSnapshot, RequestInfo
+from routewise_vllm.router.policy.fallback import BUDGET_COOLDOWN, BUDGET_TRIP, BUDGET_WINDOW
 
 BUDGET = 0.0005
 VIEW = ClusterView(tuple(ReplicaSnapshot(f"r{i}", True, n, 100 * n) for i, n in enumerate((3, 0, 5))))

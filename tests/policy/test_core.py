@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from router.policy import (
+from routewise_vllm.router.policy import (
     FEATURE_NAMES,
     FEATURE_SPEC_HASH,
     N_FEATURES,
@@ -160,7 +160,7 @@ def test_fallback_masked_pick_and_overload_guard_and_budget():
 
 
 def test_a_persistently_slow_policy_is_skipped_for_a_cooldown_then_measured_again():
-    from router.policy.fallback import BUDGET_COOLDOWN, BUDGET_TRIP, BUDGET_WINDOW
+    from routewise_vllm.router.policy.fallback import BUDGET_COOLDOWN, BUDGET_TRIP, BUDGET_WINDOW
 
     class Pick(Policy):
         calls = 0
@@ -246,7 +246,7 @@ def test_tracker_counts_and_view():
 
 
 def test_tpot_floor_is_a_low_percentile_published_after_enough_completions_robust_to_bursts_and_slowdowns():
-    from router.policy.tracking import TPOT_FLOOR_DROP, TPOT_FLOOR_MIN_SAMPLES, TPOT_FLOOR_RISE
+    from routewise_vllm.router.policy.tracking import TPOT_FLOOR_DROP, TPOT_FLOOR_MIN_SAMPLES, TPOT_FLOOR_RISE
 
     ct = ClusterTracker(["a"])
     t = ct.trackers[0]
@@ -306,8 +306,8 @@ def test_expected_wait_weighs_queued_prefill_by_speed_and_discounts_the_cached_p
 
 
 def test_served_policy_is_a_learned_policy_behind_the_routers_default_guards(tmp_path):
-    from router.policy.fallback import LEARNED_GUARDS
-    from router.policy.served import LEARNED_COST, served_policy
+    from routewise_vllm.router.policy.fallback import LEARNED_GUARDS
+    from routewise_vllm.router.policy.served import LEARNED_COST, served_policy
 
     baseline = served_policy("least-token-load", seed=0)
     assert type(baseline.primary).__name__ == "LeastTokenLoad" and baseline.max_stats_age_s is None

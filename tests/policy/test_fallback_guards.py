@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from router.policy import ClusterView, FallbackPolicy, LeastOutstanding, Policy, ReplicaSnapshot, RequestInfo
+from routewise_vllm.router.policy import ClusterView, FallbackPolicy, LeastOutstanding, Policy, ReplicaSnapshot, RequestInfo
 
 REQ = RequestInfo("q", 100, 16)
 
@@ -98,8 +98,8 @@ class ScoresOnly(Policy):
 def test_a_primary_best_decides_exactly_as_its_scores_do():
     """OnnxPolicy.best (one compiled call on the fast path) gives the FallbackPolicy the decisions that
     its scores() give through the generic path, guards and fallback reasons included."""
-    from router.policy.onnx_policy import OnnxPolicy
-    from router.policy.registry import DEFAULT_MODEL_PATH
+    from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
+    from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
 
     learned = OnnxPolicy(DEFAULT_MODEL_PATH)
     assert hasattr(learned, "best")

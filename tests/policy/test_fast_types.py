@@ -8,10 +8,10 @@ import pickle
 import numpy as np
 import pytest
 
-from router.policy.base import argmin_random_ties, healthy_or_raise
-from router.policy.baselines import LeastOutstanding
-from router.policy.tracking import ClusterTracker
-from router.policy.types import (
+from routewise_vllm.router.policy.base import argmin_random_ties, healthy_or_raise
+from routewise_vllm.router.policy.baselines import LeastOutstanding
+from routewise_vllm.router.policy.tracking import ClusterTracker
+from routewise_vllm.router.policy.types import (
     ClusterView,
     NoHealthyReplica,
     ReplicaSnapshot,
@@ -125,7 +125,7 @@ def test_prefix_match_many_equals_match_per_replica():
 def test_compiled_views_equal_python_views_field_for_field_and_type_for_type(monkeypatch):
     """ClusterTracker.view builds snapshots in C where the extension is built; the Python comprehension is the
     reference: same values and the same Python types in every field (an int stays an int, None stays None)."""
-    from router.policy import tracking
+    from routewise_vllm.router.policy import tracking
 
     compiled = require_compiled_views()
     rng = np.random.default_rng(4)
@@ -160,7 +160,7 @@ def test_compiled_views_equal_python_views_field_for_field_and_type_for_type(mon
 
 def test_compiled_view_reads_a_tracker_subclass_through_its_properties():
     """A subclass whose fields are properties (router/shared.py's SharedReplicaTracker) is read with getattr."""
-    from router.policy import tracking
+    from routewise_vllm.router.policy import tracking
 
     require_compiled_views()
 
@@ -183,7 +183,7 @@ def test_compiled_view_reads_a_tracker_subclass_through_its_properties():
 
 def test_the_compiled_views_are_bound_wherever_the_extension_is_built():
     """Built means bound: the import binds the view table or fails (it never falls back to Python silently)."""
-    from router.policy import tracking
+    from routewise_vllm.router.policy import tracking
 
     require_compiled_views()
     assert tracking.bind_compiled(tracking._compiled) is None
@@ -192,7 +192,7 @@ def test_the_compiled_views_are_bound_wherever_the_extension_is_built():
 def test_classes_the_view_table_cannot_read_by_slot_are_named_and_leave_the_binding(monkeypatch):
     """Planted drift: a snapshot class without slots, and a tracker class missing an attribute the table copies.
     Binding either fails with a reason naming the attribute, and the working binding stays."""
-    from router.policy import tracking
+    from routewise_vllm.router.policy import tracking
 
     compiled = require_compiled_views()
     names = [f.name for f in dataclasses.fields(ReplicaSnapshot)]  # names only: a Field given here would be changed
@@ -214,7 +214,7 @@ import sys, types
 for name, path in {packages!r}:  # the packages without their __init__, so that only {module} binds
     sys.modules[name] = package = types.ModuleType(name)
     package.__path__ = [path]
-sys.modules["router.policy._fastnet"] = types.ModuleType("router.policy._fastnet")  # built from other sources
+sys.modules["routewise_vllm.router.policy._fastnet"] = types.ModuleType("routewise_vllm.router.policy._fastnet")  # built from other sources
 try:
     import {module}
 except ImportError as exc:
@@ -224,19 +224,21 @@ else:
 """
 
 
-@pytest.mark.parametrize("module,what", [("router.policy.tracking", "the views"),
-                                         ("router.policy.features", "the feature rows")])
+@pytest.mark.parametrize("module,what", [("routewise_vllm.router.policy.tracking", "the views"),
+                                         ("routewise_vllm.router.policy.features", "the feature rows")])
 def test_an_extension_that_cannot_follow_the_tables_stops_the_import(module, what):
     """An extension built from other sources (here: one without bind_view / bind_rows) fails the import of the
     module that binds it, naming the fix, instead of building every view or row in Python unnoticed."""
     import subprocess
     import sys
 
-    import router
-    import router.policy
+    import routewise_vllm
+    import routewise_vllm.router.policy
+    from routewise_vllm import router
 
     require_compiled_views()
-    packages = [("router", router.__path__[0]), ("router.policy", router.policy.__path__[0])]
+    packages = [("routewise_vllm", routewise_vllm.__path__[0]), ("routewise_vllm.router", router.__path__[0]),
+                ("routewise_vllm.router.policy", router.policy.__path__[0])]
     code = STALE_EXTENSION.format(packages=packages, module=module)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert f"cannot build {what}" in out and "rebuild it (pip install -e .)" in out, out

@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from router.policy import fastnet
-from router.policy.base import best_of
-from router.policy.features import FEATURE_NAMES, N_FEATURES, build_features, model_inputs
-from router.policy.onnx_policy import OnnxPolicy
-from router.policy.registry import DEFAULT_MODEL_PATH
+from routewise_vllm.router.policy import fastnet
+from routewise_vllm.router.policy.base import best_of
+from routewise_vllm.router.policy.features import FEATURE_NAMES, N_FEATURES, build_features, model_inputs
+from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
 from tests.ci import in_ci
 
 # CI builds the extension: there a missing one fails these tests (and the one below), elsewhere it skips them
@@ -116,9 +116,9 @@ def test_best_is_best_of_the_logits() -> None:
 def test_best_view_decides_as_best_of_build_features() -> None:
     """OnnxPolicy.best builds the rows inside the network's C call (FastNet.best_view): the same pick and the
     same finiteness as FastNet.best on build_features of the same view, on tracker views of every kind."""
-    from router.policy.features import compiled_row_args
-    from router.policy.tracking import ClusterTracker
-    from router.policy.types import RequestInfo
+    from routewise_vllm.router.policy.features import compiled_row_args
+    from routewise_vllm.router.policy.tracking import ClusterTracker
+    from routewise_vllm.router.policy.types import RequestInfo
 
     policy = OnnxPolicy(DEFAULT_MODEL_PATH)
     rng = np.random.default_rng(5)
@@ -140,8 +140,8 @@ def test_best_view_decides_as_best_of_build_features() -> None:
 
 @needs_ext
 def test_best_view_refuses_bad_input_instead_of_crashing() -> None:
-    from router.policy import _fastnet
-    from router.policy.types import ReplicaSnapshot, RequestInfo
+    from routewise_vllm.router.policy import _fastnet
+    from routewise_vllm.router.policy.types import ReplicaSnapshot, RequestInfo
 
     net = OnnxPolicy(DEFAULT_MODEL_PATH)._fast
     rep, req = ReplicaSnapshot("r0", True, 1, 10), RequestInfo("q", 1000)
@@ -208,7 +208,7 @@ def test_fast_path_can_be_turned_off() -> None:
 
 @needs_ext
 def test_bad_buffers_raise_instead_of_crashing() -> None:
-    from router.policy import _fastnet
+    from routewise_vllm.router.policy import _fastnet
 
     net = OnnxPolicy(DEFAULT_MODEL_PATH)._fast
     rows = np.zeros((4, N_FEATURES), np.float32)
@@ -251,8 +251,8 @@ def test_layout_covers_the_blob_exactly() -> None:
 
 @needs_ext
 def test_compiled_rows_refuse_bad_input_instead_of_crashing() -> None:
-    from router.policy import _fastnet
-    from router.policy.types import ReplicaSnapshot, RequestInfo
+    from routewise_vllm.router.policy import _fastnet
+    from routewise_vllm.router.policy.types import ReplicaSnapshot, RequestInfo
 
     rep, req = ReplicaSnapshot("r0", True, 1, 10), RequestInfo("q", 1000)
     with pytest.raises(ValueError, match="out"):

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.policy import features
-from router.policy.features import COLUMNS, REPLICA_COLUMNS, Column, Source, check_table, compiled_columns, value
+from routewise_vllm.router.policy import features
+from routewise_vllm.router.policy.features import COLUMNS, REPLICA_COLUMNS, Column, Source, check_table, compiled_columns, value
 from tests.ci import require_compiled_views, skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,10 +45,10 @@ NEW_FEATURES = [
 CHECK = r"""
 import json, sys
 import numpy as np
-import router
-from router.policy import features, tracking
-from router.policy.tracking import ClusterTracker
-from router.policy.types import RequestInfo
+from routewise_vllm import router
+from routewise_vllm.router.policy import features, tracking
+from routewise_vllm.router.policy.tracking import ClusterTracker
+from routewise_vllm.router.policy.types import RequestInfo
 
 assert router.__file__.startswith(sys.argv[1]), router.__file__  # the copy, not the checkout
 assert features._compiled is not None and tracking._compiled is not None
@@ -114,7 +114,10 @@ def test_a_new_feature_is_built_alike_in_c_and_python_without_touching_c(tmp_pat
     assert build.returncode == 0, build.stderr[-2000:]
     if not list((copy / "router/policy").glob("_fastnet*.so")):
         skip_or_fail(f"the C extension did not build in the copy: {build.stderr[-500:]}")
-    run = subprocess.run([sys.executable, "-c", CHECK, str(copy)], cwd=copy, env={"PYTHONPATH": str(copy), "PATH": ""},
+    namespace = copy / "path" / "routewise_vllm"  # the import name the package maps router/ to
+    namespace.mkdir(parents=True)
+    (namespace / "router").symlink_to(copy / "router")
+    run = subprocess.run([sys.executable, "-c", CHECK, str(copy)], cwd=copy, env={"PYTHONPATH": str(copy / "path"), "PATH": ""},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
@@ -146,7 +149,7 @@ def test_the_table_is_checked_at_import_naming_the_column():
 def test_the_extension_refuses_a_table_it_cannot_follow():
     """What bind_rows checks itself (it reads memory by these indices): ops, arities, references."""
     compiled = require_compiled_views()
-    from router.policy.types import ReplicaSnapshot
+    from routewise_vllm.router.policy.types import ReplicaSnapshot
 
     good = compiled_columns()
     try:
@@ -164,7 +167,7 @@ def test_the_extension_refuses_a_table_it_cannot_follow():
 
 
 def _one_decision():
-    from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+    from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 
     return ClusterView((ReplicaSnapshot("a", True, 1, 10), ReplicaSnapshot("b", False, 3, 30))), RequestInfo("q", 100)
 

@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from router.policy import features
-from router.policy.features import (
+from routewise_vllm.router.policy import features
+from routewise_vllm.router.policy.features import (
     FEATURE_NAMES,
     _LOG_COLS,
     _SCALES,
@@ -23,8 +23,8 @@ from router.policy.features import (
     build_features,
     raw_features,
 )
-from router.policy.tracking import ClusterTracker
-from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+from routewise_vllm.router.policy.tracking import ClusterTracker
+from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 from tests.ci import require_compiled_views
 
 # ---- frozen reference (do not edit) ------------------------------------------------------------

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from router.policy import estimate
-from router.policy.estimate import chain_hash, text_prefix_blocks
+from routewise_vllm.router.policy import estimate
+from routewise_vllm.router.policy.estimate import chain_hash, text_prefix_blocks
 from tests.ci import skip_or_fail
 
 

@@ -10,11 +10,11 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.emulator import EmulatorSettings, make_app
-from router.app import REPLICAS, ROUTER
-from router.batch_limit import BatchLimitInference
-from router.replicas import ReplicaSet
-from router.settings import RouterSettings
+from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
+from routewise_vllm.router.app import REPLICAS, ROUTER
+from routewise_vllm.router.batch_limit import BatchLimitInference
+from routewise_vllm.router.replicas import ReplicaSet
+from routewise_vllm.router.settings import RouterSettings
 from tests.router.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(180)

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-import router.connections
-from router.app import METRICS
-from router.settings import RouterSettings
+import routewise_vllm.router.connections
+from routewise_vllm import router
+from routewise_vllm.router.app import METRICS
+from routewise_vllm.router.settings import RouterSettings
 from tests.router.conftest import wait_for
 from tests.router.test_fuzz import assert_openai_error, responses
 
@@ -266,7 +267,7 @@ async def test_router_serve_under_a_low_open_file_limit(fakes, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ROUTEWISE_MAX_CLIENT_CONNECTIONS": "5000"}
     with open(log_path, "wb") as log_file:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port), "--replica", f.url,
+            sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(port), "--replica", f.url,
             "--policy", "least-outstanding", "--log-level", "info", env=env, cwd=ROOT, stdout=log_file,
             stderr=log_file, start_new_session=True, preexec_fn=_low_nofile(128, 256))
     idle: list[asyncio.StreamWriter] = []

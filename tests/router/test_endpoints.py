@@ -13,10 +13,10 @@ import aiohttp
 import openai
 import pytest
 
-from router.app import METRICS, ROUTER
-from router.endpoints import ENDPOINTS, Endpoint, gather, parse, parse_form
-from router.errors import BadRequest
-from router.serving.decision_log import log_files
+from routewise_vllm.router.app import METRICS, ROUTER
+from routewise_vllm.router.endpoints import ENDPOINTS, Endpoint, gather, parse, parse_form
+from routewise_vllm.router.errors import BadRequest
+from routewise_vllm.router.serving.decision_log import log_files
 from tests.fakes.fake_vllm import ENDPOINT_PATHS
 from tests.router.conftest import wait_for
 from tests.fakes.harness import two_model_fleet

@@ -19,10 +19,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.fleet_view import FleetSync
-from router.policy.remote_load import RemoteLoad
-from router.policy.tracking import ClusterTracker
-from router.policy.types import RequestInfo
+from routewise_vllm.router.fleet_view import FleetSync
+from routewise_vllm.router.policy.remote_load import RemoteLoad
+from routewise_vllm.router.policy.tracking import ClusterTracker
+from routewise_vllm.router.policy.types import RequestInfo
 from tests.fakes.harness import wait_router_ready
 from tests.fakes.redis_server import redis_server
 from tests.router.conftest import wait_for
@@ -137,7 +137,7 @@ async def routers(tmp_path: Path, specs: list[list[str]], redis_url: str) -> Asy
             log = tmp_path / f"router-{i}.log"
             with log.open("wb") as out:
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+                    sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(port),
                     "--policy", "least-outstanding", "--shared-state", redis_url, "--shared-state-ttl-s", "2",
                     "--log-level", "info", *args, env=env, cwd=ROOT, start_new_session=True,
                     stdout=out, stderr=out)

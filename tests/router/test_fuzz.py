@@ -14,8 +14,8 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from router.app import METRICS, PROXY, REPLICAS
-from router.settings import RouterSettings
+from routewise_vllm.router.app import METRICS, PROXY, REPLICAS
+from routewise_vllm.router.settings import RouterSettings
 from tests.router.conftest import wait_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -269,7 +269,7 @@ async def test_empty_admin_token_is_refused(tmp_path):
 async def test_ops_listener_takes_metrics_and_admin_off_the_public_port(fakes, router_client):
     from aiohttp.test_utils import TestClient
 
-    from router.app import OPS_APP
+    from routewise_vllm.router.app import OPS_APP
     from tests.fakes.harness import RouterTestServer
 
     (a,) = await fakes(1)

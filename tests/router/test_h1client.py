@@ -11,9 +11,9 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from router import h1client
-from router.h1client import ConnectionLimit, H1Client, H1Connection
-from router.upstream import classify
+from routewise_vllm.router import h1client
+from routewise_vllm.router.h1client import ConnectionLimit, H1Client, H1Connection
+from routewise_vllm.router.upstream import classify
 from tests.ci import skip_or_fail
 
 CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
@@ -225,7 +225,7 @@ async def test_broken_answers_are_classified():
 
 
 async def test_a_body_nobody_reads_pauses_the_replica_and_resumes():
-    from router.h1client import HIGH_WATER
+    from routewise_vllm.router.h1client import HIGH_WATER
 
     big = b"x" * (HIGH_WATER * 3)
     server, url, _ = await serve(lambda h, b, t: t.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)))

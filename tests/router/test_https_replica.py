@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from router.app import H1, REPLICAS
+from routewise_vllm.router.app import H1, REPLICAS
 from tests.fakes.scripted_replica import ScriptedReplica, chunked, sized
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -87,7 +87,7 @@ async def test_an_https_replica_whose_certificate_is_not_trusted_gets_no_request
 
 
 async def test_a_replica_ca_file_without_a_certificate_is_refused_in_one_line(tmp_path):
-    from router.settings import RouterSettings
+    from routewise_vllm.router.settings import RouterSettings
 
     bad = tmp_path / "ca.pem"
     bad.write_text("not a certificate\n")

@@ -20,10 +20,10 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from router.app import METRICS, REPLICAS
-from router.h1client import HIGH_WATER, H1Client
-from router.settings import RouterSettings
-from router.upstream import classify, make_h1_client, make_session
+from routewise_vllm.router.app import METRICS, REPLICAS
+from routewise_vllm.router.h1client import HIGH_WATER, H1Client
+from routewise_vllm.router.settings import RouterSettings
+from routewise_vllm.router.upstream import classify, make_h1_client, make_session
 from tests.fakes.scripted_replica import ScriptedReplica, chunked
 from tests.router.conftest import wait_for
 

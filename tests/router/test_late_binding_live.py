@@ -13,14 +13,14 @@ import time
 import aiohttp
 import pytest
 
-from router.app import METRICS, PROXY, REPLICAS, ROUTER
-from router.hold_queue import HoldQueue
-from router.policy.late_binding import DISPATCH_REASONS
-from router.policy.types import RequestInfo
-from router.replicas import ReplicaSet
-from router.serving.decision_log import log_files
-from router.settings import RouterSettings
-from router.telemetry import RouterMetrics
+from routewise_vllm.router.app import METRICS, PROXY, REPLICAS, ROUTER
+from routewise_vllm.router.hold_queue import HoldQueue
+from routewise_vllm.router.policy.late_binding import DISPATCH_REASONS
+from routewise_vllm.router.policy.types import RequestInfo
+from routewise_vllm.router.replicas import ReplicaSet
+from routewise_vllm.router.serving.decision_log import log_files
+from routewise_vllm.router.settings import RouterSettings
+from routewise_vllm.router.telemetry import RouterMetrics
 from tests.router.conftest import wait_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -327,8 +327,8 @@ async def test_with_workers_each_holds_on_the_host_wide_load_and_sees_the_others
 
 
 async def test_turned_on_by_flag_or_environment_and_bad_values_named(monkeypatch, capsys):
-    from router.cli import _parser, main
-    from router.settings import build_settings
+    from routewise_vllm.router.cli import _parser, main
+    from routewise_vllm.router.settings import build_settings
 
     # unset: on for a learned policy (the default, learned = any-fleet, or any other model), off for a baseline
     assert build_settings(replicas=["http://a:1"]).late_binding is True
@@ -367,8 +367,8 @@ async def test_a_replica_with_its_own_batch_cap_takes_that_many(fakes, router_cl
 
 
 async def test_per_replica_caps_from_flags_or_environment_and_bad_ones_named(monkeypatch, capsys):
-    from router.cli import _parser, main
-    from router.settings import build_settings
+    from routewise_vllm.router.cli import _parser, main
+    from routewise_vllm.router.settings import build_settings
 
     args = vars(_parser().parse_args(["serve", "--replica", "http://a:1", "--replica-max-num-seqs", "a:1=4",
                                       "--replica-max-num-seqs", "http://b:2=16"]))
@@ -411,7 +411,7 @@ async def test_a_replica_measured_faster_takes_more_awaiting_prefill_when_room_i
     """Room in time (late_binding_room_in_time, the rule's speed_scales): the router measures a far faster TPOT on
     one replica, so that replica may hold more awaiting prompt tokens than the slow one (2x: the cap) before the
     router holds."""
-    from router.policy import tracking
+    from routewise_vllm.router.policy import tracking
 
     monkeypatch.setattr(tracking, "TPOT_FLOOR_MIN_SAMPLES", 2)
     fast, slow = await fakes(2)

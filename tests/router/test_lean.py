@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from router.app import PROXY, REPLICAS
-from router import lean
-from router.lean import LeanHead, parse_head, parse_plain
+from routewise_vllm.router.app import PROXY, REPLICAS
+from routewise_vllm.router import lean
+from routewise_vllm.router.lean import LeanHead, parse_head, parse_plain
 from tests.ci import skip_or_fail
 from tests.router.conftest import wait_for
 

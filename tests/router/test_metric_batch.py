@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, values
 
-from router.metric_batch import Batch, FlushingRegistry
-from router.telemetry import DECISION_BUCKETS, LATENCY_BUCKETS, RouterMetrics
+from routewise_vllm.router.metric_batch import Batch, FlushingRegistry
+from routewise_vllm.router.telemetry import DECISION_BUCKETS, LATENCY_BUCKETS, RouterMetrics
 
 # bounds hit exactly, between bounds, below the first, above the last finite one, zero, negative, repeats
 VALUES = [0.0, -1.0, LATENCY_BUCKETS[0], LATENCY_BUCKETS[3], LATENCY_BUCKETS[3] * 1.0001, 0.0049, 119.9, 120.0,

@@ -10,10 +10,10 @@ import random
 import openai
 import pytest
 
-from router.app import METRICS, REPLICAS, ROUTER
-from router.models import parse_model_list
-from router.policy.model_routing import OTHER_MODEL, members, model_label
-from router.serving.decision_log import log_files
+from routewise_vllm.router.app import METRICS, REPLICAS, ROUTER
+from routewise_vllm.router.models import parse_model_list
+from routewise_vllm.router.policy.model_routing import OTHER_MODEL, members, model_label
+from routewise_vllm.router.serving.decision_log import log_files
 from tests.router.conftest import wait_for
 from tests.fakes.harness import two_model_fleet
 

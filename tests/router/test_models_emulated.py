@@ -12,10 +12,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
-from fleet.emulator import EmulatorSettings, make_app
-from fleet.emulator.api import add_arguments, settings_from_args
-from router.app import METRICS, ROUTER
-from router.policy.registry import LEARNED
+from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
+from routewise_vllm.fleet.emulator.api import add_arguments, settings_from_args
+from routewise_vllm.router.app import METRICS, ROUTER
+from routewise_vllm.router.policy.registry import LEARNED
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -9,8 +9,8 @@ import asyncio
 import openai
 import pytest
 
-from router.app import METRICS, REPLICAS
-from router.replicas import BreakerState
+from routewise_vllm.router.app import METRICS, REPLICAS
+from routewise_vllm.router.replicas import BreakerState
 from tests.router.conftest import wait_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]

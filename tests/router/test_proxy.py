@@ -11,7 +11,7 @@ import aiohttp.web
 import openai
 import pytest
 
-from router.app import METRICS, REPLICAS
+from routewise_vllm.router.app import METRICS, REPLICAS
 from tests.router.conftest import wait_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -325,7 +325,7 @@ async def test_hop_by_hop_headers_are_stripped_both_ways(fakes, router_paths):
 ])
 async def test_body_decoding_is_json_loads(raw: bytes) -> None:
     """openai.loads, json.loads without its regex on the usual body: the same value or the same error."""
-    from router.openai import loads
+    from routewise_vllm.router.openai import loads
 
     try:
         want = ("value", json.loads(raw))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.app import REPLICAS
-from router.replicas import BreakerState
+from routewise_vllm.router.app import REPLICAS
+from routewise_vllm.router.replicas import BreakerState
 from tests.router.conftest import wait_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]

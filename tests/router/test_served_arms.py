@@ -5,11 +5,11 @@ policy gets none, and explicit settings apply to every arm."""
 
 from __future__ import annotations
 
-from router.policy.fallback import LEARNED_GUARDS
-from router.replicas import ReplicaSet
-from router.routing import Router
-from router.settings import RouterSettings
-from router.telemetry import RouterMetrics
+from routewise_vllm.router.policy.fallback import LEARNED_GUARDS
+from routewise_vllm.router.replicas import ReplicaSet
+from routewise_vllm.router.routing import Router
+from routewise_vllm.router.settings import RouterSettings
+from routewise_vllm.router.telemetry import RouterMetrics
 
 URLS = ["http://127.0.0.1:18001", "http://127.0.0.1:18002"]
 LEARNED_ARM = (LEARNED_GUARDS["max_stats_age_s"], LEARNED_GUARDS["overload_margin"], LEARNED_GUARDS["overload_ratio"])
@@ -51,8 +51,8 @@ def test_a_budget_cooldown_is_logged_once_with_its_figures(caplog):
     """An operator sees why the policy stopped deciding: one warning when a cool-down starts, not one per decision."""
     import logging
 
-    from router.policy.fallback import BUDGET_TRIP
-    from router.policy.types import RequestInfo
+    from routewise_vllm.router.policy.fallback import BUDGET_TRIP
+    from routewise_vllm.router.policy.types import RequestInfo
 
     r = router(policy="expected-wait", decision_budget_s=0.0005)
     runner = r.main

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from pydantic import ValidationError
 
-from router.cli import format_validation_error, main
-from router.settings import RouterSettings, build_settings
+from routewise_vllm.router.cli import format_validation_error, main
+from routewise_vllm.router.settings import RouterSettings, build_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,7 +109,7 @@ async def test_sigterm_drains_inflight_stream_then_exits(fakes):
     a.token_gate = asyncio.Semaphore(1)  # tok0 at once; every later token waits for the test
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port), "--replica", a.url,
+        [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(port), "--replica", a.url,
          "--policy", "least-outstanding", "--log-level", "warning"],
         cwd=REPO, env={**os.environ, "ROUTEWISE_DRAIN_TIMEOUT_S": "60"}, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -152,7 +152,7 @@ async def test_sigterm_drains_inflight_stream_then_exits(fakes):
 
 
 def test_scrape_timeout_defaults_to_at_most_the_interval():
-    from router.settings import RouterSettings
+    from routewise_vllm.router.settings import RouterSettings
 
     assert RouterSettings(replicas=["http://127.0.0.1:1"], scrape_interval_s=0.2).scrape_timeout_s == 0.2
     assert RouterSettings(replicas=["http://127.0.0.1:1"]).scrape_timeout_s == 0.8

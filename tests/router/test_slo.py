@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from router.app import METRICS, ROUTER
-from router.settings import RouterSettings
-from router.slo import Targets, header_ms, judge
-from router.telemetry import RouterMetrics
+from routewise_vllm.router.app import METRICS, ROUTER
+from routewise_vllm.router.settings import RouterSettings
+from routewise_vllm.router.slo import Targets, header_ms, judge
+from routewise_vllm.router.telemetry import RouterMetrics
 from tests.router.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.app import H1, METRICS
+from routewise_vllm.router.app import H1, METRICS
 from tests.fakes.scripted_replica import CLOSE, ScriptedReplica, chunked, head, sized, until_close
 from tests.router.conftest import FAST, TRANSPORTS
 from tests.fakes.harness import router_apps

@@ -20,8 +20,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.shared import SharedLoad
-from router.workers import ListenError, clean_stale_metrics_dirs, port_guard
+from routewise_vllm.router.shared import SharedLoad
+from routewise_vllm.router.workers import ListenError, clean_stale_metrics_dirs, port_guard
 from tests.fakes.harness import wait_router_ready
 from tests.router.test_workers import AUTH, ROOT, TOKEN, Workers, _draining, _free_port
 
@@ -137,7 +137,8 @@ async def _complete(s: aiohttp.ClientSession, url: str) -> None:
 # Workers learn of the parent's death twice: the parent-death signal (Linux) and the pipe (everywhere). This
 # prelude leaves them the pipe only, by asking prctl for an option that does not exist.
 PIPE_ONLY = """
-import router.workers
+import routewise_vllm.router.workers
+from routewise_vllm import router
 router.workers.PR_SET_PDEATHSIG = -1
 """
 
@@ -172,7 +173,8 @@ async def test_workers_exit_with_a_killed_parent_the_port_is_freed_and_the_next_
 # the middle of reading it (inside router.shared's read of the command, on its 0.1 s sync tick)
 DIE_WHILE_SYNCING = """
 import json, os, signal, types
-import router.shared
+import routewise_vllm.router.shared
+from routewise_vllm import router
 def _loads(raw, _real=json.loads):
     if b"die-while-syncing" in (raw if isinstance(raw, bytes) else raw.encode()):
         try:

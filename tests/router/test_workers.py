@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.policy.types import RequestInfo
-from router.shared import SharedClusterTracker, SharedLoad
+from routewise_vllm.router.policy.types import RequestInfo
+from routewise_vllm.router.shared import SharedClusterTracker, SharedLoad
 from tests.ci import require_compiled_views
 from tests.fakes.harness import wait_router_ready
 from tests.router.conftest import wait_for
@@ -29,7 +29,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["C", "numpy"])
 def test_a_dispatch_by_one_worker_is_in_the_other_workers_view(compiled, monkeypatch):
-    import router.shared
+    import routewise_vllm.router.shared
+    from routewise_vllm import router
 
     if compiled:
         require_compiled_views()
@@ -104,7 +105,7 @@ async def workers(reps, *args: str) -> AsyncIterator[Workers]:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ROUTEWISE_ADMIN_TOKEN": TOKEN}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router", "serve", "--workers", "2", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "routewise_vllm.router", "serve", "--workers", "2", "--host", "127.0.0.1", "--port", str(port),
         "--replica", reps[0].url, "--replica", reps[1].url, "--policy", "least-outstanding",
         "--log-level", "warning", *args, env=env, cwd=ROOT, start_new_session=True)
     w = Workers(proc, url)

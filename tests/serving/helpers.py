@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import time
 
-from router.policy import FallbackPolicy, LeastOutstanding
-from router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
+from routewise_vllm.router.policy import FallbackPolicy, LeastOutstanding
+from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 
 
 def make_view(outstanding: list[int], healthy: list[bool] | None = None, stats_age_s: float = 0.5) -> ClusterView:

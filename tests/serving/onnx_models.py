@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from router.policy.features import MODEL_INPUT_NAMES, FEATURE_SPEC_HASH, FEATURE_VERSION, N_MODEL_INPUTS
+from routewise_vllm.router.policy.features import MODEL_INPUT_NAMES, FEATURE_SPEC_HASH, FEATURE_VERSION, N_MODEL_INPUTS
 
 OPSET = 17
 MASKED_LOGIT = -1e9

@@ -8,12 +8,12 @@ import sys
 import numpy as np
 import pytest
 
-from router.serving.arms import ABSplit, GuardConfig, RollbackGuard, routing_key, stable_fraction
+from routewise_vllm.router.serving.arms import ABSplit, GuardConfig, RollbackGuard, routing_key, stable_fraction
 
 
 def test_stable_fraction_is_stable_across_processes():
     keys = ["alice", "bob", "session-42", "ü-ñ"]
-    code = "from router.serving.arms import stable_fraction as f; print([f(k) for k in %r])" % keys
+    code = "from routewise_vllm.router.serving.arms import stable_fraction as f; print([f(k) for k in %r])" % keys
     outs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        env={"PYTHONHASHSEED": seed, "PYTHONPATH": "."}).stdout

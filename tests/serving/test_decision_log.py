@@ -8,9 +8,9 @@ import threading
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from router.policy import build_features
-from router.serving.decision_log import DecisionLogWriter, PendingRecord, decode_features, log_files
-from router.serving.metrics import ServingMetrics
+from routewise_vllm.router.policy import build_features
+from routewise_vllm.router.serving.decision_log import DecisionLogWriter, PendingRecord, decode_features, log_files
+from routewise_vllm.router.serving.metrics import ServingMetrics
 
 from .helpers import make_request, make_view
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.serving import decision_log as dl
-from router.serving.decision_log import DecisionLogError, DecisionLogWriter, log_files
-from router.serving.metrics import ServingMetrics
+from routewise_vllm.router.serving import decision_log as dl
+from routewise_vllm.router.serving.decision_log import DecisionLogError, DecisionLogWriter, log_files
+from routewise_vllm.router.serving.metrics import ServingMetrics
 
 from .test_decision_log import pending
 
@@ -204,7 +204,7 @@ def test_a_bad_directory_at_start_is_one_clear_error(tmp_path):
 
 def serve_with_log_dir(directory: Path, workers: int) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "router", "serve", "--host", "127.0.0.1", "--port", "0", "--policy", "least-outstanding",
+        [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", "0", "--policy", "least-outstanding",
          "--replica", "http://127.0.0.1:9", "--decision-log", str(directory), "--workers", str(workers)],
         cwd=REPO, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
     )

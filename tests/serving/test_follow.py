@@ -8,10 +8,10 @@ import asyncio
 import json
 import shutil
 
-from router.policy.registry import DEFAULT_MODEL_PATH
-from router.serving.decision_log import log_files
-from trainer.finetune import FinetuneConfig
-from trainer.follow import Follower
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
+from routewise_vllm.router.serving.decision_log import log_files
+from routewise_vllm.trainer.finetune import FinetuneConfig
+from routewise_vllm.trainer.follow import Follower
 
 from .conftest import AUTH, TOKEN
 from .test_live_serving import load

@@ -14,10 +14,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from router.policy.fallback import BUDGET_MIN_SAMPLES
-from router.serving.arms import stable_fraction
-from router.serving.decision_log import log_files
-from router.settings import RouterSettings
+from routewise_vllm.router.policy.fallback import BUDGET_MIN_SAMPLES
+from routewise_vllm.router.serving.arms import stable_fraction
+from routewise_vllm.router.serving.decision_log import log_files
+from routewise_vllm.router.settings import RouterSettings
 
 from .conftest import AUTH
 from .onnx_models import corrupt_file, linear_model, nan_model, prefer_replica_model, slow_model
@@ -222,9 +222,9 @@ async def test_decision_log_from_a_live_run(tmp_path, fakes, router_client):
         assert r["n_replicas"] == 2 and r["arm"] == "main" and r["replica"] in (a.url[7:], b.url[7:])
         assert (r["ttft_s"] is not None) == r["stream"] and (r["output_tokens"] == 4 if r["stream"] else True)
     # ... and the simulator replays it as a workload (train on your own traffic)
-    from simulator.experiments import run_once
-    from simulator.replay import read_decision_log, split_logged
-    from simulator.scenario import replay_scenario
+    from routewise_vllm.simulator.experiments import run_once
+    from routewise_vllm.simulator.replay import read_decision_log, split_logged
+    from routewise_vllm.simulator.scenario import replay_scenario
 
     logged = read_decision_log(log_dir)
     assert [r.request_id for r in logged] == [r["id"] for r in sorted(records, key=lambda r: r["t"])]
@@ -256,7 +256,7 @@ def test_bad_serving_settings_name_the_field(kwargs, field):
     (["--shadow-policy", "nonsense"], "shadow_policy"),
 ])
 def test_router_serve_refuses_bad_serving_flags(argv, field, capsys):
-    from router.cli import main
+    from routewise_vllm.router.cli import main
 
     assert main(["serve", "--replica", "http://127.0.0.1:9", *argv]) == 2
     err = capsys.readouterr().err
@@ -266,8 +266,8 @@ def test_router_serve_refuses_bad_serving_flags(argv, field, capsys):
 async def test_decision_log_holds_the_model_input_of_each_decision(tmp_path, fakes, router_client):
     import numpy as np
 
-    from router.policy.features import N_FEATURES, model_inputs
-    from router.serving.decision_log import decode_features
+    from routewise_vllm.router.policy.features import N_FEATURES, model_inputs
+    from routewise_vllm.router.serving.decision_log import decode_features
 
     from .onnx_models import feature_weights
 
@@ -293,7 +293,7 @@ async def test_stale_stats_hand_learned_decisions_to_lor(tmp_path, fakes, router
     """Stats older than max_stats_age_s hand the model's decisions to least-outstanding. Their age moves with the
     router's clock, which the test moves, not with waiting: a slow scrape on a busy host cannot age them early,
     and no decision budget is in the way (fallbacks here can only be stale_stats)."""
-    from router.app import REPLICAS
+    from routewise_vllm.router.app import REPLICAS
 
     a, b = await fakes(2)
     model = prefer_replica_model(tmp_path / "prefer1.onnx", 1)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router.policy import LeastOutstanding, Policy
-from router.policy.fallback import BUDGET_MIN_SAMPLES
-from router.policy.onnx_policy import OnnxPolicy
+from routewise_vllm.router.policy import LeastOutstanding, Policy
+from routewise_vllm.router.policy.fallback import BUDGET_MIN_SAMPLES
+from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
 
 from .helpers import guarded, make_request, make_view
 from .onnx_models import (
@@ -130,7 +130,7 @@ def test_weights_helper_names_features():
 
 
 def test_pooled_model_serves_and_ignores_masked_rows(tmp_path):
-    from router.policy.onnx_policy import OnnxPolicy as P
+    from routewise_vllm.router.policy.onnx_policy import OnnxPolicy as P
 
     from .onnx_models import pooled_model
 

@@ -9,7 +9,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from router.settings import RouterSettings
+from routewise_vllm.router.settings import RouterSettings
 
 from .conftest import AUTH
 from .onnx_models import prefer_replica_model

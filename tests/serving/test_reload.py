@@ -8,9 +8,9 @@ import shutil
 
 from prometheus_client import CollectorRegistry
 
-from router.policy.onnx_policy import OnnxPolicy
-from router.serving.metrics import ServingMetrics
-from router.serving.reload import PolicyFileWatcher, PolicyReloader
+from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
+from routewise_vllm.router.serving.metrics import ServingMetrics
+from routewise_vllm.router.serving.reload import PolicyFileWatcher, PolicyReloader
 
 from .helpers import guarded, make_request, make_view
 from .onnx_models import corrupt_file, fixed_width_model, linear_model, nan_model, prefer_replica_model

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from router.policy import make_policy
-from router.policy.onnx_policy import OnnxPolicy
-from router.serving.metrics import ServingMetrics
-from router.serving.shadow import ShadowEvaluator
+from routewise_vllm.router.policy import make_policy
+from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
+from routewise_vllm.router.serving.metrics import ServingMetrics
+from routewise_vllm.router.serving.shadow import ShadowEvaluator
 
 from .helpers import guarded, make_request, make_view
 from .onnx_models import corrupt_file, prefer_replica_model

@@ -7,14 +7,14 @@ import math
 
 import numpy as np
 
-from router.policy.registry import make_policy
-from router.policy.types import Outcome
-from simulator.cluster import REJECTED_PROMPT_TOO_LONG, ClusterSim, simulate
-from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.costmodel import load_profile
-from simulator.gym_env import RoutingEnv
-from simulator.metrics import Slo, summarize
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.router.policy.types import Outcome
+from routewise_vllm.simulator.cluster import REJECTED_PROMPT_TOO_LONG, ClusterSim, simulate
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.costmodel import load_profile
+from routewise_vllm.simulator.gym_env import RoutingEnv
+from routewise_vllm.simulator.metrics import Slo, summarize
+from routewise_vllm.simulator.types import SimRequest
 
 A100 = "llama3-8b-a100"
 

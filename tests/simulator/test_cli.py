@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from simulator import costmodel
-from simulator.cli import COMMANDS, main
-from simulator.experiments import resolve_policies
+from routewise_vllm.simulator import costmodel
+from routewise_vllm.simulator.cli import COMMANDS, main
+from routewise_vllm.simulator.experiments import resolve_policies
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
@@ -20,7 +20,7 @@ def _python(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_module_help_lists_every_subcommand():
-    out = _python("-m", "simulator", "--help")
+    out = _python("-m", "routewise_vllm.simulator", "--help")
     assert out.returncode == 0, out.stderr
     for name in ("run", "compare", "bench", "calibrate"):
         assert name in out.stdout
@@ -66,7 +66,7 @@ def test_invalid_scenario_file_exits_2_naming_field(capsys):
 
 
 def test_all_policies_are_the_baselines_plus_learned_when_shipped():
-    from router.policy.registry import BASELINES, DEFAULT_MODEL_PATH
+    from routewise_vllm.router.policy.registry import BASELINES, DEFAULT_MODEL_PATH
 
     names = resolve_policies("all")
     assert names[: len(BASELINES)] == list(BASELINES)

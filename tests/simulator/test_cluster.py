@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from router.policy.estimate import id_prefix_blocks
-from router.policy.registry import make_policy
-from simulator.cluster import ClusterSim, simulate
-from simulator.config import ClusterConfig, FaultConfig, ReplicaGroup, ScrapeConfig
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.estimate import id_prefix_blocks
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.simulator.cluster import ClusterSim, simulate
+from routewise_vllm.simulator.config import ClusterConfig, FaultConfig, ReplicaGroup, ScrapeConfig
+from routewise_vllm.simulator.types import SimRequest
 
 
 def workload(n: int = 400, rate: float = 20.0, seed: int = 0, prefix: bool = False) -> list[SimRequest]:

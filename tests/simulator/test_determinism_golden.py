@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.policy.features import build_features
-from router.policy.registry import make_policy
-from simulator.bench import azure_conv_like_lengths
-from simulator.cluster import ClusterSim
-from simulator.config import ClusterConfig, FaultConfig, ReplicaGroup, ScrapeConfig
-from simulator.gym_env import RoutingEnv
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.features import build_features
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.simulator.bench import azure_conv_like_lengths
+from routewise_vllm.simulator.cluster import ClusterSim
+from routewise_vllm.simulator.config import ClusterConfig, FaultConfig, ReplicaGroup, ScrapeConfig
+from routewise_vllm.simulator.gym_env import RoutingEnv
+from routewise_vllm.simulator.types import SimRequest
 
 RECORD_FIELDS = (
     "request_id", "replica_id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s",

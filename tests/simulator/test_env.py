@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from router.policy.features import N_FEATURES
-from simulator.config import ClusterConfig, FaultConfig, ReplicaGroup
-from simulator.env import DecisionEnv
-from simulator.metrics import Slo, summarize
-from simulator.gym_env import RoutingEnv
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.features import N_FEATURES
+from routewise_vllm.simulator.config import ClusterConfig, FaultConfig, ReplicaGroup
+from routewise_vllm.simulator.env import DecisionEnv
+from routewise_vllm.simulator.metrics import Slo, summarize
+from routewise_vllm.simulator.gym_env import RoutingEnv
+from routewise_vllm.simulator.types import SimRequest
 
 
 def factory(rng: np.random.Generator, crash: bool = False):
@@ -199,9 +199,9 @@ def test_behind_late_binding_the_env_runs_the_routers_rule():
     """Stepped by a heuristic on the view `decision()` gives, the env behind late binding serves every request
     as simulate_late does (the rule the live hold queue runs); a step is a dispatch with a choice, its mask the
     replicas the rule allows, the observation still the whole fleet; the return is still minus the total TTFT."""
-    from router.policy.late_binding import LateBindingConfig
-    from router.policy.registry import make_policy
-    from simulator.late_binding import simulate_late
+    from routewise_vllm.router.policy.late_binding import LateBindingConfig
+    from routewise_vllm.router.policy.registry import make_policy
+    from routewise_vllm.simulator.late_binding import simulate_late
 
     cluster, requests = few_slots_factory(np.random.default_rng(4))
     late = LateBindingConfig()

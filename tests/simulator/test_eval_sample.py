@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator.scenario import load_scenario
+from routewise_vllm.simulator.scenario import load_scenario
 
 
 def _rows(name: str, seed: int, split: str = "eval") -> list[tuple]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from simulator.costmodel import PROFILES_DIR, fit, known_profiles, load_profile, profile_from_file
+from routewise_vllm.simulator.costmodel import PROFILES_DIR, fit, known_profiles, load_profile, profile_from_file
 from tests.bench import gpu_roofline
 
 MEASURED = PROFILES_DIR / "measured" / "llama3-8b-h100-measured.yaml"

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from simulator.cluster import ClusterSim
-from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.types import SimRequest
+from routewise_vllm.simulator.cluster import ClusterSim
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.types import SimRequest
 
 
 def one_slot_cluster() -> ClusterConfig:

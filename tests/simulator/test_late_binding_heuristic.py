@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 
-from router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide, speed_scales
-from router.policy.registry import make_policy
-from router.policy.types import ClusterView, ReplicaSnapshot
-from simulator.cluster import simulate
-from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.late_binding import simulate_late
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide, speed_scales
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot
+from routewise_vllm.simulator.cluster import simulate
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.late_binding import simulate_late
+from routewise_vllm.simulator.types import SimRequest
 
 LIMIT = ReplicaLimit(max_outstanding=1, max_prefill_tokens=10_000)
 
@@ -88,14 +88,14 @@ def test_with_room_everywhere_late_binding_routes_like_the_policy_alone():
 
 
 def test_compare_adds_late_rows_against_the_best_per_request_heuristic():
-    from simulator.experiments import compare
+    from routewise_vllm.simulator.experiments import compare
 
     doc = compare(["bursty-code"], ["least-outstanding", "expected-wait", "learned"], [0], progress=False, late_binding=True)
     rows = {r["policy"]: r for r in doc["results"]}
     assert set(rows) == {"least-outstanding", "expected-wait", "learned",
                          "least-outstanding+late", "expected-wait+late", "learned+late"}  # the learned policy too
     assert rows["learned+late"]["metrics"]["held_share"] > 0
-    from simulator.experiments import format_table
+    from routewise_vllm.simulator.experiments import format_table
 
     lines = {line.split()[1]: line for line in format_table(doc).splitlines()[2:]}
     assert "held / timed out" in format_table(doc).splitlines()[0]

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router.policy.baselines import LoraAffinity
-from router.policy.registry import make_policy
-from router.policy.types import ClusterView, LoraState, ReplicaSnapshot, RequestInfo
-from simulator.cluster import ClusterSim, simulate
-from simulator.config import ClusterConfig, LoraConfig, ReplicaGroup
-from simulator.costmodel import load_profile
-from simulator.metrics import summarize
-from simulator.replica import COMPLETE, FIRST, ReqState, Replica
-from simulator.scenario import load_scenario
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.baselines import LoraAffinity
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.router.policy.types import ClusterView, LoraState, ReplicaSnapshot, RequestInfo
+from routewise_vllm.simulator.cluster import ClusterSim, simulate
+from routewise_vllm.simulator.config import ClusterConfig, LoraConfig, ReplicaGroup
+from routewise_vllm.simulator.costmodel import load_profile
+from routewise_vllm.simulator.metrics import summarize
+from routewise_vllm.simulator.replica import COMPLETE, FIRST, ReqState, Replica
+from routewise_vllm.simulator.scenario import load_scenario
+from routewise_vllm.simulator.types import SimRequest
 
 H100 = load_profile("llama3-8b-h100")
 

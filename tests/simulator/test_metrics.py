@@ -3,8 +3,8 @@ import math
 import numpy as np
 import pytest
 
-from simulator.metrics import Slo, aggregate, load_imbalance, mean_ci95, request_table, summarize, t_quantile_975
-from simulator.types import RequestRecord
+from routewise_vllm.simulator.metrics import Slo, aggregate, load_imbalance, mean_ci95, request_table, summarize, t_quantile_975
+from routewise_vllm.simulator.types import RequestRecord
 
 
 def _rec(i, ttft, tpot=0.01, out=11, replica="r0", tenant="", finished=True, arrival=None, preempt=0, hit=0):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router.policy.registry import BASELINES, make_policy
-from simulator.cluster import ClusterSim, simulate
-from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.registry import BASELINES, make_policy
+from routewise_vllm.simulator.cluster import ClusterSim, simulate
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.types import SimRequest
 
 FLEET = ClusterConfig(replicas=[
     ReplicaGroup(profile="llama3-8b-a100", count=2, models=["alpha"]),

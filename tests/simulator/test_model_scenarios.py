@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from router.policy.registry import make_policy
-from simulator.cluster import ClusterSim, simulate
-from simulator.config import ClusterConfig, ReplicaGroup, expand_names
-from simulator.experiments import ALL, resolve_scenarios
-from simulator.scenario import ScenarioSpec, load_scenario, scenario_names
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.simulator.cluster import ClusterSim, simulate
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup, expand_names
+from routewise_vllm.simulator.experiments import ALL, resolve_scenarios
+from routewise_vllm.simulator.scenario import ScenarioSpec, load_scenario, scenario_names
 
 
 def test_name_ranges_expand_and_a_reversed_range_is_named():

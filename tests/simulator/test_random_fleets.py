@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tests.bench import random_fleets
-from trainer.config import load_config
-from trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs
+from routewise_vllm.trainer.config import load_config
+from routewise_vllm.trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs
 
 
 def _row(scenario: str, seed: int, replicas: int, spread: float, p99: dict[str, float], goodput: float = 1.0) -> dict:
@@ -64,7 +64,7 @@ def test_scenarios_get_disjoint_seed_blocks_apart_from_training_and_validation_s
     seeds = [s.seed for s in specs]
     assert len(set(seeds)) == 6 and min(seeds) >= random_fleets.SEED_BASE
     assert all(s.random_fleet and s.randomise for s in specs)
-    from trainer.ppo import EVAL_SEED_BASE, VALIDATION_SEED_BASE, WARM_START_SEED_BASE
+    from routewise_vllm.trainer.ppo import EVAL_SEED_BASE, VALIDATION_SEED_BASE, WARM_START_SEED_BASE
 
     assert random_fleets.SEED_BASE >= VALIDATION_SEED_BASE + 1_000_000 > max(EVAL_SEED_BASE, WARM_START_SEED_BASE) + 1_000_000
 

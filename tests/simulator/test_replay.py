@@ -7,10 +7,10 @@ import json
 import pytest
 import yaml
 
-from simulator.cli import main as simulator_main
-from simulator.experiments import run_once
-from simulator.replay import DecisionLogError, read_decision_log, split_logged, to_sim_requests
-from simulator.scenario import replay_scenario
+from routewise_vllm.simulator.cli import main as simulator_main
+from routewise_vllm.simulator.experiments import run_once
+from routewise_vllm.simulator.replay import DecisionLogError, read_decision_log, split_logged, to_sim_requests
+from routewise_vllm.simulator.scenario import replay_scenario
 
 
 def record(i: int, t: float, attempt: int = 0, **kw) -> dict:

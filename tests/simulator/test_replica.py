@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from router.policy.registry import make_policy
-from simulator.cluster import ClusterSim, simulate
-from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.costmodel import load_profile
-from simulator.replica import COMPLETE, DONE, FIRST, ReqState, Replica
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.simulator.cluster import ClusterSim, simulate
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.costmodel import load_profile
+from routewise_vllm.simulator.replica import COMPLETE, DONE, FIRST, ReqState, Replica
+from routewise_vllm.simulator.types import SimRequest
 
 A100 = load_profile("llama3-8b-a100")
 
@@ -210,7 +210,7 @@ def test_profile_derived_quantities():
 def test_fit_recovers_overhead_and_efficiencies():
     import dataclasses
 
-    from simulator.costmodel import fit
+    from routewise_vllm.simulator.costmodel import fit
 
     truth = dataclasses.replace(A100, overhead_s=0.004, prefill_mfu=0.42, decode_bw_util=0.66)
     rng = np.random.default_rng(0)
@@ -232,7 +232,7 @@ def test_fit_recovers_overhead_and_efficiencies():
 @pytest.mark.parametrize("seed", [0, 9, 10])
 def test_closed_form_matches_reference_under_memory_pressure_faults_and_stale_scrapes(seed: int):
     """Randomised: tight budgets and caches, shared prefixes, a crash and a slow-down."""
-    from simulator.config import FaultConfig, ScrapeConfig
+    from routewise_vllm.simulator.config import FaultConfig, ScrapeConfig
 
     rng = np.random.default_rng(seed)
     n = 250

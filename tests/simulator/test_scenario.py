@@ -3,8 +3,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simulator.scenario import SCENARIOS_DIR, ScenarioError, load_scenario, scenario_names
-from simulator.traces import TraceLibrary
+from routewise_vllm.simulator.scenario import SCENARIOS_DIR, ScenarioError, load_scenario, scenario_names
+from routewise_vllm.simulator.traces import TraceLibrary
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 

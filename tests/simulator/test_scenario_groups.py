@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator.cli import main
-from simulator.costmodel import load_profile
-from simulator.experiments import ALL, ExperimentError, resolve_scenarios
-from simulator.scenario import SCENARIO_GROUPS, SCENARIOS_DIR, ScenarioError, load_scenario, scenario_names
+from routewise_vllm.simulator.cli import main
+from routewise_vllm.simulator.costmodel import load_profile
+from routewise_vllm.simulator.experiments import ALL, ExperimentError, resolve_scenarios
+from routewise_vllm.simulator.scenario import SCENARIO_GROUPS, SCENARIOS_DIR, ScenarioError, load_scenario, scenario_names
 
 SUITE = {
     "adversarial", "bursty-code", "crash", "heterogeneous", "kv-pressure", "prefix-heavy", "prefix-synthetic",

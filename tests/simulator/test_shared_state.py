@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from router.policy.registry import make_policy
-from simulator.cluster import ClusterSim
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.simulator.cluster import ClusterSim
 from tests.simulator.test_cluster import config, workload
 
 

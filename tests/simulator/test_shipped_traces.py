@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator.traces import KNOWN_TRACES, SHIPPED_TRACES_DIR, TRACES_DIR_ENV, TraceError, TraceLibrary, trace_path
+from routewise_vllm.simulator.traces import KNOWN_TRACES, SHIPPED_TRACES_DIR, TRACES_DIR_ENV, TraceError, TraceLibrary, trace_path
 
 ROOT = Path(__file__).resolve().parents[2]
 LICENSES = {

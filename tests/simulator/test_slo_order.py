@@ -8,14 +8,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from router.policy.late_binding import LateBindingConfig
-from router.policy.registry import make_policy
-from simulator import cluster as cluster_mod
-from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.late_binding import simulate_late
-from simulator.scenario import ScenarioSpec, load_scenario
-from simulator.slo_order import class_figures, run
-from simulator.types import SimRequest
+from routewise_vllm.router.policy.late_binding import LateBindingConfig
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.simulator import cluster as cluster_mod
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.late_binding import simulate_late
+from routewise_vllm.simulator.scenario import ScenarioSpec, load_scenario
+from routewise_vllm.simulator.slo_order import class_figures, run
+from routewise_vllm.simulator.types import SimRequest
 
 DISJOINT = ClusterConfig(replicas=[
     ReplicaGroup(profile="llama3-8b-a100", count=1, models=["alpha"]),
@@ -67,7 +67,7 @@ def test_deadline_first_takes_the_tight_requests_first_on_the_same_arrivals():
 
 
 def cluster_slo(ttft_s: float):
-    from simulator.metrics import Slo
+    from routewise_vllm.simulator.metrics import Slo
     return Slo(ttft_s=ttft_s, tpot_s=10.0)
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router.policy.registry import make_policy
-from simulator.bench import azure_conv_like_lengths
-from simulator.cluster import simulate
-from simulator.config import ClusterConfig, ReplicaGroup
-from simulator.types import RequestRecord, SimRequest
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.simulator.bench import azure_conv_like_lengths
+from routewise_vllm.simulator.cluster import simulate
+from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.types import RequestRecord, SimRequest
 
 
 def poisson(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:

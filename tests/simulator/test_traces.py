@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simulator.traces import (
+from routewise_vllm.simulator.traces import (
     KNOWN_TRACES,
     TRACES_DIR_ENV,
     TraceError,

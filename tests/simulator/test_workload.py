@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from simulator.traces import KNOWN_TRACES, WARMUP_TENANT, TraceLibrary
-from simulator.workload import (
+from routewise_vllm.simulator.traces import KNOWN_TRACES, WARMUP_TENANT, TraceLibrary
+from routewise_vllm.simulator.workload import (
     AdversarialWorkload,
     SyntheticWorkload,
     TraceWorkload,

@@ -9,7 +9,7 @@ import torch
 import numpy as np
 import pytest
 
-from router.policy.features import (
+from routewise_vllm.router.policy.features import (
     CROSS_NAMES,
     FEATURE_NAMES,
     MODEL_INPUT_NAMES,
@@ -18,8 +18,8 @@ from router.policy.features import (
     REQUEST_FEATURES,
     model_inputs,
 )
-from trainer.config import NetworkConfig
-from trainer.network import RoutingNet
+from routewise_vllm.trainer.config import NetworkConfig
+from routewise_vllm.trainer.network import RoutingNet
 
 
 def reference(features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

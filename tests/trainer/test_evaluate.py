@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from simulator.cli import main as simulator_main
-from trainer.cli import main as trainer_main
+from routewise_vllm.simulator.cli import main as simulator_main
+from routewise_vllm.trainer.cli import main as trainer_main
 
 
 def _nan_equal(a, b) -> bool:
@@ -41,7 +41,7 @@ def test_evaluate_rejects_unknown_names(capsys):
 
 
 def test_evaluate_policy_learned_is_the_shipped_model_simulator_compare_serves(capsys, tmp_path):
-    from router.policy.registry import DEFAULT_MODEL_PATH
+    from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
 
     rc = trainer_main(["evaluate", "--policy", "learned", "--scenario", "steady-chat", "--seeds", "1", "--baselines",
                        "least-outstanding", "--json", "--no-plots", "--workers", "1", "--no-progress", "--out", str(tmp_path)])  # fmt: skip
@@ -55,7 +55,7 @@ def test_evaluate_policy_learned_is_the_shipped_model_simulator_compare_serves(c
 def test_workers_are_not_capped_at_this_machines_cores():
     import os
 
-    from trainer.config import RunConfig
+    from routewise_vllm.trainer.config import RunConfig
 
     assert RunConfig().workers == os.cpu_count()
     assert RunConfig(workers=64, torch_threads=8).workers == 64
@@ -64,7 +64,7 @@ def test_workers_are_not_capped_at_this_machines_cores():
 def test_evaluate_late_binding_compares_like_with_like_and_writes_the_card(capsys, tmp_path):
     """--late-binding: every policy also behind late binding; the summary puts the learned policy behind it
     against the best heuristic behind it and against the best per request, and the card records the rule."""
-    from router.policy.registry import DEFAULT_MODEL_PATH
+    from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
 
     card = tmp_path / "card.json"
     rc = trainer_main(["evaluate", "--policy", "learned", "--scenario", "shape-conv-slots8", "--seeds", "1", "--baselines",

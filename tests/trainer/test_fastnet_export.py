@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from router.policy import fastnet
-from router.policy.features import FEATURE_NAMES, N_FEATURES
-from router.policy.onnx_policy import OnnxPolicy
-from trainer.config import NetworkConfig
-from trainer.export import ExportError, export_onnx
+from routewise_vllm.router.policy import fastnet
+from routewise_vllm.router.policy.features import FEATURE_NAMES, N_FEATURES
+from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
+from routewise_vllm.trainer.config import NetworkConfig
+from routewise_vllm.trainer.export import ExportError, export_onnx
 from tests.ci import in_ci
-from trainer.network import RoutingNet
+from routewise_vllm.trainer.network import RoutingNet
 
 # CI builds the extension: there these fail without it
 pytestmark = pytest.mark.skipif(not fastnet.available() and not in_ci(), reason="C extension not built")

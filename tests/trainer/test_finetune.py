@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.policy.features import FEATURE_SPEC_HASH
-from router.policy.registry import DEFAULT_MODEL_PATH, MODELS_DIR
-from trainer.cli import main
-from trainer.finetune import FinetuneConfig, FinetuneError, all_logits, baseline_errors, finetune, load_init_model
-from trainer.fleet_log import FleetLogError, read_fleet_log
-from trainer.simlog import simulate_log
+from routewise_vllm.router.policy.features import FEATURE_SPEC_HASH
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH, MODELS_DIR
+from routewise_vllm.trainer.cli import main
+from routewise_vllm.trainer.finetune import FinetuneConfig, FinetuneError, all_logits, baseline_errors, finetune, load_init_model
+from routewise_vllm.trainer.fleet_log import FleetLogError, read_fleet_log
+from routewise_vllm.trainer.simlog import simulate_log
 
 MISFIT = str(Path(__file__).resolve().parents[1] / "data" / "fleet-misfit.yaml")
 FAST = FinetuneConfig(epochs=2, min_steps=0)
@@ -146,8 +146,8 @@ def test_cli_reports_errors_without_traceback(small_log, tmp_path, capsys):
 def test_baselines_ridge_finds_what_the_features_explain_and_no_more():
     """log TTFT = 0.8 x feature 3 of the chosen replica + noise of MAE ~0.08: the ridge's held-out error is the
     noise's, the constant's is far above it."""
-    from router.policy.features import N_FEATURES
-    from trainer.fleet_log import FleetData
+    from routewise_vllm.router.policy.features import N_FEATURES
+    from routewise_vllm.trainer.fleet_log import FleetData
 
     rng = np.random.default_rng(0)
 
@@ -189,7 +189,7 @@ def test_simulated_log_of_a_crash_marks_retries_and_no_negative_ttft(tmp_path):
 def test_pinball_loss_is_least_at_its_quantile_and_a_bad_quantile_is_named():
     import torch
 
-    from trainer.latency import pinball_loss
+    from routewise_vllm.trainer.latency import pinball_loss
 
     x = torch.from_numpy(np.random.default_rng(0).lognormal(0.0, 1.0, 4001))
     grid = torch.linspace(0.0, 8.0, 801)
@@ -204,7 +204,7 @@ def test_the_command_line_defaults_are_the_config_defaults():
     import argparse
     from dataclasses import fields
 
-    from trainer.fleet_cli import _finetune_arguments
+    from routewise_vllm.trainer.fleet_cli import _finetune_arguments
 
     p = argparse.ArgumentParser()
     _finetune_arguments(p)
@@ -222,9 +222,9 @@ def test_a_small_log_gets_epochs_enough_for_min_steps_and_a_large_one_its_epochs
     assert FinetuneConfig(epochs=0).epochs_for(1088) == 0  # no fit asked for, none made
     with pytest.raises(FinetuneError, match="min_steps"):
         FinetuneConfig(min_steps=-1)
-    from router.policy.features import N_FEATURES
-    from trainer.finetune import fit
-    from trainer.fleet_log import FleetData
+    from routewise_vllm.router.policy.features import N_FEATURES
+    from routewise_vllm.trainer.finetune import fit
+    from routewise_vllm.trainer.fleet_log import FleetData
 
     rng = np.random.default_rng(2)
     n = 250
@@ -242,9 +242,9 @@ def test_a_quantile_fit_routes_by_the_tail_where_the_middle_misleads():
     q=0.9 fit the steady ones."""
     import torch
 
-    from router.policy.features import N_FEATURES
-    from trainer.finetune import fit
-    from trainer.fleet_log import FleetData
+    from routewise_vllm.router.policy.features import N_FEATURES
+    from routewise_vllm.trainer.finetune import fit
+    from routewise_vllm.trainer.fleet_log import FleetData
 
     rng = np.random.default_rng(5)
 

@@ -6,10 +6,10 @@ import re
 
 import numpy as np
 
-from simulator.config import ClusterConfig, FaultConfig, ReplicaGroup
-from simulator.types import SimRequest
-from trainer.config import EnvConfig
-from trainer.instances import InstanceBuilder, InstanceSpec, perturb, retime_faults, window
+from routewise_vllm.simulator.config import ClusterConfig, FaultConfig, ReplicaGroup
+from routewise_vllm.simulator.types import SimRequest
+from routewise_vllm.trainer.config import EnvConfig
+from routewise_vllm.trainer.instances import InstanceBuilder, InstanceSpec, perturb, retime_faults, window
 
 
 def _requests(n: int, tenant: str = "") -> list[SimRequest]:
@@ -67,9 +67,9 @@ def test_faults_after_the_window_are_moved_into_it():
 def test_random_fleets_span_the_configured_counts_and_profiles_and_keep_the_load():
     """fleet_prob 1: every instance runs on a random fleet within fleet_replicas (capped at max_replicas), drawn
     from every profile, with arrivals rescaled by the measured capacity ratio (twice the capacity, twice the rate)."""
-    from simulator.cluster import ClusterSim
-    from simulator.costmodel import known_profiles
-    from trainer.instances import _capacity, random_fleet
+    from routewise_vllm.simulator.cluster import ClusterSim
+    from routewise_vllm.simulator.costmodel import known_profiles
+    from routewise_vllm.trainer.instances import _capacity, random_fleet
 
     cfg = EnvConfig(scenarios=["x"], max_replicas=12,
                     randomisation={"fleet_prob": 1.0, "fleet_replicas": (2, 32), "speed_factor": (1.0, 1.0),
@@ -117,7 +117,7 @@ def test_fleet_prob_zero_draws_nothing_new():
 def test_few_batch_slots_bound_max_num_seqs_and_keep_the_load():
     """batch_slots_prob 1: every instance's replicas share one max_num_seqs within batch_slots, never above the
     scenario's own, and arrivals are stretched by exactly the measured capacity ratio (fewer slots, less traffic)."""
-    from trainer.instances import few_batch_slots
+    from routewise_vllm.trainer.instances import few_batch_slots
 
     cfg = EnvConfig(scenarios=["x"], randomisation={"batch_slots_prob": 1.0, "batch_slots": (2, 16), "speed_factor": (1.0, 1.0),
                                                     "replica_count_scale": (1.0, 1.0), "prompt_scale": (1.0, 1.0)})

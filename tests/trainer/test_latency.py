@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from router.policy.features import FEATURE_NAMES, N_FEATURES
-from trainer.config import ConfigError, NetworkConfig, config_from_dict, load_config
-from trainer.instances import InstanceBuilder, InstanceSpec
-from trainer.latency import ExploreJob, explore_episode, fit_latency
-from trainer.network import RoutingNet
-from trainer.rollout import SpecEnv
+from routewise_vllm.router.policy.features import FEATURE_NAMES, N_FEATURES
+from routewise_vllm.trainer.config import ConfigError, NetworkConfig, config_from_dict, load_config
+from routewise_vllm.trainer.instances import InstanceBuilder, InstanceSpec
+from routewise_vllm.trainer.latency import ExploreJob, explore_episode, fit_latency
+from routewise_vllm.trainer.network import RoutingNet
+from routewise_vllm.trainer.rollout import SpecEnv
 
 ENV = {"scenarios": ["heterogeneous"], "max_replicas": 8, "max_requests": 80}
 
@@ -128,7 +128,7 @@ def test_old_bc_key_is_read_as_warm_start_with_one_warning(tmp_path):
 
 def test_untrained_network_with_wait_prior_ranks_like_expected_wait():
     """The prior alone (head zero-initialised) is the expected-wait heuristic, computed in-graph."""
-    from router.policy.baselines import ExpectedWait
+    from routewise_vllm.router.policy.baselines import ExpectedWait
 
     torch.manual_seed(0)
     net = RoutingNet(N_FEATURES, NetworkConfig(hidden=16, heads=2, layers=1, wait_prior=True)).eval()

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from router.policy.features import N_FEATURES
-from trainer.config import ConfigError, NetworkConfig, PPOConfig, config_from_dict, load_config
-from trainer.network import MASKED_LOGIT, RoutingNet, masked_categorical
-from trainer.ppo import Batch, Coefs, build_batch, gae, ppo_update
-from trainer.episode import Episode
-from trainer.rollout import paired_baseline_rewards
+from routewise_vllm.router.policy.features import N_FEATURES
+from routewise_vllm.trainer.config import ConfigError, NetworkConfig, PPOConfig, config_from_dict, load_config
+from routewise_vllm.trainer.network import MASKED_LOGIT, RoutingNet, masked_categorical
+from routewise_vllm.trainer.ppo import Batch, Coefs, build_batch, gae, ppo_update
+from routewise_vllm.trainer.episode import Episode
+from routewise_vllm.trainer.rollout import paired_baseline_rewards
 
 
 def _obs(rng: np.random.Generator, b: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +169,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 
 def test_train_state_round_trips_and_reads_checkpoints_written_before_it():
-    from trainer.ppo import Phase, TrainState
+    from routewise_vllm.trainer.ppo import Phase, TrainState
 
     old = {"phase": "bc", "update": 0, "wall_s": 3.0, "best": None, "best_key": math.inf, "history": [],
            "best_heuristic": {"steady-chat": "least-outstanding"}, "heuristic_runs": {}, "rng_state": None}  # fmt: skip

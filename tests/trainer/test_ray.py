@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import read_checkpoint
-from trainer.cli import main as trainer_main
-from trainer.config import ConfigError, load_config
+from routewise_vllm.trainer.checkpoint import read_checkpoint
+from routewise_vllm.trainer.cli import main as trainer_main
+from routewise_vllm.trainer.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "trainer/configs/smoke.yaml"
@@ -41,7 +41,7 @@ def test_ray_requested_but_not_installed_names_the_extra(monkeypatch, capsys, tm
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     assert trainer_main(["train", "--config", str(SMOKE), "--run-dir", str(tmp_path / "run"), "--ray", "local", *TWO_WORKERS]) == 2
     err = capsys.readouterr().err
-    assert "ray is not installed" in err and "routewise[ray]" in err and "Traceback" not in err
+    assert "ray is not installed" in err and "routewise-vllm[ray]" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
 
 
@@ -113,7 +113,7 @@ def test_evaluation_on_ray_matches_local_processes(runs, tmp_path, capsys):
 
 def test_an_evaluation_task_reads_the_policy_file_from_a_node_local_copy(tmp_path):
     """On a remote node the driver's ONNX path does not exist: the task gets a copy of its bytes, keyed back."""
-    from trainer.ray_backend import _run_with_files
+    from routewise_vllm.trainer.ray_backend import _run_with_files
 
     model = tmp_path / "best.onnx"
     model.write_bytes(b"onnx bytes")

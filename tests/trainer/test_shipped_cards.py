@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from router.policy.registry import DEFAULT_MODEL_PATH
-from router.policy.onnx_policy import OnnxPolicy
-from trainer.config import TrainConfig, load_config
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
+from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
+from routewise_vllm.trainer.config import TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ANY_FLEET = DEFAULT_MODEL_PATH.parent / "any-fleet.onnx"

@@ -11,14 +11,14 @@ import onnx
 import pytest
 import torch
 
-from router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
-from router.policy.registry import make_policy
-from trainer.checkpoint import CheckpointError, load_network, read_checkpoint
-from trainer.cli import main
-from trainer.config import load_config
-from trainer.export import ExportError, check_onnx_file, export_onnx, parity_check
-from trainer.observations import simulator_observations
-from trainer.ppo import train
+from routewise_vllm.router.policy.features import FEATURE_SPEC_HASH, N_FEATURES
+from routewise_vllm.router.policy.registry import make_policy
+from routewise_vllm.trainer.checkpoint import CheckpointError, load_network, read_checkpoint
+from routewise_vllm.trainer.cli import main
+from routewise_vllm.trainer.config import load_config
+from routewise_vllm.trainer.export import ExportError, check_onnx_file, export_onnx, parity_check
+from routewise_vllm.trainer.observations import simulator_observations
+from routewise_vllm.trainer.ppo import train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_a_run_from_before_the_rename_resumes_with_its_bc_checkpoint_as_kl_refer
     """Run directories written before the warm start was renamed hold `bc.pt`; PPO's KL reference is read from it."""
     from types import SimpleNamespace
 
-    from trainer.ppo import _reference_net
+    from routewise_vllm.trainer.ppo import _reference_net
 
     old = tmp_path / "old"
     shutil.copytree(run, old)
@@ -177,8 +177,8 @@ def test_parity_check_detects_a_different_model(run: Path, tmp_path: Path):
 def test_pick_agreement_counts_ties_within_the_fast_path_tolerance_and_nothing_else():
     """A different pick among replicas the reference scores within PARITY_TIE agrees (as a tie); any other
     different pick does not; masked replicas never count; an observation with no valid replica agrees."""
-    from router.policy.fastnet import PARITY_TIE
-    from trainer.export import pick_agreement
+    from routewise_vllm.router.policy.fastnet import PARITY_TIE
+    from routewise_vllm.trainer.export import pick_agreement
 
     want = np.array([[1.0, 1.0 + PARITY_TIE / 2, 0.0],   # ref picks 1, got picks 0: a tie
                      [1.0, 2.0, 0.0],                    # ref picks 1, got picks 0: a real disagreement

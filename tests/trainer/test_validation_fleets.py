@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import read_checkpoint
-from trainer.config import load_config
-from trainer.ppo import VALIDATION_SEED_BASE, selection_key, train, validation_specs
+from routewise_vllm.trainer.checkpoint import read_checkpoint
+from routewise_vllm.trainer.config import load_config
+from routewise_vllm.trainer.ppo import VALIDATION_SEED_BASE, selection_key, train, validation_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = {"eval/score": 0.9, "eval/worst_ratio": 1.0, "eval/min_goodput_gap": 0.0}
