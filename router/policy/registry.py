@@ -12,11 +12,16 @@ from pathlib import Path
 
 from routewise_vllm.router.policy.base import Policy
 from routewise_vllm.router.policy.baselines import BASELINE_CLASSES
+from routewise_vllm.router.policy.peers import PEER_CLASSES
 
-BASELINES: dict[str, type[Policy]] = {cls.name: cls for cls in BASELINE_CLASSES}
-# What a learned policy is measured and selected against: every baseline but random, which never wins, and
-# lora-affinity, which is least-outstanding on a fleet without LoRA adapters (every fleet the models train on).
-COMPARED_BASELINES: tuple[str, ...] = tuple(name for name in BASELINES if name not in ("random", "lora-affinity"))
+# routewise's own heuristics, then the peers' algorithms (router/policy/peers, docs/peers.md)
+BASELINES: dict[str, type[Policy]] = {cls.name: cls for cls in BASELINE_CLASSES + PEER_CLASSES}
+PEER_BASELINES: tuple[str, ...] = tuple(cls.name for cls in PEER_CLASSES)
+# What a learned policy is trained and selected against: every baseline of its own but random, which never wins, and
+# lora-affinity, which is least-outstanding on a fleet without LoRA adapters (every fleet the models train on). The
+# peers' algorithms are compared with, not trained against: the shipped models were selected on this list.
+COMPARED_BASELINES: tuple[str, ...] = tuple(
+    name for name in BASELINES if name not in ("random", "lora-affinity") and name not in PEER_BASELINES)
 LEARNED = "learned"
 MODELS_DIR = Path(__file__).parent / "models"
 # The best measured configuration (docs/model-card-default.md): any-fleet.onnx behind late binding.
