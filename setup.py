@@ -27,7 +27,7 @@ setup(
     packages=[f"{NAMESPACE}.{p}" for p in find_packages(include=[f"{f}*" for f in FOLDERS])],
     package_dir={f"{NAMESPACE}.{f}": f for f in FOLDERS},
     package_data={f"{NAMESPACE}.{f}": ["**/*"] for f in FOLDERS},
-    exclude_package_data={f"{NAMESPACE}.{f}": [f"**/{p}" for p in NOT_DATA] + NOT_DATA for f in FOLDERS},
+    exclude_package_data={"": [f"**/{p}" for p in NOT_DATA] + NOT_DATA},  # "": every package, sub-packages too
     ext_modules=[
         Extension(
             f"{NAMESPACE}.router.policy._fastnet",

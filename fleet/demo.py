@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from dataclasses import dataclass
 from pathlib import Path
 
+from routewise_vllm.simulator.commands import positive, share
 from routewise_vllm.fleet.fidelity_report import interval95, p99_bootstrap
 from routewise_vllm.fleet.loadgen import (
     TRACE_CHOICES,
@@ -305,27 +306,27 @@ def router_stats(router: str) -> tuple[dict[str, dict], dict[str, int], int, dic
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="use this (real vLLM) server instead of emulated ones (repeatable)")  # fmt: skip
-    p.add_argument("--duration", type=float, default=75.0, help="seconds of trace replay (default 75)")
+    p.add_argument("--duration", type=positive(), default=75.0, help="seconds of trace replay (default 75)")
     p.add_argument("--trace", default="azure-conv", choices=TRACE_CHOICES, help="trace to replay (train window)")
     p.add_argument("--start", type=float, default=600.0, help="offset into the train window, trace seconds")
-    p.add_argument("--time-scale", type=float, default=3.0, help="trace speed-up (default 3x: ~15 req/s)")
-    p.add_argument("--token-scale", type=float, default=0.5, help="prompt/output length multiplier (default 0.5)")
-    p.add_argument("--max-tokens-cap", type=int, default=48, help="cap on max_tokens (default 48)")
+    p.add_argument("--time-scale", type=positive(), default=3.0, help="trace speed-up (default 3x: ~15 req/s)")
+    p.add_argument("--token-scale", type=positive(), default=0.5, help="prompt/output length multiplier (default 0.5)")
+    p.add_argument("--max-tokens-cap", type=positive(int), default=48, help="cap on max_tokens (default 48)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="clip prompts (e.g. 900 for real tiny vLLM servers with --max-model-len 1024)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="emulated replicas: batch slots (default 8)")
+    p.add_argument("--max-num-seqs", type=positive(int), default=8, help="emulated replicas: batch slots (default 8)")
     p.add_argument("--late-binding-max-num-seqs", type=int, default=None, metavar="N",
                    help="router-side late binding: hold a request while every replica has N in flight, then send it to "
                    "the first with room (default: at each replica's batch limit, which the router infers from its "
                    "/metrics, as `router serve` does by default; 0 = off)")
-    p.add_argument("--speed", type=float, default=0.5,
+    p.add_argument("--speed", type=positive(), default=0.5,
                    help="emulated replicas: emulated seconds per wall second (default 0.5: half-speed GPUs, so a "
                         "2-core machine can stream the tokens of a loaded fleet)")
     p.add_argument("--control", default="least-outstanding", help="control arm policy (default least-outstanding)")
     p.add_argument("--treatment", default="learned", help="treatment arm policy (default learned)")
-    p.add_argument("--ab-share", type=float, default=0.5, help="share of traffic in the treatment arm")
+    p.add_argument("--ab-share", type=share, default=0.5, help="share of traffic in the treatment arm")
     p.add_argument("--model", default="tiny", help="served model name (for --replica servers)")
-    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
+    p.add_argument("--timeout", type=positive(), default=60.0, help="per-request timeout, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the per-arm summary here")
     p.add_argument("--logs", type=Path, default=None, help="keep the child processes' logs in this folder")
@@ -347,10 +348,26 @@ def _stop_on_ctrl_c_and_sigterm() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+def unreachable(urls: list[str], timeout_s: float = 3.0) -> str | None:
+    """The first of `urls` whose /health does not answer 200 within `timeout_s`, with why; None if all do."""
+    for url in urls:
+        try:
+            status, _ = _get_json(url.rstrip("/") + "/health", timeout=timeout_s)
+        except (OSError, ValueError) as exc:
+            return f"--replica {url}: not reachable ({getattr(exc, 'reason', None) or exc})"
+        if status != 200:
+            return f"--replica {url}: /health answered {status}"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     if args.late_binding_max_num_seqs is not None and args.late_binding_max_num_seqs < 0:
         print(f"fleet demo: error: --late-binding-max-num-seqs {args.late_binding_max_num_seqs}: must be 0 (off) or "
               "more", file=sys.stderr)
+        return 2
+    down = unreachable(args.replica)
+    if down is not None:
+        print(f"fleet demo: error: {down}", file=sys.stderr)
         return 2
     started = time.monotonic()
     python = sys.executable
@@ -424,6 +441,9 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the demo's processes", file=sys.stderr)
         return 130
+    except (TimeoutError, RuntimeError) as exc:  # a process that died or never became ready: its log is named
+        print(f"fleet demo: error: {' '.join(str(exc).split())[:400]}", file=sys.stderr)
+        return 1
     finally:
         procs.stop()
     summary = summarize(results)

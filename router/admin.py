@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import os
@@ -13,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from routewise_vllm.router.auth import BearerTokens, unauthorized
 from routewise_vllm.router.errors import error_response
 from routewise_vllm.router.proxy import Proxy
 from routewise_vllm.router.replicas import Replica
@@ -58,17 +58,12 @@ def admin_routes(proxy: Proxy, token: str, started_at: float,
                  on_reload: Callable[[str, str], None] | None = None) -> list[web.RouteDef]:
     """`on_reload(arm, path)` after a successful POST /admin/policy/reload (router.worker_sync: the other
     workers repeat it)."""
-    expected = f"Bearer {token}".encode()
+    admin = BearerTokens([token])
 
     def guarded(handler: Handler) -> Handler:
         async def wrapper(request: web.Request) -> web.StreamResponse:
-            got = request.headers.getall("Authorization", [])
-            # aiohttp keeps undecodable header bytes as surrogates: encode them back to the bytes sent (never
-            # a UnicodeEncodeError), and refuse more than one header rather than judge only the first
-            sent = got[0].encode("utf-8", "surrogateescape") if len(got) == 1 else b""
-            if not hmac.compare_digest(sent, expected):
-                return error_response(401, "missing or wrong admin bearer token", "authentication_error",
-                                      headers={"WWW-Authenticate": "Bearer"})
+            if not admin.allows(request.headers):
+                return unauthorized("admin bearer token")
             return await handler(request)
         return wrapper
 

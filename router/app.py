@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from routewise_vllm.router import fleet_view
 from routewise_vllm.router.admin import admin_routes
+from routewise_vllm.router.auth import client_key_middleware, client_keys
 from routewise_vllm.router.endpoints import ENDPOINTS
 from routewise_vllm.router.listener import openai_errors
 from routewise_vllm.router.models import models_handler
@@ -101,8 +102,9 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     on its own listener); /health and /ready are on both. `shared` = (segment, worker slot) makes it one
     worker of several (router.workers): decisions see the host's in-flight load, drain/restore are host-wide
     and /metrics aggregates all workers (prometheus_client multiprocess mode)."""
+    keys = client_keys(settings)
     app = web.Application(client_max_size=settings.max_body_bytes, handler_args=handler_args(settings),
-                          middlewares=[openai_errors])
+                          middlewares=[openai_errors] + ([] if keys is None else [client_key_middleware(keys)]))
     metrics = RouterMetrics()
     session_getter = lambda: app[SESSION]  # noqa: E731 - the session exists once the app starts
     tracker_cls = SharedClusterTracker if settings.shared_state is None else fleet_view.FleetSharedClusterTracker
@@ -139,6 +141,10 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         if sync is not None:
             tasks.append(asyncio.create_task(sync.run(), name="worker-sync"))
         log.info("%d replicas, %d healthy", len(replicas.ordered), sum(r.routable for r in replicas.ordered))
+        for rep in replicas.ordered:  # a mistyped URL is named at start, not found later in a count
+            if not rep.routable:
+                log.warning("replica %s (%s) is not healthy at start: %s", rep.id, rep.url,
+                            rep.last_probe_error or "no answer yet")
         yield
         for t in tasks:
             await _cancel(t)

@@ -10,15 +10,17 @@ import os
 import signal
 import socket
 import sys
+from importlib import metadata
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from routewise_vllm.router.policy.registry import policy_names
 from routewise_vllm.router.serving.decision_log import DecisionLogError, check_directory
-from routewise_vllm.router.settings import RouterSettings, build_settings, redacted
+from routewise_vllm.router.settings import RouterSettings, build_settings, fleet_problem, redacted
 
 # Fields with a flag of their own name below; every other field gets --<field-name> (ALL_FLAGS)
+DISTRIBUTION = "routewise-vllm"  # the name on the package index (a test holds it to pyproject.toml)
 _OPTIONAL_NONE = "none"  # a flag's value that sets an optional field to None (unset), as ROUTEWISE_<FIELD>=none
 
 
@@ -43,6 +45,9 @@ def _field_flags(group: argparse._ArgumentGroup, taken: set[str]) -> None:
         kind = str(field.annotation)
         env = f"ROUTEWISE_{name.upper()}"
         doc = " ".join((field.description or "").split())
+        if field.default is not None and "default" not in doc.lower():
+            default = field.default.get_secret_value() if hasattr(field.default, "get_secret_value") else field.default
+            doc += f" (default {default if isinstance(default, (int, float, str)) else json.dumps(default, default=str)})"
         if field.annotation in (bool, bool | None):
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{doc} (env {env})".replace("%", "%%"))
@@ -51,14 +56,23 @@ def _field_flags(group: argparse._ArgumentGroup, taken: set[str]) -> None:
             group.add_argument(flag, dest=name, metavar="VALUE", help=f"{doc} (env {env}{none})".replace("%", "%%"))
 
 
+def _version() -> str:
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="router", description="routewise: a learned request router for vLLM replicas.")
+    p.add_argument("--version", action="version", version=f"%(prog)s ({DISTRIBUTION}) {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
         "serve", help="serve the OpenAI API in front of vLLM replicas",
         description="Serve the OpenAI API in front of vLLM replicas. Every setting can also come from a "
         "ROUTEWISE_<FIELD> environment variable or a YAML/JSON --config file (flags win, then the "
-        "environment, then the file). See router/settings.py for all fields.",
+        "environment, then the file). docs/settings.md describes every field; deploy/examples/router.yaml is an "
+        "example file.",
     )
     s.add_argument("--config", help="YAML or JSON file of settings (field names as in RouterSettings)")
     s.add_argument("--print-config", action="store_true", default=None,
@@ -83,12 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-token-file", metavar="PATH", help="read the admin bearer token from PATH")
     s.add_argument("--ops-port", type=int, help="serve /metrics and /admin/* on this port only, not on --port")
     s.add_argument("--ops-host", help="listen address of --ops-port (default: --host)")
-    s.add_argument("--scrape-interval", type=float, dest="scrape_interval_s", help="seconds between /metrics scrapes")
+    s.add_argument("--scrape-interval-s", "--scrape-interval", type=float, dest="scrape_interval_s", metavar="S",
+                   help="seconds between /metrics scrapes of each replica (default 1)")
     s.add_argument("--late-binding", action=argparse.BooleanOptionalAction, default=None,
                    help="hold requests in a router-side queue while every replica is at its limit and dispatch each "
                    "to the first replica with room (router/hold_queue.py; default: on for a learned policy, off "
                    "for a baseline)")
-    s.add_argument("--late-binding-timeout", type=float, dest="late_binding_timeout_s", metavar="S",
+    s.add_argument("--late-binding-timeout-s", "--late-binding-timeout", type=float, dest="late_binding_timeout_s", metavar="S",
                    help="longest a request is held before the policy sends it to any healthy replica, room or not (default 2)")
     s.add_argument("--late-binding-max-num-seqs", type=int, dest="late_binding_max_num_seqs", metavar="N",
                    help="a replica has room below N requests in flight: your vLLM servers' --max-num-seqs (default: "
@@ -102,6 +117,24 @@ def _parser() -> argparse.ArgumentParser:
     _field_flags(s.add_argument_group("every other setting (flag, ROUTEWISE_<FIELD>, or --config key)"),
                  {a.dest for a in s._actions})
     return p
+
+
+def startup_summary(settings: RouterSettings) -> str:
+    """The start-up line's account of what decides: the policy and the file it resolved to, late binding and where
+    its batch limits come from."""
+    from routewise_vllm.router.policy.registry import model_path
+
+    path = model_path(settings.policy)
+    policy = f"policy {settings.policy}" + (f" ({path})" if path is not None and str(path) != settings.policy else "")
+    if not settings.late_binding:
+        return f"{policy}, late binding off"
+    if settings.late_binding_max_num_seqs is not None:
+        limits = f"--late-binding-max-num-seqs {settings.late_binding_max_num_seqs}"
+    else:
+        limits = "inferred from each replica's /metrics"
+    if settings.late_binding_replica_max_num_seqs:
+        limits += f", {len(settings.late_binding_replica_max_num_seqs)} set per replica"
+    return f"{policy}, late binding on (batch limits: {limits}; hold timeout {settings.late_binding_timeout_s:g} s)"
 
 
 def policy_load_error(settings: RouterSettings) -> str | None:
@@ -140,7 +173,7 @@ async def serve(settings: RouterSettings, socks: list[socket.socket] | None = No
         site = web.SockSite(runner, socks[0])
     await site.start()
     log = logging.getLogger("router")
-    log.info("routewise router on http://%s:%d, policy %s", settings.host, settings.port, settings.policy)
+    log.info("routewise router on http://%s:%d, %s", settings.host, settings.port, startup_summary(settings))
     ops_runner = None
     if OPS_APP in app:
         ops_runner = RouterRunner(app[OPS_APP], settings=settings, handle_signals=False, access_log=None,
@@ -183,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(redacted(settings), indent=2))
         return 0
+    problem = fleet_problem(settings)
+    if problem is not None:
+        print(f"router: invalid router settings: {problem}", file=sys.stderr)
+        return 2
     error = policy_load_error(settings)
     if error is not None:
         if not settings.allow_fallback_start:

@@ -9,11 +9,14 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from routewise_vllm.router.endpoints import ENDPOINTS
 from routewise_vllm.router.errors import BadRequest, error_response
-from routewise_vllm.router.paths import PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
+from routewise_vllm.router.paths import GENERATION_PATHS, PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
 from routewise_vllm.router.proxy import Proxy
 from routewise_vllm.router.transport import refuse
 from routewise_vllm.router.upstream import classify, request_headers, response_headers
+
+POST_ONLY = frozenset((*GENERATION_PATHS, *ENDPOINTS))  # the paths the router routes: POST only, as on vLLM
 
 
 class Probes:
@@ -27,6 +30,9 @@ class Probes:
         routable replica, not routed by the policy. Any other path is 404, whatever it decodes to."""
         proxy = self._proxy
         path = normalise_path(request.rel_url.raw_path)
+        if path in POST_ONLY:  # another method on a routed endpoint: what vLLM answers, not "unknown path"
+            return error_response(405, f"method {request.method} not allowed on {path}", code="method_not_allowed",
+                                  headers={"Allow": "POST"})
         if path is None or not self._allowed.allows(path):
             return error_response(404, f"unknown path {request.rel_url.raw_path[:200]!r}", code="not_found")
         if request.method not in PASSTHROUGH_METHODS:

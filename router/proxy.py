@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from routewise_vllm.router.accounting import Accounts, Children, code_class
+from routewise_vllm.router.auth import client_keys, unauthorized
 from routewise_vllm.router.h1client import H1Client, ReaderTimeoutError
 from routewise_vllm.router.lean import LeanSent, LeanStream
 from routewise_vllm.router.endpoints import ENDPOINTS, read
@@ -84,6 +85,7 @@ class Proxy:
         self.accounts = Accounts(metrics)
         self._first_byte_timeout = settings.first_byte_timeout_s
         self._replica_header = settings.replica_header
+        self.api_keys = client_keys(settings)  # checked here for the lean listener, in a middleware for aiohttp
 
     # --- OpenAI generation endpoints ---------------------------------------------------------
 
@@ -123,6 +125,8 @@ class Proxy:
 
     def _admit(self, request: Downstream, chat: bool) -> tuple[dict[str, Any], RequestInfo] | web.Response:
         """(the body, what routing reads of it), or the refusal: draining, not JSON, invalid, an unknown model."""
+        if self.api_keys is not None and not self.api_keys.allows(request.headers):
+            return request.refuse(unauthorized("API key", "invalid_api_key"))
         if self.draining:
             return error_response(503, "router is shutting down", "server_error", code="draining",
                                   headers={"Connection": "close"})

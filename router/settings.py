@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import ssl
 from pathlib import Path
 from collections.abc import Iterable
@@ -58,6 +59,10 @@ class RouterSettings(BaseSettings):
                                       "long; a success brings it back")
     models_refresh_interval_s: float = Field(30.0, gt=0, description="seconds between reads of each replica's "
                                              "/v1/models (router/models.py)")
+    metrics_max_models: int = Field(32, ge=0, description="models with a `model` label value of their own in the "
+                                    "router's metrics and decision log: the first this many distinct served models "
+                                    "requested; any other is 'other' (clients choose the model, and vLLM lists every "
+                                    "LoRA adapter)")
 
     # upstream requests
     connect_timeout_s: float = Field(2.0, gt=0, description="connecting to a replica longer than this fails the attempt")
@@ -223,6 +228,13 @@ class RouterSettings(BaseSettings):
     decision_log_queue: int = Field(10_000, ge=1, description="records waiting to be written; more are dropped and counted")
     policy_watch_interval_s: float | None = Field(5.0, gt=0, description="poll learned policy files for changes; None = off")
 
+    # client authentication (vLLM's --api-key)
+    api_key: SecretStr | None = Field(None, description="clients must send `Authorization: Bearer <key>` on every "
+                                      "/v1/* path, as vLLM's --api-key asks (401 otherwise); unset = no client "
+                                      "authentication. Visible in ps: prefer ROUTEWISE_API_KEY or api_key_file")
+    api_key_file: Path | None = Field(None, description="read the client API keys from this file, one per line "
+                                      "(several keys: any of them is accepted; rotate by adding the new one first)")
+
     # admin and lifecycle
     admin_token: SecretStr | None = None
     admin_token_file: Path | None = Field(None, description="read admin_token from this file (not visible in ps)")
@@ -259,11 +271,11 @@ class RouterSettings(BaseSettings):
                                  "query or trailing slash)")
         return v
 
-    @field_validator("admin_token")
+    @field_validator("admin_token", "api_key")
     @classmethod
-    def _check_token(cls, v: SecretStr | None) -> SecretStr | None:
+    def _check_token(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
         if v is not None and not v.get_secret_value().strip():
-            raise ValueError("admin_token is empty: give a real token or none (admin API off)")
+            raise ValueError(f"{info.field_name} is empty: give a real one or none (off)")
         return v
 
     @field_validator("replicas", mode="before")
@@ -377,12 +389,20 @@ class RouterSettings(BaseSettings):
             if not token:
                 raise ValueError(f"admin_token_file={str(self.admin_token_file)!r}: the file is empty")
             self.admin_token = SecretStr(token)
+        if self.api_key_file is not None:
+            if self.api_key is not None:
+                raise ValueError("api_key_file: give api_key or api_key_file, not both")
+            try:
+                keys = [line.strip() for line in self.api_key_file.read_text().splitlines() if line.strip()]
+            except OSError as exc:
+                raise ValueError(f"api_key_file={str(self.api_key_file)!r}: {exc.strerror}") from None
+            if not keys:
+                raise ValueError(f"api_key_file={str(self.api_key_file)!r}: the file has no key")
+            self.api_key = SecretStr("\n".join(keys))
         if self.replica_ca_file is not None:
             replica_tls_context(self.replica_ca_file)  # a missing or unreadable file fails here, in one line
         if self.ops_port is not None and self.ops_port == self.port and self.port != 0:
             raise ValueError(f"ops_port={self.ops_port}: must differ from port")
-        if not self.replicas and self.discover is None:
-            raise ValueError("replicas: no replicas; give --replica URL (repeatable) or --discover host:port")
         if self.ab_share > 0 and self.ab_treatment is None:
             raise ValueError(f"ab_share={self.ab_share}: needs ab_treatment")
         if self.ab_min_samples > self.ab_window_requests:
@@ -448,6 +468,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def fleet_problem(settings: RouterSettings) -> str | None:
+    """Why these settings cannot serve (no replica and no discovery), or None. Not a validation rule: the settings
+    without a fleet are still shown by `--print-config`."""
+    if not settings.replicas and settings.discover is None:
+        return "replicas: no replicas; give --replica URL (repeatable) or --discover host:port"
+    return None
+
+
 def build_settings(config_file: str | Path | None = None, *, explicit_none: Iterable[str] = (),
                    **overrides: Any) -> RouterSettings:
     """Flags (`overrides`, None = not given; `explicit_none`: fields a flag set to none) over environment over config
@@ -460,9 +488,11 @@ def build_settings(config_file: str | Path | None = None, *, explicit_none: Iter
 
 
 def redact_url(url: str) -> str:
-    """`url` with its password (if any) shown as "<redacted>"."""
+    """`url` with its password (if any: in the authority, or redis-py's `?password=`) shown as "<redacted>"."""
     u = URL(url)
-    return str(u.with_password("REDACTED")).replace("REDACTED", "<redacted>") if u.password else url
+    if u.password:
+        url = str(u.with_password("REDACTED")).replace("REDACTED", "<redacted>")
+    return re.sub(r"([?&]password=)[^&#]*", r"\1<redacted>", url)
 
 
 def redacted(settings: RouterSettings) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from routewise_vllm.simulator.commands import DISTRIBUTION, DefaultsFormatter, OneLineParser, add_version
 from routewise_vllm.simulator.traces import TRACES_DIR_HELP, TraceError, use_traces_dir
 
 ALL = "all"
@@ -246,11 +247,16 @@ from routewise_vllm.trainer.fleet_cli import FLEET_COMMANDS  # noqa: E402 - fine
 COMMANDS |= FLEET_COMMANDS
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
+    pass
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="trainer", description=__doc__, formatter_class=_HelpFormatter)
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_args, _) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsFormatter)
         add_args(p)
         if name in READS_TRACES:
             p.add_argument("--traces-dir", metavar="DIR", help=TRACES_DIR_HELP)
@@ -258,14 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from routewise_vllm.trainer.checkpoint import CheckpointError
-    from routewise_vllm.trainer.config import ConfigError
-    from routewise_vllm.trainer.export import ExportError
-    from routewise_vllm.trainer.finetune import FinetuneError
-    from routewise_vllm.trainer.fleet_log import FleetLogError
-    from routewise_vllm.trainer.ray_backend import RayBackendError
-
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # --help and --version work without the [train] extra
+    try:
+        from routewise_vllm.trainer.checkpoint import CheckpointError
+        from routewise_vllm.trainer.config import ConfigError
+        from routewise_vllm.trainer.export import ExportError
+        from routewise_vllm.trainer.finetune import FinetuneError
+        from routewise_vllm.trainer.fleet_log import FleetLogError
+        from routewise_vllm.trainer.ray_backend import RayBackendError
+    except ModuleNotFoundError as exc:
+        print(f"trainer {args.command}: error: {exc.name} is not installed; the trainer needs the extra: "
+              f"pip install '{DISTRIBUTION}[train]'", file=sys.stderr)
+        return 2
     try:
         if getattr(args, "traces_dir", None):
             use_traces_dir(args.traces_dir)

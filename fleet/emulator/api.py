@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import socket
 import sys
 import time
 import uuid
@@ -318,7 +319,7 @@ def make_app(settings: EmulatorSettings) -> web.Application:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="listen port; 0 takes a free one, printed in the serving line")
     p.add_argument("--profile", default="llama3-8b-a100", help="hardware/model profile (simulator/profiles/) or a YAML path")
     p.add_argument("--model-name", "--served-model-name", dest="model_name", nargs="+", default=["tiny"],
                    metavar="NAME", help="served model name; several are names of the same model, as in vLLM (the "
@@ -371,14 +372,20 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, KeyError) as e:
         print(f"fleet emulate: error: {e}", file=sys.stderr)
         return 2
+    try:  # bound before it says it serves: a busy port is one line
+        sock = socket.create_server((args.host, args.port), backlog=1024)
+    except OSError as e:
+        print(f"fleet emulate: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
     with contextlib.suppress(ImportError):
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    port = sock.getsockname()[1]
     print(f"emulator: {settings.profile} (x{settings.slowdown} slower, speed {settings.speed}) serving "
-          f"{', '.join(repr(n) for n in (settings.model_name, *settings.aliases))} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)  # fmt: skip
-    web.run_app(make_app(settings), host=args.host, port=args.port, print=None, handler_cancellation=True,
-                access_log=None, handle_signals=True, backlog=1024)  # fmt: skip
+          f"{', '.join(repr(n) for n in (settings.model_name, *settings.aliases))} on http://{args.host}:{port}", file=sys.stderr, flush=True)  # fmt: skip
+    web.run_app(make_app(settings), sock=sock, print=None, handler_cancellation=True, access_log=None,
+                handle_signals=True)  # fmt: skip
     return 0
 
 

@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from routewise_vllm.router.cli import format_validation_error, main
-from routewise_vllm.router.settings import RouterSettings, build_settings
+from routewise_vllm.router.settings import RouterSettings, build_settings, fleet_problem
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,10 +56,11 @@ def test_passthrough_paths_from_the_environment(monkeypatch):
             RouterSettings(replicas=["http://a:1"], passthrough_paths=[bad])
 
 
-def test_no_replicas_is_an_error():
-    with pytest.raises(ValidationError) as exc:
-        RouterSettings()
-    assert "replicas" in format_validation_error(exc.value)
+def test_no_replicas_cannot_serve_but_is_valid_settings():
+    """`--print-config` shows settings without a fleet; serving them is refused (tests/test_cli_errors.py)."""
+    assert fleet_problem(RouterSettings()) == "replicas: no replicas; give --replica URL (repeatable) or --discover host:port"
+    assert fleet_problem(RouterSettings(discover="vllm:8000")) is None
+    assert fleet_problem(RouterSettings(replicas=["http://a:1"])) is None
 
 
 def test_sources_priority(tmp_path, monkeypatch):
