@@ -18,6 +18,12 @@ With `--workers N` the host's workers already share their counts (router.shared)
 host's sums under the host's id, which every worker of the host shares (the parent sets it before forking), and
 each worker reads the other hosts only. One writer per host keeps Redis's load per host that of one router, and
 a restarted worker 0 publishes under the same id, so the host's share never counts twice.
+
+What is read from Redis is screened before it counts (`parse_counts`, SYNC_SCRIPT's bounds): a value that is not
+five ASCII decimal integers, a negative one, one above what one router host could hold (MAX_IN_FLIGHT,
+MAX_TOKENS), a key of another type, a hash of more than MAX_FIELDS fields or a set of more than MAX_ROUTERS
+routers is ignored and counted in llm_router_shared_state_rejected_total{reason} (REJECT_REASONS), logged once
+per episode. Within those bounds a writer is trusted: docs/multi-router.md says who must be.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, CollectorRegistry
 
+from routewise_vllm.router.logsafe import safe, safe_exc
 from routewise_vllm.router.policy.remote_load import SHARED_FIELDS, ZERO, Counts, RemoteLoad, own_counts
 from routewise_vllm.router.settings import redact_url
 from routewise_vllm.router.shared import FIELDS as HOST_FIELDS
@@ -47,11 +54,34 @@ HOST_ID_ENV = "_ROUTEWISE_FLEET_HOST_ID"  # set by `router serve --workers N` be
 MAX_BACKOFF_S = 1.0
 _HOST_INDEX = [HOST_FIELDS.index(f) for f in SHARED_FIELDS]
 
+# What one router host can contribute, the bounds of a value read from Redis. Requests in flight to one replica:
+# each holds its own TCP connection from the host to the replica (HTTP/1.1, no pipelining), and one source
+# address has at most 65,536 ports towards one replica address.
+MAX_IN_FLIGHT = 1 << 16
+# Tokens: MAX_IN_FLIGHT requests of 2**26 (67 million, beyond any context window and max_tokens x n a client
+# would mean) each. MAX_ROUTERS such values still sum within a float's exact integers (2**53), so no view,
+# metric or feature overflows or rounds.
+MAX_TOKENS = MAX_IN_FLIGHT << 26
+_BOUNDS: Counts = (MAX_IN_FLIGHT, MAX_TOKENS, MAX_TOKENS, MAX_IN_FLIGHT, MAX_TOKENS)
+_MAX_DIGITS = len(str(MAX_TOKENS))
+_MAX_VALUE_CHARS = len(SHARED_FIELDS) * (_MAX_DIGITS + 2)
+# A router publishes one field per replica it tracks, plus the heartbeat: 256 at most with --workers (the shared
+# memory's columns); a single process has no cap, and 4,096 is far above any fleet one router fronts.
+MAX_FIELDS = 4096 + 1
+# Every router reads every other's hash each tick: a fleet of more routers is not one this design serves.
+MAX_ROUTERS = 1024
+# llm_router_shared_state_rejected_total{reason}: a value that is not five ASCII decimal integers, one below 0, one
+# above the bounds, another router's key that is not a hash, a hash of more than MAX_FIELDS fields, a set of more
+# than MAX_ROUTERS routers (then no other router's counts are read: this router decides on its own)
+REJECT_REASONS = ("malformed", "negative", "out_of_range", "wrong_type", "too_many_fields", "too_many_routers")
+
 
 # One tick, one command, atomic: publish (when ARGV[3] is 1: the changed fields, the fields to delete, the TTL, the
 # set of routers), then every other router's hash; a router in the set whose hash expired is dropped from it.
 # KEYS: the set of routers, this router's hash. ARGV: router id, TTL (ms), publish?, [n, field, value..., n, field...],
-# the hashes' key prefix. Returns {fields HSET added (-1: no write), hash of another router (flat), ...}.
+# the hashes' key prefix, MAX_ROUTERS, MAX_FIELDS. Returns {fields HSET added (-1: no write), routers in the set
+# when more than MAX_ROUTERS (then nothing else) else 0, then for each other router: its id, its hash (flat) or -1
+# (its key is not a hash) or -2 (more than MAX_FIELDS fields)}. Nothing over the bounds leaves Redis.
 SYNC_SCRIPT = """
 local rid, i, added = ARGV[1], 4, -1
 if ARGV[3] == '1' then
@@ -64,11 +94,25 @@ if ARGV[3] == '1' then
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
   redis.call('SADD', KEYS[1], rid)
 end
-local out = {added}
+local routers = redis.call('SCARD', KEYS[1])
+if routers > tonumber(ARGV[i + 1]) then return {added, routers} end
+local out, max_fields = {added, 0}, tonumber(ARGV[i + 2])
 for _, peer in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if peer ~= rid then
-    local h = redis.call('HGETALL', ARGV[i] .. peer)
-    if #h == 0 then redis.call('SREM', KEYS[1], peer) else out[#out + 1] = h end
+    local key = ARGV[i] .. peer
+    local n = redis.pcall('HLEN', key)
+    if type(n) == 'table' then
+      out[#out + 1] = peer
+      out[#out + 1] = -1
+    elseif n == 0 then
+      redis.call('SREM', KEYS[1], peer)
+    elseif n > max_fields then
+      out[#out + 1] = peer
+      out[#out + 1] = -2
+    else
+      out[#out + 1] = peer
+      out[#out + 1] = redis.call('HGETALL', key)
+    end
   end
 end
 return out
@@ -95,12 +139,89 @@ def encode(c: Counts) -> str:
     return " ".join(map(str, c))
 
 
+def parse_counts(value: object) -> Counts | str:
+    """The counts in one field's value (what `encode` writes), or the reason (REJECT_REASONS) it is refused."""
+    if not isinstance(value, str):
+        return "malformed"
+    if len(value) > _MAX_VALUE_CHARS:
+        return "out_of_range"
+    parts = value.split(" ")
+    if len(parts) != len(SHARED_FIELDS):
+        return "malformed"
+    counts = []
+    for p, bound in zip(parts, _BOUNDS):
+        negative = p[:1] == "-"
+        digits = p[1:] if negative else p
+        if not (digits.isascii() and digits.isdigit()):  # no sign, space, underscore or other script's digits
+            return "malformed"
+        if negative:
+            return "negative"
+        if len(digits) > _MAX_DIGITS or int(digits) > bound:
+            return "out_of_range"
+        counts.append(int(digits))
+    return tuple(counts)  # type: ignore[return-value]
+
+
 def decode(value: str) -> Counts | None:
-    try:
-        parts = tuple(int(x) for x in value.split())
-    except ValueError:
+    c = parse_counts(value)
+    return None if isinstance(c, str) else c
+
+
+class Screened:
+    """The other routers' sums from one tick's reply, and what was refused in it."""
+
+    __slots__ = ("sums", "rejected", "culprit")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[int]] = {}
+        self.rejected: dict[str, int] = {}  # reason -> records refused
+        self.culprit: str | None = None  # the first router a refused record came from
+
+    def refuse(self, reason: str, peer: str | None, n: int = 1) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + n
+        if self.culprit is None:
+            self.culprit = peer
+
+    def add(self, h: Any, peer: str | None = None) -> None:
+        """One router's hash (a flat field, value list), or SYNC_SCRIPT's code for one it did not send."""
+        if h == -1:
+            return self.refuse("wrong_type", peer)
+        if h == -2:
+            return self.refuse("too_many_fields", peer)
+        if not isinstance(h, list):
+            return self.refuse("malformed", peer)
+        sums = self.sums
+        for j in range(0, len(h) - 1, 2):
+            rid = h[j]
+            if rid == HEARTBEAT_FIELD:
+                continue
+            c = parse_counts(h[j + 1])
+            if isinstance(c, str):
+                self.refuse(c, peer)
+                continue
+            acc = sums.get(rid)
+            if acc is None:
+                sums[rid] = list(c)
+            else:
+                for i, v in enumerate(c):
+                    acc[i] += v
         return None
-    return parts if len(parts) == len(SHARED_FIELDS) else None  # type: ignore[return-value]
+
+    def result(self) -> dict[str, Counts]:
+        return {rid: tuple(v) for rid, v in self.sums.items()}  # type: ignore[misc]
+
+
+def screen(reply: list[Any]) -> Screened:
+    """SYNC_SCRIPT's reply after its first element: the routers-set status, then (router id, hash or code) pairs."""
+    out = Screened()
+    if not reply:
+        return out
+    if reply[0] != 0:
+        out.refuse("too_many_routers", None)
+        return out
+    for j in range(1, len(reply) - 1, 2):
+        out.add(reply[j + 1], reply[j] if isinstance(reply[j], str) else None)
+    return out
 
 
 class LoadSource(Protocol):
@@ -146,25 +267,13 @@ class FleetState:
         self.last_write = self.clock()
 
     @staticmethod
-    def merge(hashes: list[list[str]]) -> dict[str, Counts]:
-        """The other routers' sums per replica, from their hashes (flat field, value lists as SYNC_SCRIPT returns
-        them). A field this version cannot read (another version's) is skipped."""
-        sums: dict[str, list[int]] = {}
+    def merge(hashes: list[Any]) -> dict[str, Counts]:
+        """The other routers' sums per replica, from their hashes (flat field, value lists). A value out of range
+        or that this version cannot read (another version's) is skipped."""
+        out = Screened()
         for h in hashes:
-            for j in range(0, len(h) - 1, 2):
-                rid = h[j]
-                if rid == HEARTBEAT_FIELD:
-                    continue
-                c = decode(h[j + 1])
-                if c is None:
-                    continue
-                acc = sums.get(rid)
-                if acc is None:
-                    sums[rid] = list(c)
-                else:
-                    for i, v in enumerate(c):
-                        acc[i] += v
-        return {rid: tuple(v) for rid, v in sums.items()}  # type: ignore[misc]
+            out.add(h)
+        return out.result()
 
     def succeeded(self) -> float | None:
         """A tick went through; the length of the failure episode it ends, if any."""
@@ -263,8 +372,11 @@ class FleetSync:
         # the heartbeat renews the TTL 4 times per TTL when nothing changed (a write that changes counts renews it too)
         self.state = FleetState(router_id, interval_s, clock, heartbeat_s=ttl_s / 4)
         # no retries inside the client: a failed tick is the retry unit, and it must never take longer than timeout_s
-        self.client = from_url(url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                               retry=Retry(NoBackoff(), 0), health_check_interval=0, client_name="routewise", protocol=2)
+        # the URL as redis-py reads it: redis://[user:password@]host:port/db, rediss:// (TLS, ?ssl_cert_reqs=...),
+        # unix://[user@]/path?password=...; bytes that are not UTF-8 (someone else's) cannot fail a whole tick
+        self.client = from_url(url, decode_responses=True, encoding_errors="replace", socket_timeout=timeout_s,
+                               socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                               client_name="routewise", protocol=2)
         self.script = self.client.register_script(SYNC_SCRIPT)  # EVALSHA, loaded again after a Redis restart
         self.errors = Counter("llm_router_shared_state_errors", "Syncs with the shared fleet view (shared_state) that "
                               "failed or timed out; until one succeeds the router decides on its own in-flight counts.",
@@ -272,6 +384,13 @@ class FleetSync:
         self.age = Gauge("llm_router_shared_state_age_seconds", "Age of the other routers' in-flight counts this "
                          "router decides on (time since its last successful sync with shared_state).",
                          registry=registry, multiprocess_mode="livemax")
+        self.rejected = Counter("llm_router_shared_state_rejected", "Records read from shared_state that were "
+                                "ignored, by reason: malformed, negative, out_of_range (above what one router could "
+                                "hold), wrong_type (a key that is not a hash), too_many_fields, too_many_routers.",
+                                ["reason"], registry=registry)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        self._rejecting = False  # an episode of refused records is under way (logged once)
 
     async def tick(self) -> None:
         """One round trip: publish, read, fold. Never raises (but CancelledError)."""
@@ -284,9 +403,10 @@ class FleetSync:
             else:
                 fields, gone, expected_new = batch
                 args += [1, len(fields), *(x for kv in fields.items() for x in kv), len(gone), *gone]
-            args.append(load_key(""))
+            args += [load_key(""), MAX_ROUTERS, MAX_FIELDS]
             res = await asyncio.wait_for(self.script(keys=[ROUTERS_KEY, self.key], args=args), self.timeout_s)
-            sums = st.merge(res[1:])
+            screened = screen(res[1:])
+            sums = screened.result()
             if batch is not None:
                 st.wrote(own, int(res[0]), expected_new)
         except asyncio.CancelledError:
@@ -295,16 +415,31 @@ class FleetSync:
             self.errors.inc()
             if st.failed():
                 log.warning("shared state %s: %s; deciding on this router's own in-flight counts until it answers",
-                            redact_url(self.url), f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+                            redact_url(self.url), safe_exc(exc))
             sums = {}
         else:
             episode = st.succeeded()
             if episode is not None:
                 log.info("shared state %s answers again after %.1f s: deciding on the fleet's in-flight counts",
                          redact_url(self.url), episode)
+            self._refused(screened)
         if self.source.apply(sums):
             self.on_change()  # others' completions may free room a held request waits for
         self.age.set(st.age())
+
+    def _refused(self, screened: Screened) -> None:
+        """Counts the records a good tick ignored; one line when such an episode starts and one when it ends."""
+        for reason, n in screened.rejected.items():
+            self.rejected.labels(reason).inc(n)
+        if screened.rejected and not self._rejecting:
+            self._rejecting = True
+            what = ", ".join(f"{n} {reason}" for reason, n in sorted(screened.rejected.items()))
+            log.warning("shared state %s: ignoring records that cannot be another router's counts (%s%s); counted "
+                        "in llm_router_shared_state_rejected_total until they stop (logged once)", redact_url(self.url),
+                        what, "" if screened.culprit is None else f", first under router id '{safe(screened.culprit, 80)}'")
+        elif not screened.rejected and self._rejecting:
+            self._rejecting = False
+            log.info("shared state %s: no record ignored any more", redact_url(self.url))
 
     async def run(self) -> None:
         while True:
