@@ -119,12 +119,13 @@ def settings_markdown() -> str:
         "",
         f"- the environment variable `{prefix}<FIELD>` (the field name in upper case); lists and maps take JSON "
         "(`[\"a\", \"b\"]`, `{\"k\": 1}`) or, where the description says so, comma-separated values;",
-        "- a YAML or JSON file given with `--config FILE`, a mapping of field names to values;",
+        "- a YAML or JSON file given with `--config FILE`, a mapping of field names to values "
+        "(`deploy/examples/router.yaml` is an example, the recommended configuration spelled out);",
         "- a flag of `router serve`, where the *flag* column names one.",
         "",
         "Booleans in the environment are `1`/`0`, `true`/`false`; `none` unsets an optional setting. A bad value "
         "stops the router with one line naming the field and the value. `router serve --print-config` prints the "
-        "effective settings, secrets redacted.",
+        "effective settings, secrets redacted (no replica needed).",
         "",
     ]
     fields = RouterSettings.model_fields
