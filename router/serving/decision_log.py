@@ -7,6 +7,13 @@ records (features as base64 float32), appends them to `decisions-NNNNNN.jsonl`, 
 file past `max_bytes` and deletes the oldest beyond `keep`. The format is documented in
 router/serving/DECISION_LOG.md (the simulator's replay reads it without importing router code).
 
+The writer owns its files and no others: `keep` counts the files it created (and, at start, the earlier runs'
+regular files of the router's user), each remembered by its inode, so a file someone else puts in the
+directory (a higher number, a symlink) is never counted, rotated or deleted, and a file that was replaced
+since is left alone. Each file is created with O_CREAT | O_EXCL | O_NOFOLLOW: a name that exists (a planted
+file or symlink) is refused, counted and logged once, and the next number is tried. A current file deleted
+by someone else is noticed before the next write, counted and replaced by a new one.
+
 Every record is either written or counted as dropped, by reason (`DROP_REASONS`): a record counts
 as written once its whole line reached the file; a write that fails part-way (a full disk) is
 truncated back to the last complete line, so no partial line stays behind. A failure episode is
@@ -23,6 +30,7 @@ import logging
 import os
 import queue
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -42,8 +50,12 @@ FILE_RE = re.compile(r"^(?P<prefix>.+)-(?P<seq>\d{6,})\.jsonl$")
 # could not be encoded, the disk (or quota) is full, or another write / file-creation error
 DROP_REASONS = ("queue_full", "not_running", "encode_error", "no_space", "write_error")
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+# a new file only: never one that exists, never through a symlink
+_OPEN_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+               | getattr(os, "O_CLOEXEC", 0))
 REOPEN_RETRY_S = 1.0  # a file that could not be created is tried again after this long, not for every record
+MAX_NAME_TRIES = 100  # names refused in a row (each one exists) before the rotation counts as failed
+_MAX_SEQ = 10**12  # a number this long is no file of ours (a trillion rotations): it does not set the numbering
 
 
 class DecisionLogError(ValueError):
@@ -77,6 +89,12 @@ def check_directory(directory: str | Path) -> None:
         raise DecisionLogError(f"{where}: cannot write there ({exc.strerror or exc})") from exc
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """A file as the writer left it: a file deleted and replaced under its name may get the same inode number,
+    not also the same size and modification time."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class DecisionLogWriter:
     def __init__(
         self,
@@ -104,6 +122,8 @@ class DecisionLogWriter:
         self._fd: int | None = None
         self._size = 0  # bytes of complete lines in the current file
         self._seq = 0
+        self._owned: list[tuple[Path, tuple[int, ...]]] = []  # the files it rotates, oldest first, and `_identity`
+        self._logged: set[str] = set()  # the kinds of file trouble already logged (once each)
         self._retry_at = 0.0  # monotonic time before which a failed file creation is not retried
         self._failing: str | None = None  # the drop reason of the failure episode under way
         self._episode_dropped = 0
@@ -112,6 +132,9 @@ class DecisionLogWriter:
         self.dropped: dict[str, int] = {}
         self.last_error: str | None = None
         self.current_path: Path | None = None
+        self.files_refused = 0  # names that existed (someone else's file or symlink): skipped
+        self.rotation_errors = 0  # old files that could not be deleted, or were replaced and so were not
+        self.files_lost = 0  # current files deleted by someone else (the records in them are gone)
 
     # --- request path --------------------------------------------------------------------------
 
@@ -143,8 +166,7 @@ class DecisionLogWriter:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise DecisionLogError(f"{where}: cannot create it ({exc.strerror or exc})") from exc
-        existing = log_files(self.directory, self.prefix)
-        self._seq = int(FILE_RE.match(existing[-1].name)["seq"]) if existing else 0
+        self._adopt()
         try:
             self._open_next()
         except OSError as exc:
@@ -173,24 +195,93 @@ class DecisionLogWriter:
             "queued": self._queue.qsize(),
             "failing": self._failing,
             "last_error": self.last_error,
+            "files_refused": self.files_refused,
+            "rotation_errors": self.rotation_errors,
+            "files_lost": self.files_lost,
         }
 
     # --- writer thread -------------------------------------------------------------------------
 
-    def _open_next(self) -> None:
-        """Open the next file; the number is taken only when the file could be created (OSError otherwise)."""
-        seq = self._seq + 1
-        path = self.directory / f"{self.prefix}-{seq:06d}.jsonl"
-        fd = self._os_open(str(path), _OPEN_FLAGS, 0o644)
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd, self._seq, self.current_path = fd, seq, path
-        self._size = os.fstat(fd).st_size
-        for old in log_files(self.directory, self.prefix)[: -self.keep]:
+    def _adopt(self) -> None:
+        """At start: number after every log file there, and rotate the earlier runs' files (regular files of
+        this user; a symlink or another user's file is not the log's) before this run's."""
+        seq, uid = 0, os.geteuid()
+        for path in log_files(self.directory, self.prefix):
+            n = int(FILE_RE.match(path.name)["seq"])  # type: ignore[index]
+            if n >= _MAX_SEQ:
+                continue
+            seq = max(seq, n)
             try:
-                old.unlink()
-            except OSError as exc:
-                self.last_error = f"cannot delete {old}: {exc}"
+                st = path.lstat()
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+                self._owned.append((path, _identity(st)))
+        self._seq = seq
+
+    def _open_next(self) -> None:
+        """Create the next file: O_EXCL | O_NOFOLLOW, so a name that exists is refused (counted, logged once)
+        and the next number tried; a number is taken only when its file was created or its name was refused
+        (OSError otherwise, and after MAX_NAME_TRIES refusals in a row)."""
+        for _ in range(MAX_NAME_TRIES):
+            seq = self._seq + 1
+            path = self.directory / f"{self.prefix}-{seq:06d}.jsonl"
+            try:
+                fd = self._os_open(str(path), _OPEN_FLAGS, 0o644)
+            except FileExistsError:
+                self._seq = seq
+                self.files_refused += 1
+                self._trouble("refused", f"{path} exists and is not a file this router created: skipped its "
+                              "number (counted in files_refused)")
+                continue
+            break
+        else:
+            raise OSError(errno.EEXIST, f"{MAX_NAME_TRIES} names in a row exist", str(path))
+        if self._fd is not None:
+            if self._owned and self._owned[-1][0] == self.current_path:  # as it is left: size and time included
+                self._owned[-1] = (self.current_path, _identity(os.fstat(self._fd)))
+            os.close(self._fd)
+        self._fd, self._seq, self.current_path, self._size = fd, seq, path, 0
+        self._owned.append((path, _identity(os.fstat(fd))))
+        while len(self._owned) > self.keep:
+            self._delete(*self._owned.pop(0))
+
+    def _delete(self, path: Path, identity: tuple[int, ...]) -> None:
+        """Delete an old file of this log's, if the name still holds the file it wrote."""
+        try:
+            st = path.lstat()
+            if _identity(st) != identity:
+                self.rotation_errors += 1
+                self._trouble("replaced", f"{path} was replaced since it was written: left alone")
+                return
+            path.unlink()
+        except FileNotFoundError:
+            pass  # someone deleted it already
+        except OSError as exc:
+            self.rotation_errors += 1
+            self._trouble("delete", f"cannot delete {path}: {exc.strerror or exc}")
+
+    def _trouble(self, kind: str, error: str) -> None:
+        """A file problem that loses no record: in last_error, its count in describe(), one log line per kind."""
+        self.last_error = error
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("decision log: %s (logged once)", error)
+
+    def _check_current(self) -> None:
+        """The current file deleted by someone else (no name left): count it and write to a new one."""
+        if self._fd is None:
+            return
+        try:
+            gone = os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            gone = False
+        if gone:
+            self.files_lost += 1
+            self._trouble("lost", f"{self.current_path} was deleted while being written: its records are lost, "
+                          "writing to a new file (counted in files_lost)")
+            self._owned = [o for o in self._owned if o[0] != self.current_path]
+            self._size = self.max_bytes  # rotate now
 
     def _run(self) -> None:
         stop = False
@@ -219,6 +310,7 @@ class DecisionLogWriter:
 
     def _write(self, lines: list[bytes]) -> None:
         """Append `lines`, starting a new file past max_bytes; whatever cannot be written is dropped and counted."""
+        self._check_current()
         i = 0
         while i < len(lines):
             if self._fd is None or self._size >= self.max_bytes:
