@@ -71,6 +71,8 @@ def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str
             c = m.get("content")
             if c is not None and not isinstance(c, (str, list)):
                 raise BadRequest(f"'messages[{i}].content' must be a string or an array", param=f"messages[{i}].content")
+            if isinstance(c, list):
+                _check_parts(c, i)
     else:
         p = body.get("prompt")
         ok = isinstance(p, str) or (
@@ -87,6 +89,27 @@ def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str
     return body
 
 
+def _check_parts(parts: list[Any], i: int) -> None:
+    """A content array as vLLM reads it: each part a string (text) or an object whose `type`, when present, is a
+    string (an object without one names its media by key, e.g. {"image_url": ...}; vLLM judges those). vLLM
+    answers 500 to any other part (an assertion), which the router would retry on every replica."""
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            continue
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict):
+            raise BadRequest(f"'{where}' must be an object with a string 'type' (or a string), got "
+                             f"{_json_type(part)}", param=where)
+        t = part.get("type")
+        if t is not None and not isinstance(t, str):
+            raise BadRequest(f"'{where}.type' must be a string, got {_json_type(t)}", param=f"{where}.type")
+
+
+def _json_type(v: Any) -> str:
+    return {bool: "boolean", int: "number", float: "number", list: "array", dict: "object", str: "string"}.get(
+        type(v), "null" if v is None else type(v).__name__)
+
+
 def prompt_text(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
     """(prompt text, exact token count when the prompt is given as token ids). Assumes a validated body."""
     if chat:
@@ -95,8 +118,9 @@ def prompt_text(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
             c = m.get("content")
             if isinstance(c, str):
                 parts.append(c)
-            elif isinstance(c, list):
-                parts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+            elif isinstance(c, list):  # vLLM reads a string part as text
+                parts.extend(p if isinstance(p, str) else p["text"] for p in c
+                             if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str)))
         return "\n".join(parts), None
     p = body["prompt"]
     if isinstance(p, str):
