@@ -40,6 +40,10 @@ from routewise_vllm.router.settings import RouterSettings
 log = logging.getLogger("router.workers")
 
 METRICS_PREFIX = "routewise-metrics-"
+# A process that started this long after a metrics folder last changed cannot have made it or written in it:
+# its pid was reused (a container's router restarted gets the same small pid). The margin covers the clock's
+# granularity and small steps of the wall clock; a crash and restart within it leaves the folder for a later start.
+PID_REUSE_MARGIN_S = 60.0
 
 
 def bind(host: str, port: int, backlog: int = 1024, reuse_port: bool = True) -> socket.socket:
@@ -148,18 +152,21 @@ def listeners(settings: RouterSettings) -> tuple[list[list[socket.socket]], list
 def clean_stale_metrics_dirs(tmpdir: str | None = None) -> list[Path]:
     """Removes the metrics directories (METRICS_PREFIX<parent pid>-*) whose processes are all gone: the
     parent named in the directory and every process that wrote a file in it (prometheus_client names them
-    <kind>_<pid>.db). A directory with no process to judge by, or another user's, is left alone."""
+    <kind>_<pid>.db). A pid whose process started after the directory last changed (PID_REUSE_MARGIN_S) is
+    another process's, this one's included. A directory with no process to judge by, or another user's, is
+    left alone."""
     removed = []
     for path in Path(tmpdir or tempfile.gettempdir()).glob(METRICS_PREFIX + "*"):
         try:
-            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+            st = path.lstat()
+            if path.is_symlink() or not path.is_dir() or st.st_uid != os.getuid():
                 continue
             m = re.match(re.escape(METRICS_PREFIX) + r"(\d+)-", path.name)
             pids = {int(m.group(1))} if m else set()
             pids |= {int(f.stem.rsplit("_", 1)[1]) for f in path.glob("*_*.db") if f.stem.rsplit("_", 1)[1].isdigit()}
         except OSError:
             continue
-        if pids and not any(_alive(p) for p in pids):
+        if pids and not any(_alive(p) and not _started_after(p, st.st_mtime + PID_REUSE_MARGIN_S) for p in pids):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             log.info("removed %s: left by router processes that are gone (%s)", path, ", ".join(map(str, sorted(pids))))
@@ -177,6 +184,17 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return True
+
+
+def _started_after(pid: int, when: float) -> bool:
+    """Whether process `pid` started after `when` (unix time); False when that cannot be read (not Linux)."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK") > when
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False
 
 
 def worker_settings(settings: RouterSettings, slot: int) -> RouterSettings:
