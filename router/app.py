@@ -23,6 +23,7 @@ from routewise_vllm.router.admin import admin_routes
 from routewise_vllm.router.auth import client_key_middleware, client_keys
 from routewise_vllm.router.endpoints import ENDPOINTS
 from routewise_vllm.router.listener import openai_errors
+from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.models import models_handler
 from routewise_vllm.router.probes import Probes
 from routewise_vllm.router.proxy import Proxy
@@ -144,7 +145,7 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         for rep in replicas.ordered:  # a mistyped URL is named at start, not found later in a count
             if not rep.routable:
                 log.warning("replica %s (%s) is not healthy at start: %s", rep.id, rep.url,
-                            rep.last_probe_error or "no answer yet")
+                            safe(rep.last_probe_error or "no answer yet"))
         yield
         for t in tasks:
             await _cancel(t)

@@ -29,6 +29,7 @@ from routewise_vllm.router.connections import (ADMITTED, GLOBAL_CAP, OPS_CAP, PE
                                 peer_address, raise_open_file_limit)
 from routewise_vllm.router.errors import error_body, error_response
 from routewise_vllm.router.lean import LeanConnection
+from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.settings import RouterSettings
 
 if TYPE_CHECKING:
@@ -205,7 +206,7 @@ class GuardedHandler(RequestHandler):
             resp = head_too_large(self._max_head).response()
         else:  # malformed HTTP: one line, no traceback (any client can send it)
             text = " ".join((message or str(exc or "") or "bad request").split())[:300]
-            log.info("bad HTTP request from %s: %s", request.remote, text)
+            log.info("bad HTTP request from %s: %s", request.remote, safe(text))
             resp = error_response(status, f"malformed HTTP request: {text}", code="bad_http_request")
         resp.force_close()
         return resp

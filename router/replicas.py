@@ -19,6 +19,7 @@ import aiohttp
 from yarl import URL
 
 from routewise_vllm.router.batch_limit import BatchLimitInference
+from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.models import fetch_models
 from routewise_vllm.router.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
 from routewise_vllm.router.policy.model_routing import members
@@ -327,7 +328,7 @@ class ReplicaSet:
             rep.probe_failures += 1
             if rep.probe_ok and rep.probe_failures >= s.health_failure_threshold:
                 rep.probe_ok = False
-                log.warning("replica %s unhealthy: %s", rep.id, rep.last_probe_error)
+                log.warning("replica %s unhealthy: %s", rep.id, safe(rep.last_probe_error))
         rep.sync()
         self.notify()
 

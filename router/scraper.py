@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.replicas import Replica, ReplicaSet
 from routewise_vllm.router.telemetry import RouterMetrics
 from routewise_vllm.router.vllm_metrics import REQUIRED, MetricsParseError, VllmStats, parse_vllm_metrics
@@ -36,7 +37,7 @@ class Scraper:
     def _fail(self, rep: Replica, kind: str, detail: str) -> None:
         self.metrics.scrape_errors.labels(rep.id, kind).inc()
         rep.scrape_error = f"{kind}: {detail}"
-        log.debug("scrape of %s failed: %s: %s", rep.id, kind, detail)
+        log.debug("scrape of %s failed: %s: %s", rep.id, kind, safe(detail))
 
     async def scrape(self, rep: Replica) -> VllmStats | None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
