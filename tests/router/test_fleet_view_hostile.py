@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import signal
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -31,6 +30,7 @@ from tests.router.conftest import wait_for
 from tests.router.test_fleet_view_live import _rid, _stream, routers
 
 REPLICAS = ["r0:1", "r1:1"]
+TLS = Path(__file__).resolve().parents[1] / "data" / "tls"
 
 
 @pytest.fixture
@@ -291,13 +291,8 @@ async def test_a_password_in_the_url_authenticates_and_is_never_logged(caplog):
 
 
 @pytest.mark.timeout(120)
-async def test_rediss_with_the_servers_ca_syncs(tmp_path, caplog):
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is needed to make a self-signed certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=30)
+async def test_rediss_with_the_servers_ca_syncs(caplog):
+    cert, key = TLS / "loopback-cert.pem", TLS / "loopback-key.pem"  # self-signed for 127.0.0.1 (tests/data/README.md)
     server = _Server("--tls-port", "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
                      str(cert), "--tls-auth-clients", "no", "--requirepass", "s3cret-pw")
     try:
