@@ -1,9 +1,9 @@
 """`trainer`: train, evaluate and export the learned routing policy.
 
-  trainer train    --config trainer/configs/default.yaml [--set ppo.updates=80] [--resume]
-  trainer evaluate --policy runs/default/best.pt [--scenario all] [--seeds 3] [--json]
-  trainer export   --checkpoint runs/default/best.pt --out router/policy/models/default.onnx
-  trainer finetune --decision-log DIR --init router/policy/models/default.onnx -o new.onnx
+  trainer train    --config trainer/configs/suite-fleet.yaml [--set ppo.updates=80] [--resume]
+  trainer evaluate --policy runs/suite-fleet/best.pt [--scenario all] [--seeds 3] [--json]
+  trainer export   --checkpoint runs/suite-fleet/best.pt --out router/policy/models/suite-fleet.onnx
+  trainer finetune --decision-log DIR --init router/policy/models/suite-fleet.onnx -o new.onnx
   trainer follow   --decision-log DIR --models DIR [--router URL]
 """
 
@@ -30,7 +30,7 @@ class UsageError(Exception):
 
 # ---------------------------------------------------------------- train
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML training config (see trainer/configs/default.yaml; unknown keys are errors)")
+    p.add_argument("--config", required=True, help="YAML training config (see trainer/configs/suite-fleet.yaml; unknown keys are errors)")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override one config value, dotted key + YAML value, e.g. --set ppo.updates=80 (repeatable)",
@@ -94,7 +94,7 @@ def _evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/evaluate", help="where plots and the exported ONNX go (default runs/evaluate)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (they re-simulate the first seed)")
     p.add_argument("--json", action="store_true", help="print the same JSON document as `simulator compare --json`")
-    p.add_argument("--card", help="also merge the evaluation table into this model-card JSON (e.g. router/policy/models/default.json)")
+    p.add_argument("--card", help="also merge the evaluation table into this model-card JSON (e.g. router/policy/models/suite-fleet.json)")
     p.add_argument("--late-binding", action="store_true",
                    help="also run every policy behind the router's late binding (rows NAME+late, default settings) and "
                    "report the learned policy behind it against the best heuristic behind it and the best per request")
@@ -164,8 +164,8 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- export
 def _export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="a training checkpoint (e.g. runs/default/best.pt)")
-    p.add_argument("--out", required=True, help="the ONNX file to write (e.g. router/policy/models/default.onnx)")
+    p.add_argument("--checkpoint", required=True, help="a training checkpoint (e.g. runs/suite-fleet/best.pt)")
+    p.add_argument("--out", required=True, help="the ONNX file to write (e.g. router/policy/models/suite-fleet.onnx)")
     p.add_argument("--policy-version", help="the model's version string (default: <run dir name>-<checkpoint label>)")
     p.add_argument("--parity-observations", type=int, default=4096, help="simulator observations for the torch/ONNX parity check (default 4096)")
     p.add_argument("--card", help="also write a model card JSON (training budget, wall time, cores, scenarios)")

@@ -1,7 +1,7 @@
 """The trainer's configuration: one YAML file, validated by pydantic (unknown keys are errors).
 
 `load_config(path)` raises ConfigError naming the file and the offending field, e.g.
-`trainer/configs/default.yaml: ppo.gamma: Input should be less than or equal to 1 (got 1.5)`.
+`trainer/configs/suite-fleet.yaml: ppo.gamma: Input should be less than or equal to 1 (got 1.5)`.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class RunConfig(_Strict):
         ge=0,
         description="rollout worker processes (default: the machine's cores); 0 = roll out in the main process",
     )
-    run_dir: str = Field("runs/default", description="where checkpoints, TensorBoard logs and metrics.csv go")
+    run_dir: str = Field("runs/suite-fleet", description="where checkpoints, TensorBoard logs and metrics.csv go")
     checkpoint_every: int = Field(5, ge=1, description="PPO updates between checkpoints")
     eval_every: int = Field(10, ge=1, description="PPO updates between greedy TRAIN-window evaluations")
     eval_seeds: int = Field(2, ge=1, description="TRAIN seeds per scenario in periodic/selection evaluations")

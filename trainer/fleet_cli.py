@@ -10,7 +10,7 @@ import sys
 def _finetune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decision-log", required=True, help="the router's decision log directory (router serve --decision-log DIR)")
     p.add_argument("--init", required=True, help="the model to start from: an .onnx from `trainer export` (e.g. the shipped "
-                   "router/policy/models/default.onnx) or a training checkpoint (.pt)")
+                   "router/policy/models/suite-fleet.onnx) or a training checkpoint (.pt)")
     p.add_argument("-o", "--out", required=True, help="the .onnx to write (atomically), with its model card beside it (.json)")
     p.add_argument("--holdout", type=float, default=0.2, help="newest share of the log held out for validation (default 0.2)")
     p.add_argument("--epochs", type=int, default=4, help="passes over the log (default 4; raised by --min-steps)")

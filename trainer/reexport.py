@@ -4,7 +4,7 @@ and the two files must agree: identical argmax and logits within 1e-4 on simulat
 
     python -m routewise_vllm.trainer.reexport OLD.onnx NEW.onnx [--observations 4096]
 
-Used to move router/policy/models/default.onnx to the smaller graphs without retraining (the
+Used to move router/policy/models/suite-fleet.onnx to the smaller graphs without retraining (the
 second time onto feature contract 3, whose graph takes `model_inputs`: an OLD file of the previous contract,
 whose graph took the `build_features` rows, is fed those rows).
 """

@@ -1,7 +1,7 @@
 """Policy names to policies. Unknown names raise, listing the known ones.
 
 A policy is a baseline by name, a shipped model by name (the stem of a file in router/policy/models/:
-`any-fleet`, `late-fleet`, `default`), `learned` (the recommended shipped model, RECOMMENDED_MODEL), or a
+`any-fleet`, `late-fleet`, `suite-fleet`), `learned` (the recommended shipped model, RECOMMENDED_MODEL), or a
 path to an `.onnx` file. Shipped models are found next to this module, so names work from an installed
 package or image as from a checkout.
 """

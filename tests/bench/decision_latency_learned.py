@@ -6,7 +6,7 @@ p50/p99 per replica count and a breakdown (view, build_features rows, the execut
 inputs and network, and the rest of decide: mask, argmax and guards). Targets: p99 <= 100 us at 16
 replicas, <= 300 us at 128 (view + decide).
 
-    .venv/bin/python tests/bench/decision_latency_learned.py                    # shipped default.onnx if present,
+    .venv/bin/python tests/bench/decision_latency_learned.py                    # shipped suite-fleet.onnx if present,
                                                                                 # else a same-architecture model
     .venv/bin/python tests/bench/decision_latency_learned.py --model my.onnx
     .venv/bin/python tests/bench/decision_latency_learned.py --from-trainer     # trainer.network.RoutingNet (torch)
@@ -159,7 +159,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="an .onnx file in the router's contract")
     p.add_argument("--from-trainer", action="store_true", help="export trainer.network.RoutingNet (needs torch)")
-    p.add_argument("--stand-in", action="store_true", help="use the onnx.helper stand-in even if default.onnx exists")
+    p.add_argument("--stand-in", action="store_true", help="use the onnx.helper stand-in even if suite-fleet.onnx exists")
     p.add_argument("--arch", choices=["attention", "pooled"], default="attention",
                    help="stand-in architecture: the trainer's self-attention, or an O(replicas) pooled-context block")
     p.add_argument("--hidden", type=int, default=64)

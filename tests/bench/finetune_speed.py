@@ -52,7 +52,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ft.onnx"
         cmd = [sys.executable, "-m", "routewise_vllm.trainer", "finetune", "--decision-log", str(log), "--init",
-               str(REPO / "router/policy/models/default.onnx"), "-o", str(out), "--max-records", str(args.records), "--json"]
+               str(REPO / "router/policy/models/suite-fleet.onnx"), "-o", str(out), "--max-records", str(args.records), "--json"]
         start = time.perf_counter()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)

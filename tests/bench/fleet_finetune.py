@@ -184,7 +184,7 @@ def main() -> int:
         print("no vLLM venv (.venv-vllm or ROUTEWISE_VLLM_PYTHON)", file=sys.stderr)
         return 2
 
-    shipped = REPO / "router" / "policy" / "models" / "default.onnx"
+    shipped = REPO / "router" / "policy" / "models" / "suite-fleet.onnx"
     work = Path(tempfile.mkdtemp(prefix="routewise-fleet-ft-"))
     seg_a = segment(1, args.train_s, args.rate)
     seg_b = segment(2, args.segment_s, args.rate)

@@ -54,11 +54,11 @@ def test_c_inputs_equal_model_inputs(width: int, healthy_share: float) -> None:
         np.testing.assert_array_equal(got[:, :N_FEATURES], rows)
 
 
-SHIPPED_MODELS = sorted(DEFAULT_MODEL_PATH.parent.glob("*.onnx"))  # default.onnx, any-fleet.onnx, late-fleet.onnx
+SHIPPED_MODELS = sorted(DEFAULT_MODEL_PATH.parent.glob("*.onnx"))  # suite-fleet.onnx, any-fleet.onnx, late-fleet.onnx
 
 
 def test_the_three_models_ship():
-    assert {p.name for p in SHIPPED_MODELS} == {"default.onnx", "any-fleet.onnx", "late-fleet.onnx"}
+    assert {p.name for p in SHIPPED_MODELS} == {"suite-fleet.onnx", "any-fleet.onnx", "late-fleet.onnx"}
 
 
 @needs_ext
@@ -191,13 +191,33 @@ def test_onnxruntime_serves_when_the_fast_path_cannot(tmp_path) -> None:
         "fast path unusable": lambda v: _scaled_weights(v, 1.0, cut=3),
         "disagrees with onnxruntime": lambda v: _scaled_weights(v, 1.01),
     }
+    from routewise_vllm.router.policy.tracking import ClusterTracker
+    from routewise_vllm.router.policy.types import RequestInfo
+
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(DEFAULT_MODEL_PATH), providers=["CPUExecutionProvider"])
+
+    def reference(view, request) -> np.ndarray:  # onnxruntime alone, on the unchanged model
+        rows = build_features(view, request)
+        mask = np.ascontiguousarray(rows[None, :, HEALTHY])
+        return session.run(["logits"], {"features": model_inputs(rows[None], mask), "mask": mask})[0][0]
+
+    rng = np.random.default_rng(0)
+    cluster = ClusterTracker([f"10.0.0.{i}:8000" for i in range(5)])
+    for i, t in enumerate(cluster.trackers):
+        t.on_scrape(0.0, i, 2 * i + 1, 0.1 * i, 262_144)
+    requests = [RequestInfo(f"q{k}", int(rng.integers(10, 4000)), int(rng.integers(1, 512)), (1, 2, k)) for k in range(8)]
     for why, change in cases.items():
         policy = _with_metadata(tmp_path, change)
         info = policy.describe()
         assert info["executor"] == "onnxruntime" and why in info["executor_note"], info
         assert policy.load_error is None
-        rows = _rows(np.random.default_rng(0), 5, 1.0)
-        np.testing.assert_array_equal(policy.onnxruntime_logits(rows), policy.onnxruntime_logits(rows))
+        for request in requests:  # what the policy decides with is onnxruntime's answer, not the changed weights'
+            view = cluster.view(1.0, request)
+            want = reference(view, request)
+            np.testing.assert_allclose(policy.scores(view, request), want, rtol=1e-6, atol=1e-6)
+            assert policy.best(view, request) == best_of(want.astype(np.float64), [r.healthy for r in view.replicas])
 
 
 def test_fast_path_can_be_turned_off() -> None:

@@ -160,7 +160,7 @@ def test_main_generated_flags_reach_the_settings(capsys):
 
 def test_every_shipped_model_is_a_policy_name_and_learned_is_the_recommended_one():
     names = set(shipped_models())
-    assert {"late-fleet", "any-fleet", "default"} <= names
+    assert {"late-fleet", "any-fleet", "suite-fleet"} <= names
     assert DEFAULT_MODEL_PATH == MODELS_DIR / f"{RECOMMENDED_MODEL}.onnx" == shipped_models()["any-fleet"]
     for name in names:
         s = build_settings(replicas=[REPLICA], policy=name)

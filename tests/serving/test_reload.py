@@ -114,8 +114,8 @@ async def test_baseline_policy_is_not_reloadable(tmp_path):
 
 
 async def test_watch_picks_up_a_model_that_appears_later(tmp_path):
-    # `--policy learned` before the trainer shipped default.onnx: LOR serves, then the file arrives
-    live = tmp_path / "default.onnx"
+    # `--policy learned` before the trainer shipped suite-fleet.onnx: LOR serves, then the file arrives
+    live = tmp_path / "suite-fleet.onnx"
     fb = guarded(OnnxPolicy(live), budget_s=0.05)
     assert fb.decide(VIEW, make_request()).fallback_reason == "unavailable"
     reloader = PolicyReloader(str(live), lambda p: setattr(fb, "primary", p))

@@ -77,7 +77,7 @@ def test_a_forced_random_fleet_draws_as_fleet_prob_one_does():
     forced, drawn = InstanceBuilder(base.env).build(spec)[0], InstanceBuilder(always.env).build(spec)[0]
     assert forced == drawn
     # also under a config that draws no random fleets at all (default.yaml: fleet_prob 0)
-    default = load_config(random_fleets.ROOT / "trainer/configs/default.yaml")
+    default = load_config(random_fleets.ROOT / "trainer/configs/suite-fleet.yaml")
     cluster = InstanceBuilder(default.env).build(spec)[0]
     own = InstanceBuilder(default.env).scenario("steady-chat").build(np.random.default_rng(spec.seed))[0]
     assert [(g.profile, g.count) for g in cluster.replicas] != [(g.profile, g.count) for g in own.replicas]

@@ -42,9 +42,9 @@ def test_shipped_onnx_weights_are_recovered_exactly():
 def test_finetune_moves_the_policy_toward_the_one_trained_on_the_true_profiles(tmp_path):
     # The fleet in fleet-misfit.yaml has a replica throttled 4x for the whole run: not what the prior saw.
     # "Trained on the true profiles": the regression fitted on a large, heavily explored log of that fleet.
-    # The prior is default.onnx, the model whose misfit this fleet was built to show (the recommended any-fleet
+    # The prior is suite-fleet.onnx, the model whose misfit this fleet was built to show (the recommended any-fleet
     # already predicts it better: its error falls 17 %, not 20 %, from 0.45).
-    init = MODELS_DIR / "default.onnx"
+    init = MODELS_DIR / "suite-fleet.onnx"
     simulate_log(MISFIT, tmp_path / "truth", episodes=6, epsilon=0.5, seed=11)
     simulate_log(MISFIT, tmp_path / "fleet", episodes=4, epsilon=0.2, seed=5)
     simulate_log(MISFIT, tmp_path / "eval", episodes=1, epsilon=0.0, seed=23)

@@ -164,7 +164,7 @@ def test_config_errors_name_the_field(tmp_path):
     bad.write_text("env: {scenarios: [steady-chat]}\nrun: {workers: -1}\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: run\.workers.*got -1"):
         load_config(bad)
-    cfg = load_config("trainer/configs/default.yaml", ["ppo.updates=3"])
+    cfg = load_config("trainer/configs/suite-fleet.yaml", ["ppo.updates=3"])
     assert cfg.ppo.updates == 3
 
 
