@@ -214,6 +214,20 @@ def p99_intervals(results: list[RequestResult], arms: list[str]) -> dict[str, li
     return {arm: interval95(boot[i]) for i, arm in enumerate(arms)}
 
 
+def _plot(results: list[RequestResult], arms: list[str], intervals: dict[str, list[float] | None], title: str,
+          path: Path) -> str | None:
+    """The result drawn beside the table: a line naming the file, or why there is none."""
+    try:
+        from routewise_vllm.fleet.demo_plot import plot_demo
+
+        ttfts = {arm: [r.ttft_s for r in results if r.group == arm and r.ok and math.isfinite(r.ttft_s)] for arm in arms}
+        return f"plot: {plot_demo(ttfts, intervals, title, path)}"
+    except ImportError:
+        return "plot: none (matplotlib is not installed: pip install 'routewise-vllm[sim]')"
+    except OSError as exc:
+        return f"plot: none ({path}: {exc.strerror or exc})"
+
+
 def p99_verdict(intervals: dict[str, list[float] | None]) -> str | None:
     """One line: both arms' TTFT p99 intervals and whether this run can rank the arms at all."""
     c, t = intervals.get("control"), intervals.get("treatment")
@@ -331,6 +345,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the per-arm summary here")
     p.add_argument("--logs", type=Path, default=None, help="keep the child processes' logs in this folder")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                   help="draw the result here (default: demo.png in the logs folder; needs matplotlib)")
 
 
 def _on_sigterm(signum, frame):  # noqa: ARG001
@@ -470,6 +486,9 @@ def main(args: argparse.Namespace) -> int:
             f"{names.get(r, r)} {n}" for r, (n, _) in sorted(limits.items())) or "none yet")
         print(f"late binding (at {at}): {held} of {len(results)} requests held in the router "
               f"(dispatches by reason: {why})")
+    plot = _plot(results, arms_seen, intervals, title, args.plot or log_root / "demo.png")
+    if plot:
+        print(plot)
     mix = _replica_mix(summary, arms_seen, names)
     if mix:
         print("replica share per arm:")

@@ -61,6 +61,12 @@ def validate(body: Any, chat: bool, max_tokens_limit: int = 1 << 20) -> dict[str
             raise BadRequest(f"'{key}' must be >= {least}, got {v}", param=key)
         if least is not None and v > max_tokens_limit:
             raise BadRequest(f"'{key}' must be <= {max_tokens_limit}, got {v}", param=key)
+    n = get("n")
+    if n is not None and n > 1:  # the limit bounds the tokens a request may make: max_tokens for each of n choices
+        for key in ("max_tokens", "max_completion_tokens"):
+            v = get(key)
+            if v is not None and v * n > max_tokens_limit:
+                raise BadRequest(f"'{key}' x 'n' must be <= {max_tokens_limit}, got {v} x {n}", param=key)
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
