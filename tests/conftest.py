@@ -1,10 +1,13 @@
 """Suite-wide: the repository root on sys.path, so every test imports `tests.*` helpers (tests/ci.py,
 tests/fakes/, tests/bench/) however pytest was started; the `vllm` and `slow` marks completed from the fixtures a
-test uses, so `-m "not vllm and not slow"` is the fast local loop (tests/README.md)."""
+test uses, so `-m "not vllm and not slow"` is the fast local loop (tests/README.md); the groups pytest-xdist keeps
+on one worker; and, under CI, a skip not listed in tests/README.md ("Skips allowed in CI") fails."""
 
 from __future__ import annotations
 
+import re
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -13,14 +16,65 @@ ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tests.ci import in_ci  # noqa: E402
+
 # Fixtures of tests/e2e/conftest.py that start real vLLM servers, or need the venv that runs them
 VLLM_FIXTURES = frozenset({"vllm_python_path", "tiny_model_dir", "vllm_fleet", "vllm_servers"})
+README = Path(__file__).with_name("README.md")
+ALLOWED_SKIPS_HEADING = "## Skips allowed in CI"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that starts real vLLM (through these fixtures, however indirectly) is marked `vllm`, and `slow` too:
-    the servers take 40-150 s to start on a 2-core machine."""
+    the servers take 40-150 s to start on a 2-core machine. Under pytest-xdist (`--dist loadgroup`) the real-vLLM
+    tests share one worker, in order (one pair of servers), and a module whose tests share a fixture wider than one
+    test (a server, a stack) stays on one worker, so that fixture starts once."""
     for item in items:
         if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.vllm)
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+        elif _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    """A fixture of the suite's own (not a plugin's) that lives longer than one test."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(d.scope != "function" and d.baseid for defs in info.name2fixturedefs.values() for d in defs)
+
+
+@cache
+def allowed_skips() -> tuple[str, ...]:
+    """The node-id prefixes of tests/README.md's "Skips allowed in CI" table (its first column, in backticks)."""
+    text = README.read_text()
+    if ALLOWED_SKIPS_HEADING not in text:
+        raise pytest.UsageError(f"{README}: no '{ALLOWED_SKIPS_HEADING}' section")
+    section = text.split(ALLOWED_SKIPS_HEADING, 1)[1].split("\n## ", 1)[0]
+    return tuple(m.group(1) for m in re.finditer(r"^\|\s*`([^`]+)`\s*\|", section, re.M))
+
+
+def unlisted_skip(nodeid: str) -> bool:
+    return in_ci() and not nodeid.startswith(allowed_skips())
+
+
+def _fail_unlisted(report: pytest.TestReport | pytest.CollectReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail") and unlisted_skip(report.nodeid):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (f"CI: skipped, and not listed in tests/README.md ('{ALLOWED_SKIPS_HEADING[3:]}'): "
+                           f"{reason}. Fix what made it skip, or list it there with its reason.")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    _fail_unlisted(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    outcome = yield
+    _fail_unlisted(outcome.get_result())

@@ -9,8 +9,9 @@ trainer images from deploy/docker/ (layers cached between runs). Then:
 - the trainer image: its CLI, torch 2.13.0, a non-root user;
 - deploy/compose/docker-compose.cpu.yml under podman-compose: the emulators, the router and the loadgen profile on
   the compose network. Prometheus and Grafana run from registry images, which cannot be pulled where no registry
-  is reachable: that test says so and skips unless both images are already in local storage.
-Skipped, with the reason, only where podman cannot start a container at all. Every container, pod network and
+  is reachable: that test (`bench` tier) says so and skips unless both images are already in local storage.
+The trainer image (torch inside: the longest build) is the `bench` tier too. Where podman cannot start a container
+at all these skip with the reason, and fail under CI, which runs podman. Every container, pod network and
 process the tests start is removed by its name or id.
 """
 
@@ -91,11 +92,11 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
     p = Podman(tmp, tmp)
     info = p("info", "--format", "{{.Host.OCIRuntime.Name}}", check=False)
     if info.returncode != 0:
-        pytest.skip(f"podman cannot start here: {(info.stderr.strip().splitlines() or ['podman info failed'])[-1]}")
+        skip_or_fail(f"podman cannot start here: {(info.stderr.strip().splitlines() or ['podman info failed'])[-1]}")
     p.script("base")  # made with mmdebstrap unless it exists
     run = p("run", "--rm", "--network", "none", BASE_IMAGE, "true", check=False)
     if run.returncode != 0:
-        pytest.skip(f"podman cannot start a container here: {(run.stderr.strip().splitlines() or ['?'])[-1]}")
+        skip_or_fail(f"podman cannot start a container here: {(run.stderr.strip().splitlines() or ['?'])[-1]}")
     return p
 
 
@@ -190,6 +191,7 @@ def test_router_image_serves_two_emulated_replicas(podman: Podman, tmp_path: Pat
     assert podman("ps", "--all", "--quiet", "--filter", f"name=^{container}$").stdout.strip() == ""
 
 
+@pytest.mark.bench
 def test_trainer_image(podman: Podman) -> None:
     image = podman.image("trainer")
     help_ = podman("run", "--rm", "--network", "none", image, "--help")
@@ -278,6 +280,7 @@ def test_cpu_compose_stack_under_podman_compose(podman: Podman) -> None:
     assert podman("ps", "--all", "--quiet", "--filter", f"label=io.podman.compose.project={compose.project}").stdout == ""
 
 
+@pytest.mark.bench
 def test_cpu_compose_observability_services(podman: Podman) -> None:
     """Prometheus and Grafana of docker-compose.cpu.yml run from registry images; where those are not in local
     storage and no registry is reachable (as on this project's machines), this says which and skips."""

@@ -1,4 +1,9 @@
-"""Session fixtures: two real vLLM CPU servers, started once per test session and always stopped.
+"""Session fixtures: two real vLLM CPU servers, started once per test session and always stopped. Every test of
+the real-vLLM tier shares them (the stop test, which stops them under load, runs last); a test that needs other
+server flags starts its own and says why.
+
+Each server serves the tiny model under two names: SERVED_MODEL_NAME, which both serve, and one of its own
+(OWN_MODELS), so the multi-model test routes by model on the same pair.
 
 Use from any test module under tests/e2e/:
 
@@ -28,6 +33,7 @@ import pytest
 
 from routewise_vllm.fleet.vllm import (
     FLEET_ARGS,
+    SERVED_MODEL_NAME,
     VLLM_PYTHON_ENV,
     VllmServer,
     ensure_tiny_model,
@@ -39,6 +45,19 @@ from tests.ci import skip_or_fail
 
 # Two servers start in 40-55 s on an idle 2-core machine and took 150 s with a dozen other jobs running.
 STARTUP_TIMEOUT_S = float(os.environ.get("ROUTEWISE_VLLM_STARTUP_TIMEOUT_S", "300"))
+# The model name only server i serves (vLLM answers every name of --served-model-name; responses and metrics carry
+# the first, SERVED_MODEL_NAME)
+OWN_MODELS = ("tiny-small", "tiny-roomy")
+SESSION_FLEET_ARGS = [[*args, "--served-model-name", SERVED_MODEL_NAME, own] for args, own in zip(FLEET_ARGS, OWN_MODELS)]
+# Runs last: it stops the session's servers
+STOPS_THE_FLEET = "test_vllm_stop.py"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The test that stops the shared servers goes after every other test of the run."""
+    last = [item for item in items if item.path.name == STOPS_THE_FLEET]
+    if last:
+        items[:] = [item for item in items if item.path.name != STOPS_THE_FLEET] + last
 
 
 @pytest.fixture(scope="session")
@@ -72,8 +91,8 @@ def tiny_model_dir(vllm_python_path: Path, vllm_work_dir: Path) -> Path:
 def vllm_fleet(vllm_python_path: Path, tiny_model_dir: Path, vllm_work_dir: Path) -> Iterator[list[VllmServer]]:
     t0 = time.monotonic()
     servers = start_servers(
-        len(FLEET_ARGS), tiny_model_dir, vllm_python_path, vllm_work_dir / "fleet",
-        extra_args=FLEET_ARGS, startup_timeout_s=STARTUP_TIMEOUT_S,
+        len(SESSION_FLEET_ARGS), tiny_model_dir, vllm_python_path, vllm_work_dir / "fleet",
+        extra_args=SESSION_FLEET_ARGS, startup_timeout_s=STARTUP_TIMEOUT_S,
     )
     print(f"\n{len(servers)} vLLM servers healthy in {time.monotonic() - t0:.1f} s: "
           + ", ".join(s.base_url for s in servers))

@@ -1,5 +1,6 @@
-"""Two real vLLM CPU servers serving different models behind one router: every request lands on a server of its
-model, streamed or not, `/v1/models` is the union, and a model nobody serves is a 404 that lists the others."""
+"""The session's two real vLLM CPU servers, each serving a model the other does not (conftest.OWN_MODELS) beside
+the one both serve, behind one router: every request lands on a server of its model, streamed or not,
+`/v1/models` is the union, and a model nobody serves is a 404 that lists the others."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from routewise_vllm.fleet.router_process import start_router
-from routewise_vllm.fleet.vllm import start_servers, stop_servers
+from routewise_vllm.fleet.vllm import SERVED_MODEL_NAME
 from routewise_vllm.router.settings import replica_id
-from tests.e2e.conftest import STARTUP_TIMEOUT_S
+from tests.e2e.conftest import OWN_MODELS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-MODELS = ("tiny-a", "tiny-b")
+MODELS = OWN_MODELS
 REQUESTS = 120  # 60 per model, every other one streamed
 
 
@@ -32,19 +33,16 @@ def _post(url: str, body: dict) -> tuple[int, str, bytes]:
         return e.code, e.headers.get("x-routewise-replica", ""), e.read()
 
 
-@pytest.mark.timeout(900)
-def test_each_request_lands_on_a_server_of_its_model(vllm_python_path, tiny_model_dir, tmp_path: Path):
+@pytest.mark.timeout(600)
+def test_each_request_lands_on_a_server_of_its_model(vllm_servers, tmp_path: Path):
     from openai import OpenAI
 
-    servers = start_servers(2, tiny_model_dir, vllm_python_path, tmp_path / "fleet",
-                            extra_args=[["--served-model-name", m] for m in MODELS], startup_timeout_s=STARTUP_TIMEOUT_S)
-    router = None
+    router = start_router(list(vllm_servers), "learned", tmp_path / "router",
+                          env={"ROUTEWISE_LATE_BINDING": "1", "ROUTEWISE_REPLICA_HEADER": "1"})
     try:
-        serves = {replica_id(s.base_url): m for s, m in zip(servers, MODELS)}
-        router = start_router([s.base_url for s in servers], "learned", tmp_path / "router",
-                              env={"ROUTEWISE_LATE_BINDING": "1", "ROUTEWISE_REPLICA_HEADER": "1"})
+        serves = {replica_id(url): m for url, m in zip(vllm_servers, MODELS)}
         client = OpenAI(base_url=router.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        assert sorted(m.id for m in client.models.list().data) == sorted(MODELS)
+        assert sorted(m.id for m in client.models.list().data) == sorted([SERVED_MODEL_NAME, *MODELS])
 
         def one(i: int) -> tuple[str, int, str, bytes]:
             model = MODELS[i % 2]
@@ -59,11 +57,11 @@ def test_each_request_lands_on_a_server_of_its_model(vllm_python_path, tiny_mode
         streamed = [b for _, _, _, b in results if b.startswith(b"data:")]
         assert len(streamed) == REQUESTS // 2 and all(b.rstrip().endswith(b"data: [DONE]") for b in streamed)
 
-        chat = client.chat.completions.create(model=MODELS[1], messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-        assert chat.model == MODELS[1] and chat.choices
+        # vLLM names its first served name in responses; the replica header says which server answered
+        status, replica, body = _post(router.base_url + "/v1/chat/completions",
+                                      {"model": MODELS[1], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert status == 200 and serves[replica] == MODELS[1] and json.loads(body)["choices"], body[:300]
         status, _, body = _post(router.base_url + "/v1/completions", {"model": "nobody", "prompt": "x", "max_tokens": 1})
         assert status == 404 and all(m in body.decode() for m in MODELS), body[:300]
     finally:
-        if router is not None:
-            router.stop()
-        stop_servers(servers)
+        router.stop()

@@ -42,6 +42,8 @@ from routewise_vllm.fleet.vllm import (
     launch_server,
 )
 
+from tests.e2e.conftest import OWN_MODELS
+
 PROMPT = "Route the request to the replica with the shortest queue and the warmest prefix cache."
 SMALL_MAX_NUM_SEQS = int(FLEET_ARGS[SMALL][FLEET_ARGS[SMALL].index("--max-num-seqs") + 1])
 FAILOVER_TEST = "test_failover_when_a_replica_is_killed_mid_load"
@@ -154,7 +156,7 @@ async def test_openai_endpoints_pass_through_the_router(fleet_router, vllm_serve
                                                       extra_body={"ignore_eos": True})
     c = openai_client(fleet_router)
     async with c:
-        assert [m.id for m in (await c.models.list()).data] == [SERVED_MODEL_NAME]
+        assert sorted(m.id for m in (await c.models.list()).data) == sorted([SERVED_MODEL_NAME, *OWN_MODELS])
 
         resp = await c.completions.create(model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=16,
                                           extra_body={"ignore_eos": True})
@@ -554,8 +556,8 @@ async def test_learned_policy_decides_real_traffic(vllm_servers, log_dir):
     """Over more decisions than the decision-budget rule judges at once, the shipped model decides most of the
     requests it is asked for; every other decision is a fallback counted under a known reason, none under a
     reason that means the model or its inputs are broken, and the compiled fast path serves where it is built.
-    Whether the CPU-time budget rule trips on a host also running vLLM is not asserted (the rule is tested with
-    injected stalls in tests/policy/); the decisions its cool-down kept from the model are left out of the share."""
+    Most of all the decisions are the model's own, so a model over the CPU-time budget (the deciding thread's CPU
+    time, which a busy host barely moves) fails it."""
     from routewise_vllm.router.policy import fastnet
     from routewise_vllm.router.policy.fallback import FALLBACK_REASONS
 
@@ -568,8 +570,8 @@ async def test_learned_policy_decides_real_traffic(vllm_servers, log_dir):
     bad = {k: v for k, v in fallbacks.items() if k in BAD_FALLBACK_REASONS}
     assert not bad, f"fallbacks for bad reasons {bad}; all {fallbacks}"
     by_model = n_requests - sum(fallbacks.values())
-    asked = n_requests - fallbacks.get("over_budget", 0)
-    assert by_model > asked / 2 and by_model >= 50, (by_model, asked, fallbacks)
+    # of every decision: a model over budget on every decision trips the rule on its 51st and decides 51 of 150
+    assert by_model > n_requests / 2, (by_model, fallbacks)
     executor = arms["main"]["describe"]["primary"]["executor"]
     assert executor == ("fastnet" if fastnet.available() else "onnxruntime"), arms["main"]["describe"]
 

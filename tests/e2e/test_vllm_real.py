@@ -23,6 +23,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from routewise_vllm.fleet.vllm import FLEET_ARGS, ROOMY, SERVED_MODEL_NAME, SMALL
+from tests.e2e.conftest import OWN_MODELS
 
 RECORDED_PAGE = Path(__file__).resolve().parents[1] / "data" / "vllm_metrics_0.32.0.txt"
 SMALL_MAX_NUM_SEQS = int(FLEET_ARGS[SMALL][FLEET_ARGS[SMALL].index("--max-num-seqs") + 1])
@@ -132,8 +133,8 @@ class MetricsSampler:
 @pytest.mark.vllm
 def test_both_servers_serve_the_tiny_model(vllm_servers):
     assert len(vllm_servers) == 2
-    for url in vllm_servers:
-        assert [m.id for m in client(url).models.list().data] == [SERVED_MODEL_NAME]
+    for url, own in zip(vllm_servers, OWN_MODELS):
+        assert [m.id for m in client(url).models.list().data] == [SERVED_MODEL_NAME, own]
 
 
 @pytest.mark.vllm

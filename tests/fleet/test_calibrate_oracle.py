@@ -3,6 +3,9 @@ profile that predicts what the known one predicts (tests/bench/calibration_oracl
 figures' command). TTFT and E2E p50 within 10 %, p99 within 20 %, on a steady workload and one near saturation;
 the fitted parameters' spread over three calibrations under 10 % for the prefill MFU and the decode bandwidth.
 
+The three roofline calibrations (about 4 minutes on 2 cores) are the `bench` tier; CI runs the one linear
+calibration (about 80 s) and the held-out choice.
+
 The per-iteration overhead is the least identified roofline parameter: it absorbs what the host adds to every
 iteration (an emulator whose iterations end late), and its spread was 9.6 % and 11.3 % in two runs of three
 calibrations (the predictions stayed within 4 % at p50). It is held to 20 %, not the 10 % the others meet."""
@@ -33,6 +36,7 @@ def _check(workloads: list[list[dict]]) -> list[str]:
     return failed
 
 
+@pytest.mark.bench
 def test_calibration_recovers_a_roofline_profile_run_to_run(tmp_path):
     doc = oracle.run(["roofline"], calibrations=3, budget_s=75, workdir=tmp_path, progress=False)["roofline"]
     assert all(r["chosen"] == "roofline" for r in doc["runs"]), [(r["chosen"], r["held_out"]) for r in doc["runs"]]

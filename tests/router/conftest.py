@@ -16,13 +16,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for t
 from tests.fakes.fake_vllm import FakeVllm  # noqa: E402
 from tests.fakes.harness import fake_fleet, router_apps  # noqa: E402
 
+# Quick probes, but timeouts a busy host does not trip: a health probe (whose one failure ejects) waits seconds,
+# and a scrape (whose failure is only counted) as long as its interval (the settings' default, so a test that
+# sets a shorter interval gets the same shorter timeout). Fakes fail health with a 500 or a refused
+# connection, never by silence, so the ejection tests do not wait on the timeout.
 FAST = dict(
     policy="least-outstanding",
     health_interval_s=0.05,
-    health_timeout_s=0.5,
+    health_timeout_s=5.0,
     health_failure_threshold=1,
-    scrape_interval_s=0.05,
-    scrape_timeout_s=0.05,
+    scrape_interval_s=0.2,
     breaker_failure_threshold=2,
     breaker_cooldown_s=0.2,
     first_byte_timeout_s=0.5,
