@@ -161,8 +161,9 @@ def test_the_extension_refuses_a_table_it_cannot_follow():
         ]:
             with pytest.raises((ValueError, TypeError), match=message):
                 compiled.bind_rows(ReplicaSnapshot, table)
-    finally:
-        assert compiled.bind_rows(ReplicaSnapshot, good) is True
+    finally:  # the good table back whatever happened, without hiding what did
+        restored = compiled.bind_rows(ReplicaSnapshot, good)
+    assert restored is True
     assert features.build_features(*_one_decision()).shape == (2, len(good))
 
 

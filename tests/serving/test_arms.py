@@ -22,6 +22,16 @@ def test_stable_fraction_is_stable_across_processes():
     assert outs == {f"{[stable_fraction(k) for k in keys]}\n"}
 
 
+# Pinned: a change to the hash would move every A/B user to a new arm between releases (and mix a running
+# experiment's arms), so it must show here
+PINNED = {"alice": 0.3043658763184171, "bob": 0.4568354589222517, "session-42": 0.1591381125001984,
+          "ü-ñ": 0.026770742380396124, "": 0.8931675160897388}
+
+
+def test_stable_fraction_is_pinned():
+    assert {k: stable_fraction(k) for k in PINNED} == PINNED
+
+
 def test_split_share_and_stickiness():
     split = ABSplit(0.3)
     keys = [f"user-{i}" for i in range(20000)]

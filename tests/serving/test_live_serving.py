@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from routewise_vllm.router.policy.fallback import BUDGET_MIN_SAMPLES
-from routewise_vllm.router.serving.arms import stable_fraction
 from routewise_vllm.router.serving.decision_log import log_files
 from routewise_vllm.router.settings import RouterSettings
 
@@ -151,7 +150,9 @@ async def test_shadow_and_ab_metrics_under_load(tmp_path, fakes, router_client):
     responses = await load(client, 120, key=lambda i: keys[i])
     assert [r.status for r in responses] == [200] * 120
     arms = [r.headers["x-routewise-arm"] for r in responses]
-    assert arms == ["treatment" if stable_fraction(k) < 0.5 else "control" for k in keys]
+    # users 0..39 by the pinned hash (tests/serving/test_arms.py): T = treatment at a share of 0.5
+    assert "".join(a[0].upper() for a in arms[:40]) == "TCTCCCTTTCTCCCCTTCTTCCCTCTCTTCCCCCCCCCCT"
+    assert arms == arms[:40] * 3
     assert all(r.headers["x-routewise-replica"] == b.url.removeprefix("http://")
                for r, arm in zip(responses, arms) if arm == "treatment")
     await asyncio.sleep(0.05)
