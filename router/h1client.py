@@ -6,7 +6,13 @@ reads the response with `H1Connection`: the status line and headers, then a body
 chunked encoding or the connection's end, fed to a `Body` that reads like aiohttp's StreamReader (`readany`,
 `read_nowait`, `read`, `at_eof`, `is_eof`). Failures raise aiohttp's own exceptions (ServerDisconnectedError,
 ClientPayloadError, ServerTimeoutError for the per-read idle timeout), so `upstream.classify` and the proxy's
-error handling are unchanged; a head this client cannot parse raises MalformedResponse (kind `other`).
+error handling are unchanged. An answer that is not well-formed raises MalformedResponse (kind `malformed`) and
+nothing of it is handed on: a status outside 200-599 other than an interim 100 or 103 (at most MAX_INTERIM of
+those), a head over MAX_HEAD_BYTES or MAX_RESPONSE_HEADERS lines, a header name that is not a token, a value or
+reason holding a control byte (CR, LF and NUL included: relayed, they would split the client's answer), a
+Content-Length that is not one run of ASCII digits or comes twice, a Transfer-Encoding other than `chunked` or one
+beside a Content-Length, a chunk size that is not hex digits. The head is due within the read timeout of the
+request, in total: interim heads do not extend it.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 
 import aiohttp
 from multidict import CIMultiDict
@@ -26,7 +32,23 @@ except ImportError:
     response_head = scan_chunks = None
 
 KEEPALIVE_S = 15.0  # idle connections older than this are closed, as aiohttp's connector does
-MAX_HEAD_BYTES = 65536
+MAX_HEAD_BYTES = 65536  # of one head, and of a chunked body's trailer section
+MAX_RESPONSE_HEADERS = 100  # header lines of one head (vLLM sends about five)
+MAX_INTERIM = 8  # 100 Continue and 103 Early Hints heads before the final one
+MALFORMED_REASONS = {  # the reason label of a malformed answer, and what the client's 502 says of it
+    "status": "a status outside 200-599, other than an interim 100 or 103",
+    "interim": f"more than {MAX_INTERIM} interim heads",
+    "header": "a header line that is not a token, a colon and a value free of control bytes",
+    "head_too_large": f"a head over {MAX_HEAD_BYTES} bytes",
+    "too_many_headers": f"more than {MAX_RESPONSE_HEADERS} header lines",
+    "content_length": "a Content-Length that is not one run of ASCII digits, or more than one",
+    "transfer_encoding": "a Transfer-Encoding other than chunked, or one beside a Content-Length",
+    "chunk": "chunked framing that is not well-formed",
+    "other": "an answer that could not be read",
+}
+_TOKEN_BYTES = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_TEXT_BYTES = bytes([0x09, *range(0x20, 0x7f), *range(0x80, 0x100)])  # a value or reason: no control byte
+_HEX_BYTES = b"0123456789abcdefABCDEF"
 HIGH_WATER = 1 << 18  # bytes of body waiting to be read above which the replica's connection stops being read
 
 
@@ -35,7 +57,12 @@ class UpstreamConnectError(aiohttp.ClientConnectionError):
 
 
 class MalformedResponse(aiohttp.ClientError):
-    """The replica's answer is not HTTP/1.x this client can read (classified as `other`)."""
+    """The replica's answer is not well-formed HTTP/1.x (classified as `malformed`); `reason` is a key of
+    MALFORMED_REASONS, a metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ReaderTimeoutError(aiohttp.ServerTimeoutError):
@@ -147,6 +174,7 @@ class H1Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
         self._paused = False
+        self._interim = 0  # interim heads of the response being read
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -158,11 +186,14 @@ class H1Connection(asyncio.Protocol):
             self.should_close = True
             return
         self._buf += data
-        self._arm()
+        if self._state != _HEAD:  # the head's deadline runs from the request: interim heads do not move it
+            self._arm()
         try:
             self._parse()
         except MalformedResponse as exc:
             self._fail(exc)
+        except Exception as exc:  # noqa: BLE001 - nothing may escape a protocol callback: the request fails instead
+            self._fail(MalformedResponse("other", f"unreadable answer: {type(exc).__name__}: {exc}"))
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
@@ -184,6 +215,7 @@ class H1Connection(asyncio.Protocol):
         """Sends a request; the future resolves to (status, headers, Body) once the final head has arrived."""
         self._state = _HEAD
         self._buf.clear()
+        self._interim = 0
         self._read_timeout = read_timeout
         self._head = self.loop.create_future()
         self.transport.write(data)  # type: ignore[union-attr]
@@ -263,10 +295,10 @@ class H1Connection(asyncio.Protocol):
         while True:
             state = self._state
             if state == _HEAD:
-                end = buf.find(b"\r\n\r\n")
+                end = buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
                 if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise MalformedResponse("response head too long")
+                    if len(buf) >= MAX_HEAD_BYTES + 4:
+                        raise MalformedResponse("head_too_large", f"response head over {MAX_HEAD_BYTES} bytes")
                     return
                 head = bytes(buf[:end])
                 del buf[:end + 4]
@@ -283,10 +315,13 @@ class H1Connection(asyncio.Protocol):
             elif state in (_CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END):
                 if not self._chunks():
                     return
-            elif state == _TRAILER:
+            elif state == _TRAILER:  # _left counts the trailer section's bytes
                 end = buf.find(b"\r\n")
+                if (len(buf) if end < 0 else end + 2) + self._left > MAX_HEAD_BYTES:
+                    raise MalformedResponse("chunk", f"trailer section over {MAX_HEAD_BYTES} bytes")
                 if end < 0:
                     return
+                self._left += end + 2
                 del buf[:end + 2]
                 if end == 0:
                     self._finish()
@@ -326,23 +361,19 @@ class H1Connection(asyncio.Protocol):
                     if n - pos < 2:
                         return False
                     if not data.startswith(b"\r\n", pos):
-                        raise MalformedResponse("chunk not followed by CRLF")
+                        raise MalformedResponse("chunk", "chunk not followed by CRLF")
                     pos += 2
                     state = _CHUNK_SIZE
                 end = data.find(b"\r\n", pos)
                 if end < 0:
                     if n - pos > 1024:
-                        raise MalformedResponse("chunk size line too long")
+                        raise MalformedResponse("chunk", "chunk size line too long")
                     return False
-                line = data[pos:end]
-                if b";" in line:  # a chunk extension, ignored
-                    line = line.split(b";", 1)[0]
-                try:
-                    left = int(line, 16)  # int() strips the whitespace around it, as bytes.strip() does
-                except ValueError:
-                    raise MalformedResponse(f"bad chunk size {line.strip()[:20]!r}") from None
-                if left < 0:
-                    raise MalformedResponse(f"bad chunk size {line.strip()[:20]!r}")
+                # hex digits (a chunk extension after `;` ignored): not int()'s `0x`, sign, `_` or other digits
+                size = data[pos:end].split(b";", 1)[0].strip(b" \t")
+                if not 0 < len(size) <= 16 or size.translate(None, _HEX_BYTES):
+                    raise MalformedResponse("chunk", f"bad chunk size {size[:20]!r}")
+                left = int(size, 16)
                 pos = end + 2
                 if left == 0:
                     state = _TRAILER
@@ -361,25 +392,24 @@ class H1Connection(asyncio.Protocol):
         else:
             status, http10, pairs = fast
             headers = CIMultiDict(pairs)
-        if 100 <= status <= 199 and status != 101:
-            return  # an interim answer: the final head follows (state stays _HEAD)
+        if status < 200:  # 100 or 103 (the parse refuses other 1xx): the final head follows (state stays _HEAD)
+            self._interim += 1
+            if self._interim > MAX_INTERIM:
+                raise MalformedResponse("interim", f"more than {MAX_INTERIM} interim ({status}) heads")
+            return
+        length = body_length(status, headers)
         conn = headers.get("Connection", "").lower()
         if http10 and "keep-alive" not in conn or "close" in conn:
             self.should_close = True
         body = self._body = Body(self)
-        if "chunked" in headers.get("Transfer-Encoding", "").lower():
-            self._state = _CHUNK_SIZE
-        elif status in (204, 304):
-            self._state = _LENGTH
-            self._left = 0
-        elif "Content-Length" in headers:
-            length = headers["Content-Length"].strip()
-            if not length.isdigit():
-                raise MalformedResponse(f"bad Content-Length {length[:20]!r}")
-            self._state, self._left = _LENGTH, int(length)
-        else:
+        if length is None:
             self._state = _UNTIL_CLOSE
             self.should_close = True
+        elif length < 0:
+            self._state = _CHUNK_SIZE
+        else:
+            self._state, self._left = _LENGTH, length
+        self._arm()  # the body's reads are timed from the head's arrival
         head_future, self._head = self._head, None
         if head_future is not None and not head_future.done():
             head_future.set_result((status, headers, body))
@@ -391,16 +421,83 @@ def parse_response_head(head: bytes) -> tuple[int, bool, CIMultiDict[str]]:
     """(status, HTTP/1.0, headers) of a response head without its blank line; raises MalformedResponse. The common
     case is read in C (router._fasthttp.response_head, when built); this defines every case."""
     lines = head.split(b"\r\n")
+    if len(lines) > MAX_RESPONSE_HEADERS + 1:
+        raise MalformedResponse("too_many_headers", f"more than {MAX_RESPONSE_HEADERS} header lines")
     parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts[1]) != 3 or not parts[1].isdigit():
-        raise MalformedResponse(f"bad status line {lines[0][:60]!r}")
+    if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts[1]) != 3 or not parts[1].isdigit() \
+            or len(parts) == 3 and parts[2].translate(None, _TEXT_BYTES):
+        raise MalformedResponse("status", f"bad status line {lines[0][:60]!r}")
+    status = int(parts[1])
+    check_status(status)
     headers: CIMultiDict[str] = CIMultiDict()
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip():
-            raise MalformedResponse(f"bad header line {line[:60]!r}")
-        headers.add(name.decode("utf-8", "surrogateescape"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
-    return int(parts[1]), parts[0] == b"HTTP/1.0", headers
+        if not colon or not name or name.translate(None, _TOKEN_BYTES) or value.translate(None, _TEXT_BYTES):
+            raise MalformedResponse("header", f"bad header line {line[:60]!r}")
+        headers.add(name.decode("ascii"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
+    return status, parts[0] == b"HTTP/1.0", headers
+
+
+def check_status(status: int) -> None:
+    """A final status of 200-599, or an interim 100 Continue or 103 Early Hints (skipped, as vLLM's clients do);
+    anything else (101 Switching Protocols too: the router asked for no upgrade) raises MalformedResponse."""
+    if not (200 <= status <= 599 or status == 100 or status == 103):
+        raise MalformedResponse("status", f"status {status} is not a final 200-599, nor 100 or 103")
+
+
+def check_fields(fields: Iterable[tuple[bytes, bytes]]) -> None:
+    """The header fields of a head another parser read (aiohttp's): at most MAX_RESPONSE_HEADERS of them and
+    MAX_HEAD_BYTES in all, each name a token and each value free of control bytes, and framing as body_length
+    takes it; raises MalformedResponse as this client's parse would."""
+    size = 0
+    te: list[str] = []
+    cl: list[str] = []
+    for i, (name, value) in enumerate(fields):
+        size += len(name) + len(value) + 4
+        if i >= MAX_RESPONSE_HEADERS:
+            raise MalformedResponse("too_many_headers", f"more than {MAX_RESPONSE_HEADERS} header lines")
+        if size > MAX_HEAD_BYTES:
+            raise MalformedResponse("head_too_large", f"response head over {MAX_HEAD_BYTES} bytes")
+        if not name or name.translate(None, _TOKEN_BYTES) or value.translate(None, _TEXT_BYTES):
+            raise MalformedResponse("header", f"bad header line {name[:30]!r}: {value[:30]!r}")
+        lname = name.lower()
+        if lname == b"transfer-encoding":
+            te.append(value.strip(b" \t").decode("latin-1"))
+        elif lname == b"content-length":
+            cl.append(value.strip(b" \t").decode("latin-1"))
+    _check_framing(te or None, cl or None)
+
+
+def _check_framing(te: list[str] | None, cl: list[str] | None) -> None:
+    if te is not None:
+        if cl is not None:
+            raise MalformedResponse("transfer_encoding", "both Transfer-Encoding and Content-Length")
+        if [c.strip().lower() for v in te for c in v.split(",")] != ["chunked"]:
+            raise MalformedResponse("transfer_encoding", f"Transfer-Encoding {', '.join(te)[:40]!r}: only chunked "
+                                    "is read")
+    if cl is not None:
+        if len(cl) > 1:
+            raise MalformedResponse("content_length", f"{len(cl)} Content-Length headers")
+        if not _digits(cl[0]):
+            raise MalformedResponse("content_length", f"bad Content-Length {cl[0][:20]!r}")
+
+
+def _digits(value: str) -> bool:
+    """1 to 18 ASCII digits (str.isdigit alone takes '²' and other scripts' digits, which int() then refuses)."""
+    return 0 < len(value) <= 18 and value.isascii() and value.isdigit()
+
+
+def body_length(status: int, headers: CIMultiDict[str]) -> int | None:
+    """How a final answer's body is framed: its length, -1 for chunked, None for until the connection's end.
+    Raises MalformedResponse on framing a reader could take two ways (RFC 9112 6.3)."""
+    te = headers.getall("Transfer-Encoding", None)
+    cl = headers.getall("Content-Length", None)
+    _check_framing(te, cl)
+    if status in (204, 304):
+        return 0
+    if te is not None:
+        return -1
+    return None if cl is None else int(cl[0])
 
 
 class ConnectionLimit:

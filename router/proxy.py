@@ -37,7 +37,7 @@ from routewise_vllm.router.routing import Route, Router
 from routewise_vllm.router.settings import RouterSettings
 from routewise_vllm.router.telemetry import RouterMetrics
 from routewise_vllm.router.transport import AiohttpRequest, Downstream, UpstreamResponse, read_body, refuse, upstreams
-from routewise_vllm.router.upstream import UpstreamError, classify, request_headers, response_headers
+from routewise_vllm.router.upstream import UpstreamError, classify, malformed, request_headers, response_headers
 
 log = logging.getLogger("router.proxy")
 
@@ -189,7 +189,7 @@ class Proxy:
                 last = exc
                 tried.add(rep.id)
                 self.metrics.upstream_errors.labels(rep.id, exc.kind).inc()
-                if exc.kind == "connect":  # nothing the request carries can cause this
+                if exc.kind in ("connect", "malformed"):  # nothing the request carries can cause these
                     self.replicas.record_failure(rep, stream)
                 elif exc.kind != "stale_model":  # a list read again, not the replica's health
                     suspects.append((rep, exc.kind))
@@ -260,6 +260,8 @@ class Proxy:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 route.outcome = Outcome(False, None, None)
                 kind = "stalled" if inflight is not None and inflight.aborted else classify(exc)
+                if kind == "malformed":  # the replica's bytes go to the log, not to the client
+                    exc = malformed(self.metrics.upstream_malformed, rep.id, exc)
                 raise UpstreamError(kind, f"{rep.id}: {type(exc).__name__}: {exc}") from None
             except asyncio.CancelledError:
                 task = asyncio.current_task()
@@ -372,6 +374,8 @@ class Proxy:
                         chunk += more
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 kind = classify(exc)
+                if kind == "malformed":
+                    malformed(self.metrics.upstream_malformed, rep.id, exc)
                 if isinstance(exc, ReaderTimeoutError):  # the client stopped reading: not the replica's fault
                     log.info("stream from %s cut after %d events: the client read nothing for %s s", rep.id, events,
                              self.settings.idle_timeout_s)

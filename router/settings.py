@@ -67,7 +67,8 @@ class RouterSettings(BaseSettings):
     # upstream requests
     connect_timeout_s: float = Field(2.0, gt=0, description="connecting to a replica longer than this fails the attempt")
     first_byte_timeout_s: float = Field(120.0, gt=0, description="until response headers and the first body chunk")
-    idle_timeout_s: float | None = Field(300.0, gt=0, description="between body chunks; no total timeout")
+    idle_timeout_s: float | None = Field(300.0, gt=0, description="between body chunks, and for a response's head "
+                                         "from the request (interim heads do not extend it); no total timeout on a body")
     max_retries: int = Field(2, ge=0, description="a failed attempt is retried on another healthy replica at most this "
                              "many times")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest request body accepted")

@@ -29,7 +29,7 @@ ITL_BUCKETS = geometric_buckets(0.001, 60.0, 1.2)
 # quarter-octave (x1.19) from 6.25 us to 50 ms: 100 us and 200 us, the decision-latency targets, are bounds
 DECISION_BUCKETS = geometric_buckets(6.25e-6, 0.05, 2**0.25)
 
-UPSTREAM_ERROR_KINDS = ("connect", "timeout", "reset", "http_5xx", "stalled", "stale_model", "other")
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "reset", "http_5xx", "stalled", "stale_model", "malformed", "other")
 
 REPLICA_GAUGES = {
     "llm_router_outstanding_requests": "Requests the router has in flight to the replica (with shared_state, plus the "
@@ -102,6 +102,10 @@ class RouterMetrics:
         )
         self.upstream_errors = Counter(
             "llm_router_upstream_errors", "Failed upstream attempts by replica and kind.", ["replica", "kind"], registry=r,
+        )
+        self.upstream_malformed = Counter(
+            "llm_router_upstream_malformed", "Replica answers refused as not well-formed HTTP (answered 502, held "
+            "against the replica), by replica and reason.", ["replica", "reason"], registry=r,
         )
         self.retries = Counter("llm_router_retries", "Requests retried on another replica, by reason.", ["reason"], registry=r)
         for kind in UPSTREAM_ERROR_KINDS:

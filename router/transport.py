@@ -26,7 +26,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from routewise_vllm.router.errors import BadRequest
-from routewise_vllm.router.h1client import H1Client, ReaderTimeoutError
+from routewise_vllm.router.h1client import H1Client, MalformedResponse, ReaderTimeoutError, check_fields, check_status
 
 
 class StreamOut(Protocol):
@@ -100,8 +100,10 @@ class H1Upstream:
 
 
 class SessionUpstream:
-    """aiohttp's ClientSession (http and https), each response watched while the router does not take its data
-    (`_Watched`)."""
+    """aiohttp's ClientSession (http and https). Each head is held to h1client's rules (`_checked`: aiohttp's lax
+    parser takes statuses 000-999, 101, control bytes in values, any Transfer-Encoding) and due within
+    idle_timeout_s in total (aiohttp's read timeout restarts at each interim head), and each response is watched
+    while the router does not take its data (`_Watched`)."""
 
     __slots__ = ("_session", "_idle_timeout_s")
 
@@ -113,12 +115,19 @@ class SessionUpstream:
         return None  # aiohttp's client sends once awaited
 
     def post(self, url: URL, path: str, raw: bytes, headers: CIMultiDict[str]) -> Awaitable[UpstreamResponse]:
-        sent = self._session().post(url.with_path(path), data=raw, headers=headers)
-        return sent if self._idle_timeout_s is None else _watched(sent, self._idle_timeout_s)  # type: ignore[return-value]
+        return _checked(self._session().post(url.with_path(path), data=raw, headers=headers), self._idle_timeout_s)
 
 
-async def _watched(sent: Awaitable[aiohttp.ClientResponse], idle_timeout_s: float) -> UpstreamResponse:
-    return _Watched(await sent, idle_timeout_s)
+async def _checked(sent: Awaitable[aiohttp.ClientResponse], idle_timeout_s: float | None) -> UpstreamResponse:
+    async with asyncio.timeout(idle_timeout_s):
+        resp = await sent
+    try:
+        check_status(resp.status)  # aiohttp skips the 1xx heads but 101 itself
+        check_fields(resp.raw_headers)
+    except MalformedResponse:
+        resp.close()
+        raise
+    return resp if idle_timeout_s is None else _Watched(resp, idle_timeout_s)  # type: ignore[return-value]
 
 
 class _Watched:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import aiohttp
+from aiohttp import http_exceptions
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from routewise_vllm.router.h1client import H1Client, UpstreamConnectError
+from routewise_vllm.router.h1client import MALFORMED_REASONS, H1Client, MalformedResponse, UpstreamConnectError
+from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.settings import RouterSettings, replica_tls_context
+
+log = logging.getLogger("router.upstream")
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -51,7 +57,7 @@ class UpstreamError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind  # connect | timeout | reset | http_5xx | stalled | stale_model | other: a metric label
+        self.kind = kind  # connect | timeout | reset | http_5xx | stalled | stale_model | malformed | other: a label
 
     @property
     def status(self) -> int:
@@ -59,7 +65,10 @@ class UpstreamError(Exception):
 
 
 def classify(exc: BaseException) -> str:
-    """The `kind` label of an upstream failure."""
+    """The `kind` label of an upstream failure. `malformed`: an answer that is not well-formed HTTP (h1client's
+    MalformedResponse, or a head aiohttp's parser refused), which no request can make a sound replica send."""
+    if isinstance(exc, (MalformedResponse, aiohttp.ClientResponseError)):
+        return "malformed"
     if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, UpstreamConnectError)):
         return "connect"
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
@@ -67,6 +76,49 @@ def classify(exc: BaseException) -> str:
     if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError, ConnectionError)):
         return "reset"
     return "other"
+
+
+def malformed_reason(exc: BaseException) -> str:
+    """The `reason` label (h1client.MALFORMED_REASONS) of a `malformed` failure."""
+    if isinstance(exc, MalformedResponse):
+        return exc.reason
+    # aiohttp's C parser raises a plain HttpProcessingError: its message's first words tell what it refused (what
+    # follows the colon quotes the replica's bytes)
+    cause = exc.__cause__
+    text = str(getattr(cause, "message", "")).split("\n", 1)[0].split(":", 1)[0]
+    if isinstance(cause, http_exceptions.LineTooLong) or "Got more than" in text or "too long" in text.lower():
+        return "head_too_large"
+    if isinstance(cause, http_exceptions.BadStatusLine) or "status" in text.lower():
+        return "status"
+    if "Too many headers" in text:
+        return "too_many_headers"
+    if "Transfer-Encoding" in text:
+        return "transfer_encoding"
+    if "Content-Length" in text:
+        return "content_length"
+    if "chunk" in text:
+        return "chunk"
+    if isinstance(cause, http_exceptions.InvalidHeader) or "header" in text.lower():
+        return "header"
+    return "other"
+
+
+_LOGGED: dict[str, float] = {}  # replica -> when its last malformed answer was logged
+LOG_EVERY_S = 60.0
+
+
+def malformed(counter, replica: str, exc: BaseException) -> MalformedResponse:
+    """Counts a malformed answer by replica and reason (`counter`: llm_router_upstream_malformed_total) and logs
+    it, one line per replica a minute at most (a replica that keeps answering so does not flood the log). Returns
+    the failure the client's 502 names: its reason, none of the replica's bytes (those go to the log, escaped)."""
+    reason = malformed_reason(exc)
+    counter.labels(replica, reason).inc()
+    now, last = time.monotonic(), _LOGGED.get(replica)
+    if last is None or now - last >= LOG_EVERY_S:
+        _LOGGED[replica] = now
+        log.warning("replica %s sent a malformed answer (%s), answered 502: %s (the next one logged in %g s at "
+                    "the earliest)", replica, reason, safe(exc), LOG_EVERY_S)
+    return MalformedResponse(reason, MALFORMED_REASONS[reason])
 
 
 def client_timeout(settings: RouterSettings) -> aiohttp.ClientTimeout:

@@ -218,7 +218,7 @@ async def test_broken_answers_are_classified():
         server2, url2, _ = await serve(lambda h, b, t, a=bad: t.write(a))
         with pytest.raises(Exception) as exc:
             await client.pool(url2).post("/x", b"{}", CIMultiDict())
-        assert classify(exc.value) == "other", bad
+        assert classify(exc.value) == "malformed", bad
         server2.close()
     client.close()
     server.close()
