@@ -198,6 +198,7 @@ SCENARIO_GROUPS: dict[str, str] = {
     "shapes": "fleet shapes the suite lacks: 2, 8 and 32 replicas, and GPU speed mixes up to ~8x",
     "models": "fleets of several models: two base models on disjoint and on overlapping replicas, LoRA adapters",
     "slo": "latency-target classes (a scenario's `classes`): deadline-first against FIFO behind late binding",
+    "uniform": "uniform pools (one GPU kind) where the cache decides: tenants' system prompts, multi-turn chat, RAG",
 }
 
 

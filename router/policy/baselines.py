@@ -119,6 +119,11 @@ class PrefixAware(Policy):
     Load is imbalanced when max - min outstanding exceeds `balance_abs` and max exceeds
     `balance_rel` x min. While balanced, the replica with the longest cached prefix wins if it
     covers at least `min_match_frac` of the request's blocks; otherwise the least loaded wins.
+
+    Against sgl-router's cache_aware policy (launch_router defaults: cache_threshold 0.3, balance_abs_threshold 64,
+    balance_rel_threshold 1.5): the same imbalance test and relative threshold, a far lower absolute one (4), and
+    below the match threshold the least loaded replica rather than the one with the smallest cache tree. The
+    shipped models were selected against these parameters, so they stay; docs/peers.md lists every difference.
     """
 
     name = "prefix-aware"
