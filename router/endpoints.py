@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import email.parser
 import email.policy
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from routewise_vllm.router.errors import BadRequest
+from routewise_vllm.router.model_index import model_index
 from routewise_vllm.router.models import unknown_model
 from routewise_vllm.router.openai import decode
 
@@ -140,12 +140,6 @@ def parse(endpoint: Endpoint, body: Any, max_tokens_limit: int) -> Parsed:
     return Parsed(model, stream, "\n".join(parts)[:_MAX_TEXT], ids, max_tokens, user if isinstance(user, str) else None)
 
 
-def default_model_ok(lists: Iterable[frozenset[str]]) -> bool:
-    """A request without a model may go to any replica: every replica whose list is known lists the same models
-    (vLLM then serves its default, the same everywhere)."""
-    return len(set(lists)) <= 1
-
-
 def read(endpoint: Endpoint, raw: bytes, content_type: str, replicas: ReplicaSet, max_tokens_limit: int) -> Parsed:
     """What routing reads of a request's body, or BadRequest: not JSON (or not a form), invalid, a model no replica
     serves, or no model while the replicas serve different ones."""
@@ -153,7 +147,7 @@ def read(endpoint: Endpoint, raw: bytes, content_type: str, replicas: ReplicaSet
     if parsed.model is not None:
         if (refused := unknown_model(replicas, parsed.model)) is not None:
             raise refused
-    elif not default_model_ok(r.models for r in replicas.ordered if r.models_known):
+    elif not (index := model_index(replicas)).same_lists(replicas):  # built once per list change, as a 404's
         raise BadRequest("'model' is required: the replicas serve different models ("
-                         + ", ".join(sorted(replicas.known_models)[:20]) + ")", param="model")
+                         + index.listed(replicas.known_models) + ")", param="model")
     return parsed

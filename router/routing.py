@@ -24,7 +24,7 @@ from routewise_vllm.router.openai import decode_budget, prompt_text, user_of
 from routewise_vllm.router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
 from routewise_vllm.router.policy.fallback import BUDGET_COOLDOWN, FALLBACK_REASONS, Decision
 from routewise_vllm.router.policy.late_binding import restrict
-from routewise_vllm.router.policy.model_routing import model_label
+from routewise_vllm.router.policy.model_routing import ModelLabels
 from routewise_vllm.router.policy.served import GUARD_FIELDS, served_policy
 from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info, make_view, unhealthy
 from routewise_vllm.router.replicas import Replica, ReplicaSet
@@ -188,7 +188,9 @@ class Router:
             settings, metrics.registry, self.arms, lambda name: guarded_policy(name, settings), policy_label, clock,
         )
         self._ids = itertools.count(1)
-        self.targets = Targets(settings, metrics)  # latency targets: headers, per-model defaults, attainment
+        # the `model` label of every model-labelled metric and of the decision log, bounded by metrics_max_models
+        self.model_label = ModelLabels(settings.metrics_max_models)
+        self.targets = Targets(settings, metrics, self.model_label)  # latency targets: headers, defaults, attainment
         self._model_decisions: dict[str, Any] = {}  # metric children by model label
         self._model_ttft: dict[str | None, Any] = {}
         self.holds: HoldQueue[Route] | None = None  # late binding: the first attempt of a request goes through it
@@ -251,7 +253,7 @@ class Router:
         replica = self.replicas.ordered[decision.index]
         self.replicas.cluster.dispatch(decision.index, request)
         runner._latency.observe(time.perf_counter() - t0)  # applied in a batch, off the request's path
-        label = model_label(request.model, self.replicas.known_models)
+        label = self.model_label(request.model, self.replicas.known_models)
         route = Route(replica, decision, runner, request, view=view, wall_s=time.time(), attempt=len(exclude or ()),
                       prefix_block_tokens=self.replicas.cluster.prefix_block_tokens, model=label)
         counter = self._model_decisions.get(label)

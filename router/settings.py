@@ -59,6 +59,13 @@ class RouterSettings(BaseSettings):
                                       "long; a success brings it back")
     models_refresh_interval_s: float = Field(30.0, gt=0, description="seconds between reads of each replica's "
                                              "/v1/models (router/models.py)")
+    models_timeout_s: float = Field(5.0, gt=0, description="a read of a replica's /v1/models not done in this long "
+                                    "fails (it keeps its last list): a list of many LoRA adapters takes longer than a "
+                                    "health probe")
+    models_list_bytes_per_s: int = Field(64 * 2**20, ge=0, description="the most bytes a second the router's own "
+                                         "GET /v1/models answers send (the union of the replicas' lists: 16 MB at "
+                                         "100,000 LoRA adapters, 0.6 MB gzipped); beyond it a 429 with Retry-After "
+                                         "(llm_router_model_list_refusals_total). 0: no limit")
     metrics_max_models: int = Field(32, ge=0, description="models with a `model` label value of their own in the "
                                     "router's metrics and decision log: the first this many distinct served models "
                                     "requested; any other is 'other' (clients choose the model, and vLLM lists every "

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from routewise_vllm.router.policy.model_routing import model_label
+from routewise_vllm.router.policy.model_routing import ModelLabels
 from routewise_vllm.router.policy.types import Outcome, RequestInfo
 
 if TYPE_CHECKING:
@@ -55,9 +55,12 @@ def judge(target_s: float | None, seen_s: float | None, ok: bool) -> str:
 class Targets:
     """Reads a request's targets and counts their attainment."""
 
-    def __init__(self, settings: RouterSettings, metrics: RouterMetrics) -> None:
+    def __init__(self, settings: RouterSettings, metrics: RouterMetrics,
+                 model_label: Callable[[str | None, frozenset[str]], str] | None = None) -> None:
         self.defaults = {"ttft": settings.slo_default_ttft_s, "tpot": settings.slo_default_tpot_s}
         self.metrics = metrics
+        # the router's labeller (router.routing), so that one bound holds for every model-labelled metric
+        self.model_label = model_label or ModelLabels(settings.metrics_max_models)
         self._counts: dict[tuple[str, str, str], Any] = {}  # attainment children by labels, counted in batches
         for h in HEADERS.values():
             metrics.slo_header_errors.labels(h)
@@ -87,7 +90,7 @@ class Targets:
         ttft = None
         if outcome is not None:
             ttft = outcome.ttft_s if outcome.ttft_s is not None else None if stream else outcome.e2e_s
-        label = model_label(info.model, known_models)
+        label = self.model_label(info.model, known_models)
         self._count(label, "ttft", judge(info.ttft_target_s, ttft, ok))
         self._count(label, "tpot", judge(info.tpot_target_s, tpot_s, ok))
 

@@ -146,6 +146,10 @@ class RouterMetrics:
             "llm_router_model_list_errors", "Answers to /v1/models that were not a model list, by replica (it serves "
             "nothing until it answers sensibly).", ["replica"], registry=r,
         )
+        self.model_list_refusals = Counter(
+            "llm_router_model_list_refusals", "GET /v1/models answered 429: the router's model lists were asked for "
+            "faster than models_list_bytes_per_s sends.", registry=r,
+        )
         self.model_refusals = Counter(
             "llm_router_model_refusals", "Requests no replica could take for their model: unknown_model (404, no "
             "replica lists it) or no_replica (503, its replicas are all out of rotation).", ["reason"], registry=r,
@@ -153,11 +157,12 @@ class RouterMetrics:
         for reason in ("unknown_model", "no_replica"):
             self.model_refusals.labels(reason)
         self.model_decisions = Counter(
-            "llm_router_model_decisions", "Routing decisions by the request's model (models the fleet serves; any "
-            "other is 'other').", ["model"], registry=r,
+            "llm_router_model_decisions", "Routing decisions by the request's model: the first metrics_max_models "
+            "served models requested have a value of their own, any other model is 'other'.", ["model"], registry=r,
         )
         self.model_ttft = Histogram(
-            "llm_router_model_ttft_seconds", "Time to first streamed token by the request's model, at the router.",
+            "llm_router_model_ttft_seconds", "Time to first streamed token by the request's model (as in "
+            "llm_router_model_decisions), at the router.",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.slo_attainment = Counter(
