@@ -65,11 +65,12 @@ class RouterSettings(BaseSettings):
     models_list_bytes_per_s: int = Field(64 * 2**20, ge=0, description="the most bytes a second the router's own "
                                          "GET /v1/models answers send (the union of the replicas' lists: 16 MB at "
                                          "100,000 LoRA adapters, 0.6 MB gzipped); beyond it a 429 with Retry-After "
-                                         "(llm_router_model_list_refusals_total). 0: no limit")
+                                         "(llm_router_model_list_refusals_total); with --workers, each worker's. "
+                                         "0: no limit")
     metrics_max_models: int = Field(32, ge=0, description="models with a `model` label value of their own in the "
                                     "router's metrics and decision log: the first this many distinct served models "
                                     "requested; any other is 'other' (clients choose the model, and vLLM lists every "
-                                    "LoRA adapter)")
+                                    "LoRA adapter). With --workers W, each worker's first: at most W x this")
 
     # upstream requests
     connect_timeout_s: float = Field(2.0, gt=0, description="connecting to a replica longer than this fails the attempt")
