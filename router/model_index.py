@@ -83,9 +83,11 @@ async def build_body(lists: Lists) -> ListBody:
 
 class ModelIndex:
     """What the router answers about the fleet's models, rebuilt only when a list changes: the few names a 404
-    gives, and the /v1/models body. A request's cost is then the same at 100 or 100,000 listed models.
+    gives, whether the replicas list the same models, and the /v1/models body; and the digest of each replica's
+    last list, so that the same bytes read again are not parsed again. A request's cost is then the same at 100 or
+    100,000 listed models.
 
-    A change is seen by identity: ReplicaSet.update_models builds a new known_models after a read, and
+    A change is seen by identity: ReplicaSet.update_models builds a new known_models after each read, and
     fetch_models keeps a replica's entries object while its list is unchanged."""
 
     def __init__(self) -> None:
