@@ -1,5 +1,9 @@
 """Profile a running vLLM server from outside and fit a simulator profile to it (`fleet calibrate --server`).
 
+One long module because the sweep's rounds share one server handle, one progress line and one table of measured
+rows, each round reading what the one before found; the fit (calibrate_fit.py) and the validation replay
+(calibrate_check.py) are apart, since they need no server.
+
 The sweep covers the range a workload runs in, in rounds announced before they start:
 - the batch limit first (given, or the plateau of running requests while others wait, `max_concurrency` at once);
 - prefill at batch 1 up to a `max_num_batched_tokens` chunk, timed by the server's own prefill (or first-token less

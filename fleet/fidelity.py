@@ -1,6 +1,9 @@
 """Sim-to-real fidelity: one trace segment through the live router to a real vLLM fleet, and the same arrivals and
 lengths through the simulator on profiles calibrated from that fleet (`fleet fidelity`).
 
+One long module because one run owns its fleet, router process, calibrations and simulated replay from start to
+stop, in that order; what needs none of them is apart (fidelity_report.py: the comparison; fidelity_plot.py).
+
     fleet fidelity --duration 40 --load 0.7            # launches the heterogeneous CPU fleet (fleet/vllm.py)
     fleet fidelity --server URL --server URL --json    # an already running fleet
 

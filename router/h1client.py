@@ -1,5 +1,8 @@
 """A lean keep-alive HTTP/1.1 client for the proxy's hot path (plain-http replicas only).
 
+One long module because a connection's protocol callbacks, its response parser and its body are one state machine:
+split apart, each part would reach into the others' state on every chunk.
+
 `aiohttp.ClientSession.post` builds a ClientRequest, payload, cookie set, timer and tasks per call, and its
 response protocol a parser, payload and StreamReader per response. This pool writes the request bytes itself and
 reads the response with `H1Connection`: the status line and headers, then a body delimited by Content-Length,
