@@ -117,6 +117,11 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     proxy = Proxy(settings, replicas, router, metrics, session_getter, lambda: app[H1])
     scraper = Scraper(replicas, session_getter, metrics, settings.scrape_interval_s, settings.scrape_timeout_s)
     metrics.add_replica_state(replica_rows(replicas))
+    if settings.kv_events == "on":  # the replicas' own reports of their caches (router/kv_events.py)
+        from routewise_vllm.router.kv_events import KVEvents  # pyzmq loads only with KV events on
+
+        kv = KVEvents(settings, replicas, metrics.registry, session_getter, clock)
+        kv.install(router)
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[REPLICAS] = replicas
@@ -176,7 +181,16 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         await _cancel(task)
         await fleet.close()  # type: ignore[union-attr]
 
+    async def kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+        await kv.refresh()
+        task = asyncio.create_task(kv.run(), name="kv-events")
+        yield
+        await _cancel(task)
+        await kv.close()
+
     app.cleanup_ctx.extend([session_ctx, replicas_ctx, scraper_ctx, router.serving.cleanup_ctx, heap_ctx])
+    if settings.kv_events == "on":
+        app.cleanup_ctx.insert(3, kv_events_ctx)  # after the replicas are known, before the first request
     if fleet is not None:
         app.cleanup_ctx.insert(2, fleet_ctx)  # after the replicas are known, before the first request
     app.on_shutdown.append(on_shutdown)

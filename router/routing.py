@@ -27,6 +27,7 @@ from routewise_vllm.router.policy.late_binding import restrict
 from routewise_vllm.router.policy.model_routing import ModelLabels
 from routewise_vllm.router.policy.served import GUARD_FIELDS, served_policy
 from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info, make_view, unhealthy
+from routewise_vllm.router.prompt_tokens import PromptBlocks
 from routewise_vllm.router.replicas import Replica, ReplicaSet
 from routewise_vllm.router.serving.arms import routing_key
 from routewise_vllm.router.serving.layer import ServingLayer
@@ -176,6 +177,7 @@ class Router:
         self.metrics = metrics
         self.clock = clock
         self.estimator = TokenEstimator(chars_per_token=settings.chars_per_token)
+        self.prompt_blocks: PromptBlocks | None = None  # set when KV events are on (router.kv_events)
         if settings.ab_treatment is not None:  # A/B: arms control (= policy) and treatment
             self.main = PolicyRunner("control", settings.policy, settings, metrics)
             self.arms: dict[str, PolicyRunner] = {
@@ -204,11 +206,13 @@ class Router:
         text, exact = prompt_text(body, chat)
         request_id = f"r{next(self._ids)}"
         model = body.get("model")
+        # the prompt's token blocks when the replicas' KV views can match them (router.prompt_tokens), else the estimate
+        blocks = None if self.prompt_blocks is None else self.prompt_blocks.of(body, chat)
         return make_request_info(
             request_id,
             exact if exact is not None else self.estimator.from_text(text),
             decode_budget(body, chat),
-            text_prefix_blocks(text, self.estimator.chars_per_token) if text else (),
+            blocks or (text_prefix_blocks(text, self.estimator.chars_per_token) if text else ()),
             routing_key(headers or {}, user_of(body), request_id),
             model, *self.targets.of(headers, model),
         )
@@ -255,7 +259,8 @@ class Router:
         runner._latency.observe(time.perf_counter() - t0)  # applied in a batch, off the request's path
         label = self.model_label(request.model, self.replicas.known_models)
         route = Route(replica, decision, runner, request, view=view, wall_s=time.time(), attempt=len(exclude or ()),
-                      prefix_block_tokens=self.replicas.cluster.prefix_block_tokens, model=label)
+                      prefix_block_tokens=getattr(request.prefix_blocks, "block_tokens",
+                                                  self.replicas.cluster.prefix_block_tokens), model=label)
         counter = self._model_decisions.get(label)
         if counter is None:
             counter = self._model_decisions[label] = self.metrics.batch.count(

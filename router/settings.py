@@ -92,7 +92,8 @@ class RouterSettings(BaseSettings):
         description="paths besides /v1/completions and /v1/chat/completions forwarded to a replica (GET/POST); "
         "'/prefix/*' matches any deeper path. Everything else is 404: vLLM's own endpoints stay unreachable",
     )
-    max_tokens_limit: int = Field(1 << 20, ge=1, description="largest max_tokens (x n) a request may ask for")
+    max_tokens_limit: int = Field(1 << 20, ge=1, description="largest max_tokens (or max_completion_tokens) x n a request may "
+                                  "ask for: the tokens one request may make over its n choices; more is a 400")
 
     # outlier detection and ejection (request outcomes blamed on a replica only)
     max_ejected_ratio: float = Field(
@@ -166,6 +167,28 @@ class RouterSettings(BaseSettings):
     chars_per_token: float = Field(4.0, gt=0, description="characters per token when estimating a prompt's tokens")
     prefix_capacity_blocks: int = Field(4096, ge=1, description="prompt-prefix blocks the router's approximate "
                                         "prefix index remembers")
+    # the replicas' KV-cache events (router/kv_events.py, docs/kv-events.md)
+    kv_events: Literal["on", "off"] = Field("on", description="subscribe to each replica's KV-cache events (found "
+                                            "through its /kv_event_sources) and take prefix matches from what it "
+                                            "reports cached; off: the router's own guess only")
+    kv_events_bind: str | None = Field(None, description="a ZMQ address (tcp://0.0.0.0:5557) the router binds for "
+                                       "replicas whose --kv-events-config endpoint is concrete (they connect to it); "
+                                       "replicas are told apart by topic")
+    kv_events_max_blocks: int = Field(1 << 20, ge=1, description="blocks the KV view keeps per replica; beyond it "
+                                      "the oldest are forgotten (llm_router_kv_view_dropped_blocks_total)")
+    kv_events_stale_hold_s: float = Field(30.0, ge=0, description="after a sequence gap no replay filled, bad input "
+                                          "or a lost replica, its view is stale (the guess is used) this long")
+    kv_events_max_batches_per_s: float = Field(10000.0, ge=0, description="KV event batches read per second per "
+                                               "subscription at most (a flooding publisher waits); 0: no limit")
+    kv_events_max_batch_events: int = Field(10000, ge=1, description="a KV event batch with more events is ignored "
+                                            "(reason huge_batch)")
+    kv_events_max_batch_bytes: int = Field(8 << 20, ge=1024, description="a KV event message larger than this is "
+                                           "ignored (reason huge_batch)")
+    kv_events_refresh_s: float = Field(5.0, gt=0, description="seconds between looks for replicas' KV event "
+                                       "publishers (new replicas, lost health)")
+    tokenizer: str | None = Field(None, description="a folder with the model's tokenizer.json (and chat template): "
+                                  "prompts are tokenized here for the KV view; unset: a replica's /tokenize, once per "
+                                  "prompt prefix, in the background")
 
     # late binding (router/hold_queue.py): hold requests in a router-side queue while no replica has room
     late_binding: bool | None = Field(

@@ -14,8 +14,10 @@ the real-vLLM tests. What it does:
 - Prompt tokens: the router's estimator rule, `ceil(len(text) / 4)` (`TokenEstimator.from_text`); a chat
   request's text is its messages rendered as `role: content\\n` lines; a prompt given as token ids counts
   its ids. Output tokens: exactly `max_tokens` (default 16), as with `ignore_eos` - the text is filler.
-- Prefix caching: the prompt text's chained prefix-block hashes (`router.policy.text_prefix_blocks` with
-  blocks of `block_size` tokens), so a repeated prompt hits the replica's prefix cache.
+- Tokens: 4 characters each (fleet/emulator/kv_publish.py), what `POST /tokenize` answers. Prefix caching keys a
+  prompt's full blocks of `block_size` tokens by the chain hash of their token ids, so a repeated prompt hits.
+- KV-cache events (`--kv-events PORT_OR_ENDPOINT`): the prefix cache's stored and evicted blocks published as vLLM
+  does (ZMQ PUB, msgpack KVEventBatch, topic `kv`, optional `--kv-events-replay`), and `GET /kv_event_sources`.
 - A client disconnect aborts the request in the model and frees its KV blocks.
 - LoRA adapters (`--lora NAME ...`, ranges `NAME-{A..B}` allowed): listed in `/v1/models` with the served model as
   their parent; a request naming one is scheduled with vLLM's adapter rules (at most `--max-loras` distinct adapters
@@ -41,7 +43,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from routewise_vllm.fleet.emulator.engine import EmulatorSettings, Stream, WallClockEngine
-from routewise_vllm.router.policy.estimate import TokenEstimator, text_prefix_blocks
+from routewise_vllm.fleet.emulator.kv_publish import KVPublisher, endpoint_of, prefix_keys, token_ids
+from routewise_vllm.router.policy.estimate import TokenEstimator
 from routewise_vllm.simulator.config import expand_names
 
 ESTIMATOR = TokenEstimator()
@@ -72,15 +75,14 @@ def _int_param(body: dict, name: str, default: int, minimum: int) -> int:
     return value
 
 
-def prompt_tokens_of(prompt: object) -> tuple[int, str]:
-    """(token count, text for prefix hashing) of a completions `prompt` (string, token ids, or a list of one)."""
+def prompt_tokens_of(prompt: object) -> tuple[int, str | list[int]]:
+    """(token count, the prompt's text or token ids) of a completions `prompt` (string, token ids, or a list of one)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return ESTIMATOR.from_text(prompt), prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        # token ids: 4 characters per id keeps the prefix blocks aligned with the token count
-        return len(prompt), "".join(f"{t:>4}"[-4:] for t in prompt)
+        return len(prompt), list(prompt)
     raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those (batches are not supported)")
 
 
@@ -102,7 +104,7 @@ def chat_text(messages: object) -> str:
 @dataclass(frozen=True, slots=True)
 class _Parsed:
     prompt_tokens: int
-    text: str
+    text: str | list[int]  # token ids for a prompt given as ids
     max_tokens: int
     stream: bool
     include_usage: bool
@@ -149,12 +151,42 @@ class Api:
         self._prefix_chars = bs * ESTIMATOR.chars_per_token
         self._caching = engine.settings.enable_prefix_caching
 
-    def _keys(self, text: str, tokens: int) -> tuple[int, ...]:
+    def _keys(self, text: str | list[int]) -> tuple[int, ...]:
         if not self._caching:
             return ()
-        return text_prefix_blocks(
-            text, block_tokens=self.engine.settings.block_size, max_blocks=tokens // self.engine.settings.block_size + 1
-        )
+        ids = token_ids(text) if isinstance(text, str) else text
+        keys = prefix_keys(ids, self.engine.settings.block_size)
+        if self.engine.kv is not None:
+            self.engine.kv.register(keys, ids)
+        return keys
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        kv = self.engine.kv
+        return web.json_response({} if kv is None else {"0": kv.config()})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a completions `prompt` or chat `messages` (rendered as the chat requests are)."""
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise BadRequest(f"invalid JSON body: {e}") from None
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            model = body.get("model")
+            if model is not None and model not in self.names and model not in self.adapters:
+                raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError")
+            if "messages" in body:
+                ids = token_ids(chat_text(body["messages"]))
+            elif "prompt" in body:
+                _, text = prompt_tokens_of(body["prompt"])
+                ids = token_ids(text) if isinstance(text, str) else text
+            else:
+                raise BadRequest("prompt or messages is required")
+        except BadRequest as e:
+            return _error(str(e), e.status, e.kind)
+        return web.json_response({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                                  "token_strs": None})
 
     async def models(self, request: web.Request) -> web.Response:
         card = {
@@ -191,7 +223,7 @@ class Api:
                 raise BadRequest(f"invalid JSON body: {e}") from None
             p = _parse(body, chat, self.names, self.adapters)
             try:
-                st, stream = self.engine.submit(p.prompt_tokens, p.max_tokens, self._keys(p.text, p.prompt_tokens),
+                st, stream = self.engine.submit(p.prompt_tokens, p.max_tokens, self._keys(p.text),
                                                 p.adapter)
             except ValueError as e:
                 raise BadRequest(str(e)) from None
@@ -290,6 +322,11 @@ def make_app(settings: EmulatorSettings) -> web.Application:
 
     async def engine_ctx(app: web.Application):
         engine = WallClockEngine(settings)
+        if settings.kv_events:
+            engine.kv = KVPublisher(settings.kv_events, settings.block_size, settings.kv_events_topic,
+                                    settings.kv_events_replay)
+            engine.kv.observe(engine.replica)
+            engine.kv.start()
         api = Api(engine)
         app[ENGINE_KEY] = engine
         app[API_KEY] = api
@@ -297,6 +334,8 @@ def make_app(settings: EmulatorSettings) -> web.Application:
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)  # a failed loop was already reported
+        if engine.kv is not None:
+            await engine.kv.close()
 
     app.cleanup_ctx.append(engine_ctx)
 
@@ -311,6 +350,8 @@ def make_app(settings: EmulatorSettings) -> web.Application:
     app.router.add_get("/v1/models", handler("models"))
     app.router.add_get("/health", handler("health"))
     app.router.add_get("/metrics", handler("metrics"))
+    app.router.add_get("/kv_event_sources", handler("kv_event_sources"))
+    app.router.add_post("/tokenize", handler("tokenize"))
     return app
 
 
@@ -340,6 +381,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: max-loras)")
     p.add_argument("--lora-load-s", type=float, default=0.1, help="seconds to read an adapter not in host memory")
     p.add_argument("--lora-swap-s", type=float, default=0.01, help="seconds to copy an adapter into a GPU slot")
+    p.add_argument("--kv-events", metavar="PORT_OR_ENDPOINT", default=None,
+                   help="publish KV-cache events as vLLM does: a port binds tcp://*:PORT; an endpoint with a wildcard "
+                   "is bound, a concrete one (a router's --kv-events-bind) connected to")
+    p.add_argument("--kv-events-topic", default="kv", help="the events' ZMQ topic (default kv)")
+    p.add_argument("--kv-events-replay", metavar="ENDPOINT", default=None,
+                   help="a ZMQ ROUTER endpoint answering replay requests (vLLM's replay_endpoint)")
 
 
 def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
@@ -362,6 +409,9 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         max_cpu_loras=args.max_cpu_loras,
         lora_load_s=args.lora_load_s,
         lora_swap_s=args.lora_swap_s,
+        kv_events=None if args.kv_events is None else endpoint_of(args.kv_events),
+        kv_events_topic=args.kv_events_topic,
+        kv_events_replay=None if args.kv_events_replay is None else endpoint_of(args.kv_events_replay),
     )
 
 

@@ -65,6 +65,9 @@ class EmulatorSettings:
     max_cpu_loras: int | None = None  # vLLM --max-cpu-loras (None: max_loras)
     lora_load_s: float = 0.1  # reading an adapter not in host memory (stalls the iteration needing it)
     lora_swap_s: float = 0.01  # copying an adapter into a GPU slot
+    kv_events: str | None = None  # publish KV-cache events on this ZMQ endpoint (vLLM's --kv-events-config endpoint)
+    kv_events_topic: str = "kv"
+    kv_events_replay: str | None = None  # vLLM's replay_endpoint
 
 
 class WallClockEngine:
@@ -112,6 +115,7 @@ class WallClockEngine:
         self.metrics.bind_state(self)
         self._preemptions_seen = 0
         self.error: str | None = None
+        self.kv = None  # a fleet.emulator.kv_publish.KVPublisher when it publishes KV events (set by the server)
 
     # ---- state read by the gauges
     @property
@@ -225,6 +229,8 @@ class WallClockEngine:
         aborts = [st for st in self._pending_aborts if st.phase != DONE]
         self._pending_aborts.clear()
         self.replica.advance(now, aborts)
+        if self.kv is not None:
+            self.kv.flush()  # this iteration's stored and evicted blocks, one batch
         return self.replica.take_outputs()
 
     def _emit(self, rep: Replica, outputs: list) -> None:

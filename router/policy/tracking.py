@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 from routewise_vllm.router.policy.estimate import DEFAULT_PREFIX_BLOCK_TOKENS, PrefixIndex
+from routewise_vllm.router.policy.kv_view import KVView, TokenBlocks
 from routewise_vllm.router.policy.types import ClusterView, LoraState, ReplicaSnapshot, RequestInfo, make_view, slot_builder
 
 try:
@@ -163,8 +165,19 @@ def _snapshot_values(table) -> dict[str, str]:
 _Snapshot = slot_builder(ReplicaSnapshot, ("t", "now_s", "match"), _snapshot_values(_snapshot_table()), {"_INF": _INF})
 
 
+# Where a decision's prefix matches came from (ClusterTracker.match_sources, by these indices): every replica's from
+# its KV view (precise), none (guess: the approximate index), or some of each (mixed: the stale replicas guessed)
+MATCH_SOURCES = ("precise", "guess", "mixed")
+_PRECISE, _GUESS, _MIXED = 0, 1, 2
+
+
+def _no_lora(model: str | None) -> str | None:
+    return None
+
+
 class ClusterTracker:
-    """All replicas' trackers plus the shared approximate prefix index."""
+    """All replicas' trackers plus the shared approximate prefix index, and the replicas' own reports of their
+    caches (`kv_view`, set by the live router when KV events are on) preferred where fresh."""
 
     def __init__(
         self,
@@ -176,6 +189,9 @@ class ClusterTracker:
         self.trackers: list[ReplicaTracker] = [ReplicaTracker(r) for r in replica_ids]
         self.by_id: dict[str, ReplicaTracker] = {t.replica_id: t for t in self.trackers}
         self.prefix_index = PrefixIndex(prefix_capacity_blocks)
+        self.kv_view: KVView | None = None
+        self.kv_lora: Callable[[str | None], str | None] = _no_lora  # the request's model -> its LoRA adapter
+        self.match_sources = [0, 0, 0]  # decisions by MATCH_SOURCES
 
     def add(self, replica_id: str) -> ReplicaTracker:
         if replica_id in self.by_id:
@@ -194,7 +210,7 @@ class ClusterTracker:
     def view(self, now_s: float, request: RequestInfo) -> ClusterView:
         blocks = request.prefix_blocks
         trackers = self.trackers
-        matches = self.prefix_index.match_many([t.replica_id for t in trackers], blocks) if blocks else None
+        matches = self._matches(now_s, request, blocks) if blocks else None
         if _compiled is not None:  # the same snapshots, built in C (tests/policy/test_fast_types.py)
             return make_view(_compiled.snapshots(trackers, now_s, matches))
         # ReplicaTracker.snapshot(now_s, match), inlined: this runs for every replica at every decision
@@ -202,13 +218,35 @@ class ClusterTracker:
             return make_view(tuple([_Snapshot(t, now_s, m) for t, m in zip(trackers, matches)]))
         return make_view(tuple([_Snapshot(t, now_s, 0) for t in trackers]))
 
+    def _matches(self, now_s: float, request: RequestInfo, blocks: tuple[int, ...]) -> list[int]:
+        """Each replica's prefix match: from its KV view when fresh and the request's blocks are token blocks (the
+        only ones a view can match), else the approximate index's guess."""
+        ids = [t.replica_id for t in self.trackers]
+        kv = self.kv_view
+        if kv is None or type(blocks) is not TokenBlocks:
+            self.match_sources[_GUESS] += 1
+            return self.prefix_index.match_many(ids, blocks)
+        fresh = kv.fresh_many(ids, now_s)
+        if all(fresh):
+            self.match_sources[_PRECISE] += 1
+            return kv.match_many(ids, blocks, self.kv_lora(request.model))
+        guess = self.prefix_index.match_many(ids, blocks)
+        if not any(fresh):
+            self.match_sources[_GUESS] += 1
+            return guess
+        self.match_sources[_MIXED] += 1
+        precise = kv.match_many(ids, blocks, self.kv_lora(request.model))
+        return [p if f else g for p, g, f in zip(precise, guess, fresh)]
+
     def dispatch(self, replica_index: int, request: RequestInfo) -> ReplicaTracker:
         t = self.trackers[replica_index]
         t.on_dispatch(request)
-        if request.prefix_blocks:
-            # bound the index by the replica's scraped cache size, in router prefix blocks
-            cap = max(1, t.kv_capacity_tokens // self.prefix_block_tokens) if t.kv_capacity_tokens else None
-            self.prefix_index.insert(t.replica_id, request.prefix_blocks, cap)
+        blocks = request.prefix_blocks
+        if blocks:
+            # bound the index by the replica's scraped cache size, in the request's prefix blocks
+            block_tokens = blocks.block_tokens if type(blocks) is TokenBlocks else self.prefix_block_tokens
+            cap = max(1, t.kv_capacity_tokens // block_tokens) if t.kv_capacity_tokens else None
+            self.prefix_index.insert(t.replica_id, blocks, cap)
         return t
 
 
