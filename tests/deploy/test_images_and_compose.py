@@ -166,7 +166,7 @@ def test_compose_router_command_is_accepted(name: str) -> None:
 
 def test_cpu_compose_emulators_and_loadgen_use_real_flags() -> None:
     services = compose("docker-compose.cpu.yml")["services"]
-    emulate, loadgen = cli_flags("fleet", "emulate"), cli_flags("fleet", "loadgen")
+    emulate, loadgen = cli_flags("routewise_vllm.fleet", "emulate"), cli_flags("routewise_vllm.fleet", "loadgen")
     for name in ("vllm-0", "vllm-1"):
         svc = services[name]
         assert svc["entrypoint"] == ["fleet", "emulate"]

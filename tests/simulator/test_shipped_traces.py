@@ -102,7 +102,7 @@ def _scenario(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_cli_bad_traces_setting_is_one_line(tmp_path, how):
-    args = ["simulator", "run", "--scenario", str(_scenario(tmp_path)), "--policy", "round-robin"]
+    args = ["routewise_vllm.simulator", "run", "--scenario", str(_scenario(tmp_path)), "--policy", "round-robin"]
     if how == "flag":
         res = _cli([*args, "--traces-dir", str(tmp_path / "missing")], cwd=tmp_path)
         assert "--traces-dir" in res.stderr
@@ -122,12 +122,12 @@ def test_wheel_ships_the_traces_and_an_installed_copy_replays_from_anywhere(tmp_
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert build.returncode == 0, build.stderr
-    (wheel,) = wheels.glob("routewise-*.whl")
+    (wheel,) = wheels.glob("routewise_vllm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in KNOWN_TRACES.values():
-        assert f"simulator/data/traces/{source.relative_path}.gz" in names
+        assert f"routewise_vllm/simulator/data/traces/{source.relative_path}.gz" in names
     for folder, license_file in LICENSES.items():
-        assert f"simulator/data/traces/{folder}/{license_file}" in names
+        assert f"routewise_vllm/simulator/data/traces/{folder}/{license_file}" in names
 
     site = tmp_path / "site"
     install = subprocess.run(
@@ -139,13 +139,14 @@ def test_wheel_ships_the_traces_and_an_installed_copy_replays_from_anywhere(tmp_
     elsewhere.mkdir()
     env = {"PYTHONPATH": str(site), TRACES_DIR_ENV: ""}
     probe = subprocess.run(
-        [sys.executable, "-c", "import simulator.traces as t; print(t.trace_path('azure-conv'))"],
+        [sys.executable, "-c", "import routewise_vllm.simulator.traces as t; print(t.trace_path('azure-conv'))"],
         cwd=elsewhere, capture_output=True, text=True, timeout=60, env={**os.environ, **env},
     )
     assert probe.returncode == 0, probe.stderr
     assert Path(probe.stdout.strip()).is_relative_to(site)
     run = _cli(
-        ["simulator", "run", "--scenario", str(_scenario(tmp_path)), "--policy", "least-outstanding", "--split", "train",
+        ["routewise_vllm.simulator", "run", "--scenario", str(_scenario(tmp_path)), "--policy", "least-outstanding",
+         "--split", "train",
          "--json"],
         cwd=elsewhere, **env,
     )
