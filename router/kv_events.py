@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -347,7 +348,9 @@ class KVEvents:
             return None
         rep = min(candidates, key=lambda r: r.tracker.outstanding)
         payload = dict(body, model=model) if model else body
-        async with self.session().post(rep.url / "tokenize", json=payload,
+        # the proxy's session sends no Content-Type of its own, and vLLM refuses a body without one (400)
+        async with self.session().post(rep.url / "tokenize", data=json.dumps(payload),
+                                       headers={"Content-Type": "application/json"},
                                        timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
             if resp.status != 200:
                 return None

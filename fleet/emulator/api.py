@@ -167,6 +167,8 @@ class Api:
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a completions `prompt` or chat `messages` (rendered as the chat requests are)."""
         try:
+            if request.content_type != "application/json":  # vLLM (FastAPI) reads only a JSON body
+                raise BadRequest(f"expected a JSON body (Content-Type application/json), got {request.content_type!r}")
             try:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as e:

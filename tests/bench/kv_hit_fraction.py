@@ -104,6 +104,7 @@ def main() -> int:
     ap.add_argument("--arms", default="lo,guess,events")
     ap.add_argument("--words", type=int, default=400)
     ap.add_argument("--kv-bytes", default="16M")
+    ap.add_argument("--router-args", default="", help="more `router serve` flags for every arm")
     args = ap.parse_args()
     python = vllm_python()
     if python is None:
@@ -124,7 +125,7 @@ def main() -> int:
     try:
         for seed, arm in enumerate(args.arms.split(","), start=1):
             policy, flags = ARMS[arm]
-            router, port = start_router(urls, policy, flags, work / f"router-{arm}.log")
+            router, port = start_router(urls, policy, flags + args.router_args.split(), work / f"router-{arm}.log")
             try:
                 time.sleep(1.0)  # the subscriptions connect
                 before = [vllm_counters(u) for u in urls]
@@ -138,14 +139,18 @@ def main() -> int:
                 print(f"{arm:7s} {policy:18s} {' '.join(flags) or '(events on by default)':24s} hit fraction "
                       f"{results[arm]:.3f} ({hits:.0f}/{queries:.0f} tokens, {wall:.0f} s)", flush=True)
                 if arm == "events":
-                    for line in router_metric(port, "llm_router_kv_events_total") + \
-                            router_metric(port, "llm_router_prefix_match_source_total") + \
-                            router_metric(port, "llm_router_kv_view_blocks"):
-                        if "BlockStored" in line or "match_source" in line or "view_blocks" in line:
+                    for line in router_metric(port, "llm_router_kv_"):
+                        if ("BlockStored" in line or "view_blocks" in line or "fresh" in line
+                                or ("ignored" in line and not line.endswith(" 0.0"))):
                             print("   ", line)
+                    for line in router_metric(port, "llm_router_prefix_match_source_total") + \
+                            router_metric(port, "llm_router_tokenize_seconds_count"):
+                        print("   ", line)
             finally:
                 router.terminate()
                 router.wait(10)
+                if os.environ.get("KV_BENCH_SHOW_LOG"):
+                    print((work / f"router-{arm}.log").read_text()[-3000:])
     finally:
         stop_servers(servers)
     print(json.dumps({k: round(v, 3) for k, v in results.items()}))

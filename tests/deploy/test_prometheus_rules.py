@@ -35,6 +35,12 @@ NOT_ON_DASHBOARD = {
     "llm_router_slo_header_errors_total": "clients' malformed latency-target headers (ignored, the request is served)",
     "llm_router_replica_batch_limit": "known per replica only once given or inferred; GET /admin/replicas shows it with "
                                       "its source",
+    # the KV-cache view (docs/kv-events.md): its alert reads llm_router_kv_view_fresh, the rest explain it
+    **{name: "the KV view's detail behind RoutewiseKVViewStale (docs/kv-events.md)" for name in (
+        "llm_router_kv_events_total", "llm_router_kv_events_ignored_total", "llm_router_kv_event_gaps_total",
+        "llm_router_kv_event_replays_total", "llm_router_kv_view_dropped_blocks_total", "llm_router_kv_view_blocks",
+        "llm_router_kv_view_age_seconds", "llm_router_kv_events_unknown_topic_total",
+        "llm_router_prefix_match_source_total", "llm_router_tokenize_seconds")},
 }
 
 
