@@ -34,18 +34,17 @@ completions reach it through the worker-sync tick (0.1 s) or the next scrape.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from routewise_vllm.router.batch_limit import UNKNOWN_LIMIT
 from routewise_vllm.router.models import no_replica_message
+from routewise_vllm.router.policy.held_queue import HeldQueue
 from routewise_vllm.router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
 from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, RequestInfo
 from routewise_vllm.router.replicas import ReplicaSet
@@ -77,47 +76,6 @@ class _Held:
     future: asyncio.Future
     deadline_s: float = math.inf  # arrival + TTFT target (inf: none)
     seq: int = 0  # arrival order, the tie-break
-    gone: bool = False  # dispatched or removed (left lazily in the other order's structure)
-
-
-class _ModelQueue:
-    """One model's held requests in arrival order (the timeout and the timer go by the oldest) and deadline order
-    (room goes to the earliest deadline), the one left behind lazily when the other takes a request."""
-
-    __slots__ = ("fifo", "edf", "live")
-
-    def __init__(self) -> None:
-        self.fifo: deque[_Held] = deque()
-        self.edf: list[tuple[float, int, _Held]] = []
-        self.live = 0
-
-    def __len__(self) -> int:
-        return self.live
-
-    def push(self, held: _Held) -> None:
-        self.fifo.append(held)
-        heapq.heappush(self.edf, (held.deadline_s, held.seq, held))
-        self.live += 1
-
-    def take(self, held: _Held) -> bool:
-        """Marks it gone; False if it already was."""
-        if held.gone:
-            return False
-        held.gone = True
-        self.live -= 1
-        return True
-
-    def oldest(self) -> _Held | None:
-        fifo = self.fifo
-        while fifo and fifo[0].gone:
-            fifo.popleft()
-        return fifo[0] if fifo else None
-
-    def earliest(self) -> _Held | None:
-        edf = self.edf
-        while edf and edf[0][2].gone:
-            heapq.heappop(edf)
-        return edf[0][2] if edf else None
 
 
 def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
@@ -143,7 +101,7 @@ class HoldQueue(Generic[R]):
         self._release = release
         self.metrics = metrics
         self.clock = clock
-        self._queues: dict[str | None, _ModelQueue] = {}  # by model
+        self._queues: dict[str | None, HeldQueue[_Held]] = {}  # by model
         self._seq = itertools.count()
         self._held = 0  # requests held, over every model
         self._timer: asyncio.TimerHandle | None = None
@@ -202,8 +160,8 @@ class HoldQueue(Generic[R]):
         held = _Held(info, now, asyncio.get_running_loop().create_future(),
                      math.inf if target is None else now + target, next(self._seq))
         if queue is None:
-            queue = self._queues[info.model] = _ModelQueue()
-        queue.push(held)
+            queue = self._queues[info.model] = HeldQueue()
+        queue.push(held.seq, held, held.arrived_s, held.deadline_s)
         self._held += 1
         self.metrics.held_requests.set(self._held)
         self._arm()
@@ -250,9 +208,9 @@ class HoldQueue(Generic[R]):
         route.wall_s -= route.held_s  # the decision log's `t` stays the arrival (replays read it as such)
         return route
 
-    def _let_go(self, queue: _ModelQueue, head: _Held, reason: str, only: tuple[int, ...] | None,
+    def _let_go(self, queue: HeldQueue[_Held], head: _Held, reason: str, only: tuple[int, ...] | None,
                  view: ClusterView | None, started: float | None = None) -> None:
-        queue.take(head)
+        queue.take(head.seq)
         self._held -= 1
         if reason == "no_healthy":
             self._dispatches[reason].inc()
@@ -271,9 +229,10 @@ class HoldQueue(Generic[R]):
         except Exception:  # noqa: BLE001 - never hold a request because the rule failed
             log.exception("late binding failed; dispatching every held request")
             for queue in self._queues.values():
-                while (head := queue.oldest()) is not None:
+                while (oldest := queue.oldest()) is not None:
+                    head = oldest[0]
                     if head.future.done():
-                        queue.take(head)
+                        queue.take(head.seq)
                         self._held -= 1
                     else:
                         self._let_go(queue, head, "error", None, None)
@@ -283,15 +242,16 @@ class HoldQueue(Generic[R]):
             self.metrics.held_requests.set(self._held)
             self._arm()
 
-    def _pump_queue(self, queue: _ModelQueue) -> None:
+    def _pump_queue(self, queue: HeldQueue[_Held]) -> None:
         """Offers one model's head until the rule holds it (the view: that model's replicas). The head is the
-        earliest deadline, or the oldest request once it has waited the queue timeout."""
-        while (oldest := queue.oldest()) is not None:
+        earliest deadline, or the oldest request once it has waited the queue timeout (HeldQueue.head)."""
+        while True:
             now = self.clock()
-            head = oldest if now - oldest.arrived_s >= self.config.timeout_s else queue.earliest()
-            assert head is not None  # the oldest is live, so some deadline is
+            head = queue.head(now, self.config.timeout_s)
+            if head is None:
+                break
             if head.future.done():  # cancelled, not yet removed
-                queue.take(head)
+                queue.take(head.seq)
                 self._held -= 1
                 continue
             started = time.perf_counter()
@@ -313,14 +273,14 @@ class HoldQueue(Generic[R]):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        heads = [h.arrived_s for q in self._queues.values() if (h := q.oldest()) is not None]
+        heads = [h[1] for q in self._queues.values() if (h := q.oldest()) is not None]
         if heads:
             delay = min(heads) + self.config.timeout_s - self.clock()
             self._timer = asyncio.get_running_loop().call_later(max(0.0, delay) + _TIMER_SLACK_S, self._pump)
 
     def _remove(self, held: _Held) -> None:
         queue = self._queues.get(held.info.model)
-        if queue is None or not queue.take(held):
+        if queue is None or not queue.take(held.seq):
             return
         self._held -= 1
         self.metrics.held_requests.set(self._held)

@@ -11,8 +11,9 @@ decisions. All randomness (scrape jitter and failures, the token estimator's err
 one `np.random.Generator` per instance.
 
 Late binding (opt-in, `hold()`): instead of routing the pending request now, the router keeps it in its
-own FIFO queue. The queue's head comes back as a fresh decision at the next first token or completion (and
-the next head right after a held request is routed), so holding time counts in TTFT and nothing is dropped.
+own queue (router.policy.held_queue, the one the live router keeps). The queue's head comes back as a fresh
+decision at the next first token or completion (and the next head right after a held request is routed), so
+holding time counts in TTFT and nothing is dropped.
 
 Several routers (`ClusterConfig.routers` = N > 1): requests reach router `arrival index mod N` (a Service
 in front of N router pods); each router has its own `ClusterTracker`, so it sees only the requests it
@@ -48,13 +49,13 @@ from __future__ import annotations
 
 import heapq
 from operator import attrgetter
-from collections import deque
 from typing import Callable, Sequence
 
 import numpy as np
 
 from routewise_vllm.router.policy.base import Policy
 from routewise_vllm.router.policy.estimate import TokenEstimator, chain_hash
+from routewise_vllm.router.policy.held_queue import HeldQueue
 from routewise_vllm.router.policy.late_binding import restrict
 from routewise_vllm.router.policy.model_routing import members
 from routewise_vllm.router.policy.tracking import ClusterTracker
@@ -73,39 +74,6 @@ P_REPLICA, P_FAULT, P_SAMPLE, P_SCRAPE, P_HEALTH, P_DECISION = range(6)
 E_REPLICA, E_ARRIVAL, E_RETRY, E_SAMPLE, E_SCRAPE, E_CRASH, E_RECOVER, E_SLOW, E_HEALTH = range(9)
 
 CompletionHook = Callable[[str, RequestInfo, Outcome], None]
-
-
-class _HeldQueue:
-    """One model's held requests (indices) in arrival order and by deadline; one taken is dropped lazily from both."""
-
-    __slots__ = ("fifo", "edf", "gone", "live")
-
-    def __init__(self) -> None:
-        self.fifo: deque[int] = deque()
-        self.edf: list[tuple[float, int]] = []
-        self.gone: set[int] = set()
-        self.live = 0
-
-    def push(self, idx: int, deadline_s: float) -> None:
-        self.fifo.append(idx)
-        heapq.heappush(self.edf, (deadline_s, idx))  # idx: arrival order among equal deadlines
-        self.live += 1
-
-    def take(self, idx: int) -> None:
-        self.gone.add(idx)
-        self.live -= 1
-
-    def oldest(self) -> int:
-        fifo, gone = self.fifo, self.gone
-        while fifo[0] in gone:
-            fifo.popleft()
-        return fifo[0]
-
-    def earliest(self) -> int:
-        edf, gone = self.edf, self.gone
-        while edf[0][1] in gone:
-            heapq.heappop(edf)
-        return edf[0][1]
 
 
 class ClusterSim:
@@ -165,7 +133,7 @@ class ClusterSim:
         self._lost: list[list[int]] = [[] for _ in range(n_rep)]
         self._samples: list[list[tuple[int, int, float] | None]] = [[] for _ in range(n_rep)]
         self._pending: tuple[int, RequestInfo, float] | None = None
-        self._held: dict[str | None, _HeldQueue] = {}  # late binding: the router-side queue of each model
+        self._held: dict[str | None, HeldQueue[int]] = {}  # late binding: the router-side queue of each model
         self._offered: dict[str | None, int] = {}  # by model, the held request currently offered as a decision
         self.hold_order = "deadline"  # which held request is offered: "deadline" (earliest TTFT deadline) or "fifo"
         self.hold_timeout_s = float("inf")  # a held request waiting this long is offered first (late binding's timeout)
@@ -278,7 +246,7 @@ class ClusterSim:
             del self._offered[model]
             queue = self._held[model]
             queue.take(idx)
-            if queue.live:
+            if queue:
                 self._offer(model, queue, t)
             else:
                 del self._held[model]
@@ -321,13 +289,13 @@ class ClusterSim:
             deadline = float("inf") if req.ttft_target_s is None else req.arrival_s + req.ttft_target_s
             queue = self._held.get(model)
             if queue is None:
-                queue = self._held[model] = _HeldQueue()
-            queue.push(idx, deadline if self.hold_order == "deadline" else float("inf"))
+                queue = self._held[model] = HeldQueue()
+            queue.push(idx, idx, req.arrival_s, deadline if self.hold_order == "deadline" else float("inf"))
 
     @property
     def held(self) -> int:
         """Requests in the router-side queues (late binding), those offered now not counted."""
-        return sum(q.live for q in self._held.values()) - len(self._offered)
+        return sum(len(q) for q in self._held.values()) - len(self._offered)
 
     def held_besides(self, idx: int) -> int:
         """Requests held for the model of request `idx`, not counting it or the one offered now (late binding's
@@ -336,7 +304,7 @@ class ClusterSim:
         queue = self._held.get(model)
         if queue is None:
             return 0
-        return queue.live - (1 if model in self._offered else 0)
+        return len(queue) - (1 if model in self._offered else 0)
 
     def is_offered(self, idx: int) -> bool:
         """Request `idx` is a held one offered again (late binding's `is_head`)."""
@@ -353,12 +321,9 @@ class ClusterSim:
             if model not in offered:
                 self._offer(model, queue, t)
 
-    def _offer(self, model: str | None, queue: _HeldQueue, t: float) -> None:
-        oldest = queue.oldest()
-        if t - self.requests[oldest].arrival_s >= self.hold_timeout_s:
-            idx = oldest
-        else:
-            idx = queue.earliest()
+    def _offer(self, model: str | None, queue: HeldQueue[int], t: float) -> None:
+        idx = queue.head(t, self.hold_timeout_s)
+        assert idx is not None  # offered only while the queue holds a request
         self._offered[model] = idx
         self._push(t, P_DECISION, E_RETRY, idx)
 
