@@ -35,6 +35,10 @@ NOT_ON_DASHBOARD = {
     "llm_router_slo_header_errors_total": "clients' malformed latency-target headers (ignored, the request is served)",
     "llm_router_replica_batch_limit": "known per replica only once given or inferred; GET /admin/replicas shows it with "
                                       "its source",
+    "llm_router_upstream_malformed_total": "a replica's malformed answers by rule; each is also a failure held against "
+                                           "the replica, which the error and ejection panels show",
+    "llm_router_model_list_refusals_total": "GET /v1/models refused over models_list_bytes_per_s: a client flood, "
+                                            "logged once per episode",
     # the KV-cache view (docs/kv-events.md): its alert reads llm_router_kv_view_fresh, the rest explain it
     **{name: "the KV view's detail behind RoutewiseKVViewStale (docs/kv-events.md)" for name in (
         "llm_router_kv_events_total", "llm_router_kv_events_ignored_total", "llm_router_kv_event_gaps_total",
