@@ -21,6 +21,7 @@ from routewise_vllm.router.policy.late_binding import LateBindingConfig
 from routewise_vllm.simulator import commands, costmodel
 from routewise_vllm.simulator.bench import run_bench
 from routewise_vllm.simulator.commands import Command
+from routewise_vllm.simulator.config import KVViewConfig
 from routewise_vllm.simulator.experiments import (
     ALL,
     ExperimentError,
@@ -98,6 +99,10 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-profile", action="append", default=[], metavar="OLD=NEW",
                    help="run the replicas of profile OLD on profile NEW (a name or a YAML path, e.g. one measured on your "
                         "GPU): the same arrivals on other hardware; repeatable")
+    p.add_argument("--kv-view", metavar="VIEW",
+                   help="the router's picture of the replicas' prefix caches in every scenario: guess (its own index), "
+                   "precise (the replicas' KV events) or lagged:S (events S seconds late); default: each scenario's "
+                   "cluster.kv_view (guess unless it says)")
     _split_argument(p)  # fmt: skip
 
 
@@ -128,6 +133,11 @@ def _compare(args: argparse.Namespace) -> int:
         if old not in used:
             raise UsageError(f"--swap-profile {old}=...: no chosen scenario has replicas on profile {old!r} "
                              f"(they use: {', '.join(sorted(used))})")
+    if args.kv_view is not None:
+        try:
+            KVViewConfig.parse(args.kv_view)
+        except ValueError as e:
+            raise UsageError(f"--kv-view: {e}") from None
     late: bool | LateBindingConfig = args.late_binding
     for flag, value in (("--late-timeout", args.late_timeout), ("--late-room", args.late_room)):
         if value is not None and not args.late_binding:
@@ -140,7 +150,7 @@ def _compare(args: argparse.Namespace) -> int:
                                  room_in_time=args.late_room != "tokens")
     start = time.perf_counter()
     doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers, late_binding=late,
-                  profile_swap=swap)
+                  profile_swap=swap, kv_view=args.kv_view)
     wall = time.perf_counter() - start
     if args.json:
         print(to_json(doc))
@@ -152,6 +162,8 @@ def _compare(args: argparse.Namespace) -> int:
         )
         for old, new in swap.items():
             print(f"replicas on {old} ran on {new}")
+        if args.kv_view is not None:
+            print(f"the routers' view of the prefix caches: {doc['kv_view']}")
     return 0
 
 

@@ -28,6 +28,10 @@ are offered one at a time, a held request judged on its model's view; the head o
 (`hold_order` "deadline", the live router's) or the oldest ("fifo"), and the oldest once it has waited
 `hold_timeout_s` either way.
 
+KV view (`ClusterConfig.kv_view`): `guess` (default) matches prefixes on each router's approximate index only;
+`precise` also feeds each router's KV view with the replicas' cache changes as events (simulator/kv_feed.py), and
+the requests' prefix blocks are `TokenBlocks` (the replicas' own cache keys), so a fresh view gives the match.
+
 Crashes: a crashed replica drops everything in flight. The router notices after
 `health_check_delay_s`: the replica is marked unhealthy, its in-flight requests (including any
 routed to it meanwhile) are released and routed again as fresh decisions, so no request is lost.
@@ -56,12 +60,14 @@ import numpy as np
 from routewise_vllm.router.policy.base import Policy
 from routewise_vllm.router.policy.estimate import TokenEstimator, chain_hash
 from routewise_vllm.router.policy.held_queue import HeldQueue
+from routewise_vllm.router.policy.kv_view import TokenBlocks
 from routewise_vllm.router.policy.late_binding import restrict
 from routewise_vllm.router.policy.model_routing import members
 from routewise_vllm.router.policy.tracking import ClusterTracker
 from routewise_vllm.router.policy.types import ClusterView, LoraState, Outcome, RequestInfo, make_request_info
 from routewise_vllm.simulator.config import ClusterConfig
 from routewise_vllm.simulator.costmodel import load_profile
+from routewise_vllm.simulator.kv_feed import KVFeed
 from routewise_vllm.simulator.replica import COMPLETE, ReqState, Replica
 from routewise_vllm.simulator.shared_state import LaggedFleetView
 from routewise_vllm.simulator.types import RequestRecord, SimRequest
@@ -71,7 +77,7 @@ REJECTED_PROMPT_TOO_LONG = "prompt_too_long"  # RequestRecord.error of a request
 # event priorities at equal times
 P_REPLICA, P_FAULT, P_SAMPLE, P_SCRAPE, P_HEALTH, P_DECISION = range(6)
 # event kinds
-E_REPLICA, E_ARRIVAL, E_RETRY, E_SAMPLE, E_SCRAPE, E_CRASH, E_RECOVER, E_SLOW, E_HEALTH = range(9)
+E_REPLICA, E_ARRIVAL, E_RETRY, E_SAMPLE, E_SCRAPE, E_CRASH, E_RECOVER, E_SLOW, E_HEALTH, E_KV, E_KV_REPLAY = range(11)
 
 CompletionHook = Callable[[str, RequestInfo, Outcome], None]
 
@@ -155,6 +161,11 @@ class ClusterSim:
         self._completed: list[RequestRecord] = []  # in completion order, for the goodput terms of the reward
         self._decode_cache: dict[float, list[float]] = {}
         self._miss_cache: dict[tuple[float, float], list[int]] = {}
+
+        # precise KV view: the replicas' cache changes reach each router's view as events (simulator/kv_feed.py)
+        self._kv: KVFeed | None = None
+        if config.kv_view.mode == "precise":
+            self._kv = KVFeed(self, config.kv_view, seed, self._push_kv)
 
         self._push_arrival()
         sc = config.scrape
@@ -458,12 +469,22 @@ class ClusterSim:
         elif kind == E_RECOVER:
             self._crashed[x] = False
             self.replicas[x].recover()
+            if self._kv is not None:
+                self._kv.observe(x)  # recover() replaced the cache
         elif kind == E_SLOW:
             rep = self.replicas[x]
             before = rep.event_s
             rep.set_factor(t, y)
             if rep.event_s != before:
                 self._push_replica(x)
+        elif kind == E_KV:
+            self._kv.deliver(x, y[0], y[1], t)  # type: ignore[union-attr]
+        elif kind == E_KV_REPLAY:
+            self._kv.replay(x, y[0], y[1], t)  # type: ignore[union-attr]
+
+    def _push_kv(self, t: float, i: int, payload: tuple, replay: bool) -> None:
+        """A KV-event batch (or a replay's answer) for replica i reaching the routers at t (with the scrapes)."""
+        self._push(t, P_SCRAPE, E_KV_REPLAY if replay else E_KV, i, payload)
 
     def _outputs(self, i: int, rep: Replica) -> None:
         routers = self.routers
@@ -527,14 +548,11 @@ class ClusterSim:
         estimate = self.estimator.from_true_tokens(req.prompt_tokens, self.rng)
         if self.config.estimator_scale != 1.0:
             estimate = max(1, round(estimate * self.config.estimator_scale))
-        self._infos[idx] = make_request_info(
-            str(req.request_id),
-            estimate,
-            req.max_tokens,
-            self._prefix_blocks(req.block_ids) if req.block_ids else (),
-            None,
-            req.model,
-        )
+        blocks = self._prefix_blocks(req.block_ids) if req.block_ids else ()
+        if self._kv is not None and blocks:
+            # the replicas key their cache by these hashes, and report them as events: the view can match them
+            blocks = TokenBlocks(blocks, req.block_tokens)
+        self._infos[idx] = make_request_info(str(req.request_id), estimate, req.max_tokens, blocks, None, req.model)
 
     def _prefix_blocks(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
         """`id_prefix_blocks(block_ids)`, memoised per (parent, id) since prefixes repeat."""
@@ -605,6 +623,8 @@ class ClusterSim:
             return
         self._crashed[i] = True
         lost = self.replicas[i].crash()
+        if self._kv is not None:
+            self._kv.restart(i)
         self._rep_version[i] += 1  # drop its pending event
         self._lost[i].extend(st.idx for st in lost)
         delay = self.config.health_check_delay_s
@@ -622,6 +642,8 @@ class ClusterSim:
         self._detections_due -= 1
         for router in self.routers:
             router.prefix_index.forget(self.replica_ids[i])
+        if self._kv is not None:
+            self._kv.replica_failed(i, t)
         for idx in self._lost[i]:
             self._router_of(idx).trackers[i].on_complete(self._infos[idx].request_id, None)  # type: ignore[union-attr]
             self._decisions_queued += 1

@@ -106,6 +106,42 @@ class FaultConfig(_Strict):
     factor: float = Field(3.0, gt=0, description="slow-down factor on iteration time")
 
 
+class KVViewConfig(_Strict):
+    """What the router knows of the replicas' prefix caches. `guess`: its own approximate index of what it sent where
+    (the router without KV events). `precise`: each router's KV view (router.policy.kv_view, the live one) fed with
+    the replicas' cache changes as vLLM's KV events, each engine step's changes one batch, delivered `lag_s` after
+    they happen, each batch lost with probability `loss` (a sequence gap: the view is stale until a replay brings
+    the missed batches when the replicas have a `replay` endpoint, else for `stale_hold_s`); a replica's view is
+    cleared when the router sees it fail (as the live router does). Where the view is stale the guess is used."""
+
+    mode: Literal["guess", "precise"] = "guess"
+    lag_s: float = Field(0.0, ge=0, description="from a cache change on the replica to the router applying it")
+    loss: float = Field(0.0, ge=0, lt=1, description="probability that a batch of events never reaches a router")
+    replay: bool = Field(False, description="the replicas have a replay endpoint (vLLM's replay_endpoint)")
+    stale_hold_s: float = Field(30.0, gt=0, description="the router's kv_events_stale_hold_s")
+    max_blocks: int = Field(1 << 20, ge=1, description="blocks each router keeps per replica (kv_events_max_blocks)")
+
+    @classmethod
+    def parse(cls, text: str) -> KVViewConfig:
+        """`guess`, `precise`, or `lagged:SECONDS` (precise, delivered that late); ValueError naming the text."""
+        t = text.strip()
+        if t in ("guess", "precise"):
+            return cls(mode=t)  # type: ignore[arg-type]
+        if t.startswith("lagged:"):
+            try:
+                lag = float(t[len("lagged:"):])
+            except ValueError:
+                lag = -1.0
+            if lag >= 0 and lag != float("inf"):
+                return cls(mode="precise", lag_s=lag)
+        raise ValueError(f"kv view {text!r}: expected guess, precise or lagged:SECONDS (e.g. lagged:0.5)")
+
+    def label(self) -> str:
+        if self.mode == "guess":
+            return "guess"
+        return "precise" if not self.lag_s else f"lagged:{self.lag_s:g}"
+
+
 class ClusterConfig(_Strict):
     replicas: list[ReplicaGroup] = Field(min_length=1)
     scrape: ScrapeConfig = ScrapeConfig()
@@ -124,6 +160,11 @@ class ClusterConfig(_Strict):
     shared_state_lag_s: float | None = Field(
         None, ge=0, description="routers > 1 sharing their in-flight counts (the live router's --shared-state): each "
         "sees the others' as of this many seconds ago (its sync interval plus a round trip); None = not shared",
+    )
+
+    kv_view: KVViewConfig = Field(
+        KVViewConfig(), description="the router's picture of the replicas' prefix caches: its guess, or their KV "
+        "events (precise, optionally lagged and lossy)",
     )
 
     def replica_count(self) -> int:

@@ -21,6 +21,7 @@ from routewise_vllm.router.policy.registry import BASELINES, DEFAULT_MODEL_PATH,
 from routewise_vllm.router.policy.served import served_policy
 from routewise_vllm.router.policy.late_binding import LateBindingConfig
 from routewise_vllm.simulator.cluster import ClusterSim, simulate
+from routewise_vllm.simulator.config import KVViewConfig
 from routewise_vllm.simulator.late_binding import LATE_SUFFIX, simulate_late
 from routewise_vllm.simulator.metrics import aggregate, render_table, summarize
 from routewise_vllm.simulator.scenario import SCENARIO_GROUPS, ScenarioError, load_scenario, scenario_names
@@ -89,14 +90,18 @@ def run_policies(
     library=None,
     late_binding: bool | LateBindingConfig = False,
     profile_swap: Mapping[str, str] | None = None,
+    kv_view: str | None = None,
 ) -> dict[str, dict]:
     """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy.
     With `late_binding` (True: the router's defaults, or a LateBindingConfig), every policy (heuristic or learned)
     also runs behind late binding, as `<name>+late`; with `profile_swap`
-    ({OLD: NEW}) the scenario's replicas on profile OLD run on NEW (`Scenario.with_profiles`)."""
+    ({OLD: NEW}) the scenario's replicas on profile OLD run on NEW (`Scenario.with_profiles`); with `kv_view`
+    (`guess`, `precise`, `lagged:S`) the router's picture of the caches is that one (`Scenario.with_kv_view`)."""
     sc = load_scenario(scenario, split=split, library=library)
     if profile_swap:
         sc = sc.with_profiles(profile_swap)
+    if kv_view is not None:
+        sc = sc.with_kv_view(KVViewConfig.parse(kv_view))
     cluster, requests = sc.build(np.random.default_rng(seed))
     out = {}
     for name in policies:
@@ -123,9 +128,9 @@ def _replica_ids(cluster) -> list[str]:
 
 
 def _task(args: tuple) -> tuple[str, int, dict[str, dict]]:
-    scenario, policies, seed, split, late_binding, profile_swap = args
+    scenario, policies, seed, split, late_binding, profile_swap, kv_view = args
     return scenario, seed, run_policies(
-        scenario, policies, seed, split, late_binding=late_binding, profile_swap=dict(profile_swap)
+        scenario, policies, seed, split, late_binding=late_binding, profile_swap=dict(profile_swap), kv_view=kv_view
     )
 
 
@@ -142,6 +147,7 @@ def compare(
     late_binding: bool | LateBindingConfig = False,
     executor: Executor | None = None,
     profile_swap: Mapping[str, str] | None = None,
+    kv_view: str | None = None,
 ) -> dict:
     """Every policy on every scenario for each seed; seeds fix the arrivals, so policies see the same requests.
 
@@ -151,11 +157,17 @@ def compare(
     Returns `{"results": [{scenario, policy, seeds, ttft_p50_s, ttft_p99_s, tpot_p99_s, e2e_p99_s, goodput,
     throughput_rps, <each>_ci95, ttft_p99_vs_best_heuristic, metrics: {all aggregated figures}}, ...]}`,
     one record per (scenario, policy), averaged over seeds with 95 % t-interval half-widths. With
-    `profile_swap` ({OLD: NEW}) every scenario runs with its OLD replicas on profile NEW (the document says so).
+    `profile_swap` ({OLD: NEW}) every scenario runs with its OLD replicas on profile NEW (the document says so);
+    with `kv_view` (`guess`, `precise`, `lagged:S`) every scenario's router sees the caches so (the document says so).
     """
+    if kv_view is not None:
+        try:
+            KVViewConfig.parse(kv_view)
+        except ValueError as e:
+            raise ExperimentError(str(e)) from None
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     swap = tuple(sorted((profile_swap or {}).items()))
-    tasks = [(s, tuple(policies), seed, split, late_binding, swap) for s in scenarios for seed in seed_list]
+    tasks = [(s, tuple(policies), seed, split, late_binding, swap, kv_view) for s in scenarios for seed in seed_list]
     if late_binding:
         policies = list(policies) + [p + LATE_SUFFIX for p in policies]
     runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in scenarios for p in policies}
@@ -194,6 +206,8 @@ def compare(
                                                  else LateBindingConfig())
     if swap:
         doc["profile_swap"] = dict(swap)
+    if kv_view is not None:
+        doc["kv_view"] = KVViewConfig.parse(kv_view).label()
     return doc
 
 

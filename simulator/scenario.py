@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from routewise_vllm.simulator.config import ClusterConfig, expand_names
+from routewise_vllm.simulator.config import ClusterConfig, KVViewConfig, expand_names
 from routewise_vllm.simulator.costmodel import load_profile
 from routewise_vllm.simulator.metrics import Slo
 from routewise_vllm.simulator.traces import Split, TraceLibrary
@@ -138,6 +138,12 @@ class Scenario:
         groups = [g.model_copy(update={"profile": swap.get(g.profile, g.profile)}) for g in self.spec.cluster.replicas]
         spec = self.spec.model_copy(update={"cluster": self.spec.cluster.model_copy(update={"replicas": groups})})
         _check_profiles(self.source, spec)
+        return dataclasses.replace(self, spec=spec)
+
+    def with_kv_view(self, kv_view: KVViewConfig) -> Scenario:
+        """The same scenario with the router's picture of the caches replaced (`ClusterConfig.kv_view`): the same
+        arrivals routed on the guess, the precise view or a lagged one."""
+        spec = self.spec.model_copy(update={"cluster": self.spec.cluster.model_copy(update={"kv_view": kv_view})})
         return dataclasses.replace(self, spec=spec)
 
     def build(self, rng: np.random.Generator) -> tuple[ClusterConfig, list[SimRequest]]:

@@ -13,6 +13,9 @@ directly) and every time is passed in. The interface:
     view.match_many(replica_ids, blocks, lora=None) -> list[int]   # as PrefixIndex.match_many
     view.stats(replica_id) -> ReplicaKV                 # counters and sizes, read by the metrics
 
+The simulator's replicas key their cache by the router's chain hashes already: they report `KeyedBlocksStored`
+(keys, no token ids), and `BlockRemoved` by those keys.
+
 Block identity without vLLM's hash function: vLLM names a block by its own hash (sha256 bytes or an int), which the
 router cannot recompute. The view maps each reported hash to the router's chain hash of the block's token ids:
 `own = chain_hash(own(parent), token_bytes(block's token ids))` from 0 at the root, the same chain
@@ -66,7 +69,17 @@ class AllBlocksCleared:
     pass
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+@dataclass(frozen=True, slots=True)
+class KeyedBlocksStored:
+    """Blocks already named by the router's own chain hashes (each the hash of its whole prefix, as a request's
+    prefix blocks are, so no parent is needed): what the simulator's replicas report, since they key their cache so.
+    Each key is its own block hash too (a later `BlockRemoved` names it by the key)."""
+
+    keys: tuple[int, ...]
+    lora_name: str | None = None
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, KeyedBlocksStored]
 
 
 # ---------------------------------------------------------------- the router's block hashes
@@ -295,6 +308,8 @@ class KVView:
                 r.blocks.clear()
                 r.own.clear()
                 r.clears += 1
+            elif kind is KeyedBlocksStored:
+                self._store_keyed(r, ev, now_s)  # type: ignore[arg-type]
             else:
                 self._bad(r, "unknown_kind", now_s)
 
@@ -336,6 +351,26 @@ class KVView:
                 continue  # reported twice: keep the first
             blocks[h] = (parent, lora)
             own[parent] = own.get(parent, 0) + 1
+        while len(blocks) > self.max_blocks:
+            h, _ = next(iter(blocks.items()))
+            self._forget(r, h)
+            r.dropped += 1
+
+    def _store_keyed(self, r: ReplicaKV, ev: KeyedBlocksStored, now_s: float) -> None:
+        r.events["BlockStored"] += 1
+        lora = ev.lora_name
+        if lora is not None and r.adapters is not None and lora not in r.adapters:
+            self._bad(r, "unknown_lora", now_s)
+            return
+        own = r.own.get(lora)
+        if own is None:
+            own = r.own[lora] = {}
+        blocks = r.blocks
+        for key in ev.keys:
+            if key in blocks:
+                continue  # reported twice: keep the first
+            blocks[key] = (key, lora)
+            own[key] = own.get(key, 0) + 1
         while len(blocks) > self.max_blocks:
             h, _ = next(iter(blocks.items()))
             self._forget(r, h)
