@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -209,3 +211,34 @@ def test_the_feed_draws_apart_from_the_cluster():
     assert [(r.replica_id, r.first_token_s) for r in guess] == [(r.replica_id, r.first_token_s) for r in precise]
     again = [simulate(config(lossy), reqs, make_policy("prefix-aware", seed=0), seed=5) for _ in range(2)]
     assert [(r.replica_id, r.finish_s) for r in again[0]] == [(r.replica_id, r.finish_s) for r in again[1]]
+
+
+# ---------------------------------------------------------------- simulator compare --kv-view
+
+
+def test_compare_kv_view_runs_the_same_arrivals_with_each_view(capsys):
+    from pathlib import Path
+
+    from routewise_vllm.simulator.cli import main
+
+    scenario = Path(__file__).resolve().parents[1] / "data" / "scenario_good.yaml"
+    base = ["compare", "--scenario", str(scenario), "--policies", "least-outstanding", "--seeds", "1", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--kv-view", "lagged:0.25"]) == 0
+    lagged = json.loads(capsys.readouterr().out)
+    assert lagged["kv_view"] == "lagged:0.25" and "kv_view" not in plain
+    assert lagged["results"][0]["metrics"] == plain["results"][0]["metrics"]  # least-outstanding ignores the view
+    assert main([*base, "--kv-view", "exact"]) == 2
+    assert "--kv-view" in capsys.readouterr().err
+
+
+def test_a_scenario_sets_its_view_and_bad_values_name_the_field():
+    from pydantic import ValidationError
+
+    group = {"profile": "llama3-8b-a100"}
+    cfg = ClusterConfig.model_validate({"replicas": [group], "kv_view": {"mode": "precise", "lag_s": 0.5, "replay": True}})
+    assert cfg.kv_view == KVViewConfig(mode="precise", lag_s=0.5, replay=True)
+    for bad in ({"mode": "exact"}, {"loss": 1.0}, {"lag_s": -1}, {"lag": 1}):
+        with pytest.raises(ValidationError, match="kv_view"):
+            ClusterConfig.model_validate({"replicas": [group], "kv_view": bad})
