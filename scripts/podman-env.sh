@@ -17,7 +17,14 @@ routewise_podman_install() {
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo=sudo
   echo "podman-env: installing ${missing[*]}" >&2
-  $sudo apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >&2
+  local try
+  for try in 1 2 3 4 5 6; do  # another apt-get on the machine holds its lock for a while: wait for it, not fail
+    $sudo apt-get -o DPkg::Lock::Timeout=60 update -qq >&2 \
+      && DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=60 install -y -qq "${missing[@]}" >&2 \
+      && return 0
+    [ "$try" = 6 ] || sleep 10
+  done
+  return 1
 }
 
 # Why each setting: inside this kind of sandbox the runtime may not raise RLIMIT_NOFILE, so podman must not ask

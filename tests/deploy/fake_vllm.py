@@ -8,6 +8,9 @@ Failure switches, so the router's error metrics get samples:
 - `--flaky-metrics` answers every second /metrics scrape with 500;
 - `--fail-all` answers every generation with 503 (a broken replica: the router retries and ejects it).
 
+KV-cache events as vLLM publishes them with `--kv-events-config`: `GET /kv_event_sources` names a ZMQ PUB socket
+this server binds (nothing is stored, so it sends no batch), so the router subscribes and exports its view's gauges.
+
 Run: python tests/deploy/fake_vllm.py --port 8101 --name a [--flaky-metrics] [--fail-all]
 """
 
@@ -42,7 +45,25 @@ class FakeVllm:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/kv_event_sources", self.kv_event_sources)
+        app.on_startup.append(self._bind_kv_events)
+        app.on_cleanup.append(self._close_kv_events)
         return app
+
+    async def _bind_kv_events(self, app: web.Application) -> None:
+        import zmq
+
+        self.zmq = zmq.Context()
+        self.pub = self.zmq.socket(zmq.PUB)
+        self.kv_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+
+    async def _close_kv_events(self, app: web.Application) -> None:
+        self.pub.close(linger=0)
+        self.zmq.term()
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        return web.json_response({"0": {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                                        "endpoint": f"tcp://*:{self.kv_port}", "replay_endpoint": None}})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
