@@ -61,13 +61,17 @@ class EmulatedReplica:
         return self.profile + (f" x{self.slowdown:g} slower" if self.slowdown != 1 else "")
 
 
-# Heterogeneous on purpose: a least-outstanding router treats all four alike.
-DEFAULT_FLEET = (
-    EmulatedReplica("llama3-8b-a100"),
-    EmulatedReplica("llama3-8b-a100"),
-    EmulatedReplica("llama3-8b-h100"),
-    EmulatedReplica("llama3-8b-a100", slowdown=3.0),
-)
+# Heterogeneous on purpose: a least-outstanding router treats all four alike. The last one is `--slowdown` times
+# slower than an A100 (default SLOWDOWN).
+SLOWDOWN = 3.0
+
+
+def demo_fleet(slowdown: float = SLOWDOWN) -> tuple[EmulatedReplica, ...]:
+    return (EmulatedReplica("llama3-8b-a100"), EmulatedReplica("llama3-8b-a100"), EmulatedReplica("llama3-8b-h100"),
+            EmulatedReplica("llama3-8b-a100", slowdown=slowdown))
+
+
+DEFAULT_FLEET = demo_fleet()
 
 
 def free_port() -> int:
@@ -333,6 +337,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="router-side late binding: hold a request while every replica has N in flight, then send it to "
                    "the first with room (default: at each replica's batch limit, which the router infers from its "
                    "/metrics, as `router serve` does by default; 0 = off)")
+    p.add_argument("--slowdown", type=positive(), default=SLOWDOWN,
+                   help=f"emulated fleet: how many times slower than an A100 its slowest replica is (default {SLOWDOWN:g})")
     p.add_argument("--speed", type=positive(), default=0.5,
                    help="emulated replicas: emulated seconds per wall second (default 0.5: half-speed GPUs, so a "
                         "2-core machine can stream the tokens of a loaded fleet)")
@@ -408,7 +414,7 @@ def main(args: argparse.Namespace) -> int:
             model = args.model
         else:
             urls = []
-            for i, rep in enumerate(DEFAULT_FLEET):
+            for i, rep in enumerate(demo_fleet(args.slowdown)):
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
                 procs.start(f"emulator-{i}", [

@@ -50,6 +50,7 @@ def test_print_config_needs_no_replica_but_serving_does():
     (["fleet", "demo", "--duration", "-3"], "argument --duration: '-3': must be above 0"),
     (["fleet", "demo", "--ab-share", "3"], "argument --ab-share: '3': must be a share between 0 and 1"),
     (["fleet", "demo", "--max-num-seqs", "0"], "argument --max-num-seqs: '0': must be above 0"),
+    (["fleet", "demo", "--slowdown", "-8"], "argument --slowdown: '-8': must be above 0"),
     (["fleet", "loadgen", "--nope"], "unrecognized arguments: --nope"),
     (["simulator", "compare", "--seeds", "x"], "argument --seeds: invalid int value: 'x'"),
     (["trainer", "train"], "the following arguments are required: --config"),
