@@ -5,8 +5,8 @@
 #   prometheus  Debian's package, for the observability test
 #   redis-server  Debian's package, for the shared fleet view's tests (started by them on a random port)
 #   ./scripts/test.sh [PYTEST ARGS]   the CI tiers (tests/README.md), each given PYTEST ARGS: everything but the
-#                                     `bench` tier, unit and integration on two pytest-xdist workers, then real
-#                                     vLLM in series (one pair of servers)
+#                                     `bench` tier, unit and integration on two pytest-xdist workers (while
+#                                     .venv-vllm installs), then real vLLM in series (one pair of servers)
 #   ./scripts/test.sh --one PYTEST ARGS   one plain pytest run, e.g. --one -m "not vllm" -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,15 +14,20 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
-bash scripts/install-vllm.sh .venv-vllm
 if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null || ! command -v redis-server >/dev/null; then
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus redis-server >/dev/null
   else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus redis-server >/dev/null; fi
 fi
 if [ "${1:-}" = --one ]; then
   shift
+  bash scripts/install-vllm.sh .venv-vllm
   exec .venv/bin/python -m pytest "$@"
 fi
+# Real vLLM's venv installs while the first tier runs (nothing there needs it); its output is shown before the
+# real-vLLM tier, or with the failure if it did not install.
+vllm_log=$(mktemp)
+bash scripts/install-vllm.sh .venv-vllm >"$vllm_log" 2>&1 &
+vllm_install=$!
 # Both tiers run even if the first fails; the exit status is the first failure's (5, nothing collected: a tier
 # that the given paths leave empty, is not one).
 rc=0
@@ -35,6 +40,14 @@ tier() {
 }
 echo "== unit and integration tiers: -m 'not vllm and not bench', 2 pytest-xdist workers"
 tier -m "not vllm and not bench" -n 2 --dist loadgroup "$@"
-echo "== real-vLLM tier: -m 'vllm and not bench', in series"
-tier -m "vllm and not bench" "$@"
+if wait "$vllm_install"; then
+  cat "$vllm_log"
+  echo "== real-vLLM tier: -m 'vllm and not bench', in series"
+  tier -m "vllm and not bench" "$@"
+else
+  cat "$vllm_log"
+  echo "== .venv-vllm did not install (above): the real-vLLM tier cannot run"
+  rc=1
+fi
+rm -f "$vllm_log"
 exit "$rc"
