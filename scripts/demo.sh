@@ -10,8 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# Install routewise with the simulator extra only when its dependencies are missing (an existing .venv is reused).
-if ! .venv/bin/python -c "import aiohttp, prometheus_client, numpy, pydantic_settings, yaml, tqdm, onnxruntime, gymnasium" 2>/dev/null; then
+# Install routewise with the simulator extra unless this checkout's package and its dependencies import (an existing
+# .venv is reused).
+if ! .venv/bin/python -c "import routewise_vllm.fleet.demo, zmq, msgspec, gymnasium" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[sim]'
 fi
 # The demo reports which replica served each request: it needs the router's opt-in x-routewise-replica header.
