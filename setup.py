@@ -10,9 +10,9 @@ Without a C compiler the build skips the extensions and the router runs their Py
   (router/policy/fastnet.py), the views and feature rows (router/policy/tracking.py and features.py), the prompt's
   prefix-block hashes (router/policy/estimate.py); sources router/policy/fastnet_c/*.c (fastnet.h lists them);
   without it the learned policy is served by onnxruntime alone;
-- routewise_vllm.router._fasthttp: the lean listener's request heads (router/lean.py), the lean client's response
-  heads and chunked bodies (router/h1client.py), each the common case beside the Python that defines every case;
-  sources router/fasthttp_c/*.c (fasthttp.h lists them)."""
+- routewise_vllm.router.http._fasthttp: the lean listener's request heads (router/http/server.py), the lean
+  client's response heads and chunked bodies (router/http/client.py), each the common case beside the Python that defines every case;
+  sources router/http/fasthttp_c/*.c (fasthttp.h lists them)."""
 
 from glob import glob
 
@@ -37,7 +37,7 @@ setup(
             libraries=["m"],
             optional=True,
         ),
-        Extension(f"{NAMESPACE}.router._fasthttp", sorted(glob("router/fasthttp_c/*.c")),
-                  depends=["router/fasthttp_c/fasthttp.h"], extra_compile_args=FLAGS, optional=True),
+        Extension(f"{NAMESPACE}.router.http._fasthttp", sorted(glob("router/http/fasthttp_c/*.c")),
+                  depends=["router/http/fasthttp_c/fasthttp.h"], extra_compile_args=FLAGS, optional=True),
     ],
 )

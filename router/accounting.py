@@ -1,5 +1,5 @@
 """The proxy's per-request accounting: the metric children of each (replica, policy, arm), bound once, observed
-in batches (router.metric_batch)."""
+in batches (router.observe.metric_batch)."""
 
 from __future__ import annotations
 

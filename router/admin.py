@@ -56,7 +56,7 @@ def replica_info(rep: Replica, now: float) -> dict[str, Any]:
 
 def admin_routes(proxy: Proxy, token: str, started_at: float,
                  on_reload: Callable[[str, str], None] | None = None) -> list[web.RouteDef]:
-    """`on_reload(arm, path)` after a successful POST /admin/policy/reload (router.worker_sync: the other
+    """`on_reload(arm, path)` after a successful POST /admin/policy/reload (router.scale.worker_sync: the other
     workers repeat it)."""
     admin = BearerTokens([token])
 

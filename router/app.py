@@ -18,24 +18,24 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from routewise_vllm.router import fleet_view
+from routewise_vllm.router.scale import fleet_view
 from routewise_vllm.router.admin import admin_routes
 from routewise_vllm.router.auth import client_key_middleware, client_keys
 from routewise_vllm.router.endpoints import ENDPOINTS
-from routewise_vllm.router.listener import openai_errors
+from routewise_vllm.router.http.listener import openai_errors
 from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.models import models_handler
-from routewise_vllm.router.probes import Probes
+from routewise_vllm.router.observe.probes import Probes
 from routewise_vllm.router.proxy import Proxy
 from routewise_vllm.router.replicas import ReplicaSet
 from routewise_vllm.router.routing import Router
-from routewise_vllm.router.scraper import Scraper
+from routewise_vllm.router.observe.scraper import Scraper
 from routewise_vllm.router.settings import RouterSettings
-from routewise_vllm.router.shared import SharedClusterTracker, SharedLoad
-from routewise_vllm.router.worker_sync import WorkerSync
+from routewise_vllm.router.scale.shared import SharedClusterTracker, SharedLoad
+from routewise_vllm.router.scale.worker_sync import WorkerSync
 from routewise_vllm.router.telemetry import BATCH_LIMIT, RouterMetrics
-from routewise_vllm.router.h1client import H1Client
-from routewise_vllm.router.upstream import make_h1_client, make_session
+from routewise_vllm.router.http.client import H1Client
+from routewise_vllm.router.http.upstream import make_h1_client, make_session
 
 log = logging.getLogger("router.app")
 
@@ -81,7 +81,7 @@ def replica_rows(replicas: ReplicaSet):
 def handler_args(settings: RouterSettings) -> dict[str, Any]:
     # lingering: after refusing a request whose body was not read, drain it for at most 1 s (aiohttp: 10 s),
     # so that a slow body cannot hold the connection long after its 408.
-    # max_field_size: a header line as long as the whole head may be (router.listener answers a longer head 431)
+    # max_field_size: a header line as long as the whole head may be (router.http.listener answers a longer head 431)
     return {"max_field_size": settings.max_header_bytes, "keepalive_timeout": settings.keepalive_timeout_s,
             "lingering_time": 1.0}
 
@@ -101,7 +101,7 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
                shared: tuple[SharedLoad, int] | None = None) -> web.Application:
     """The public app. With settings.ops_port, /metrics and /admin/* live on app[OPS_APP] instead (serve it
     on its own listener); /health and /ready are on both. `shared` = (segment, worker slot) makes it one
-    worker of several (router.workers): decisions see the host's in-flight load, drain/restore are host-wide
+    worker of several (router.scale.workers): decisions see the host's in-flight load, drain/restore are host-wide
     and /metrics aggregates all workers (prometheus_client multiprocess mode)."""
     keys = client_keys(settings)
     app = web.Application(client_max_size=settings.max_body_bytes, handler_args=handler_args(settings),
@@ -117,8 +117,8 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     proxy = Proxy(settings, replicas, router, metrics, session_getter, lambda: app[H1])
     scraper = Scraper(replicas, session_getter, metrics, settings.scrape_interval_s, settings.scrape_timeout_s)
     metrics.add_replica_state(replica_rows(replicas))
-    if settings.kv_events == "on":  # the replicas' own reports of their caches (router/kv_events.py)
-        from routewise_vllm.router.kv_events import KVEvents  # pyzmq loads only with KV events on
+    if settings.kv_events == "on":  # the replicas' own reports of their caches (router/kv/events.py)
+        from routewise_vllm.router.kv.events import KVEvents  # pyzmq loads only with KV events on
 
         kv = KVEvents(settings, replicas, metrics.registry, session_getter, clock)
         kv.install(router)

@@ -153,10 +153,10 @@ def policy_load_error(settings: RouterSettings) -> str | None:
 
 
 async def serve(settings: RouterSettings, socks: list[socket.socket] | None = None, shared=None) -> None:
-    """Serves until SIGTERM/SIGINT, then drains. `socks` (listening, ops) and `shared` (router.shared.SharedLoad,
-    slot) make this one worker of `router serve --workers N` (router.workers)."""
+    """Serves until SIGTERM/SIGINT, then drains. `socks` (listening, ops) and `shared` (router.scale.shared.SharedLoad,
+    slot) make this one worker of `router serve --workers N` (router.scale.workers)."""
     from routewise_vllm.router.app import OPS_APP, PROXY, create_app
-    from routewise_vllm.router.listener import RouterRunner
+    from routewise_vllm.router.http.listener import RouterRunner
 
     app = create_app(settings, shared=shared)
     access_log = logging.getLogger("router.access") if settings.access_log else None
@@ -227,13 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"router: {error}; starting on the fallback, least-outstanding (allow_fallback_start)", file=sys.stderr)
     if settings.shared_state is not None:
-        from routewise_vllm.router import fleet_view
-
+        from routewise_vllm.router.scale import fleet_view
         missing = fleet_view.check_client()
         if missing is not None:
             print(f"router: {missing}", file=sys.stderr)
             return 2
-        if settings.workers > 1:  # the workers publish their host's share under one id (router.fleet_view)
+        if settings.workers > 1:  # the workers publish their host's share under one id (router.scale.fleet_view)
             os.environ[fleet_view.HOST_ID_ENV] = fleet_view.new_host_id()
     if settings.decision_log_dir is not None:
         try:
@@ -243,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     pid = " %(process)d" if settings.workers > 1 else ""
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s")
-    from routewise_vllm.router.workers import ListenError, listeners, run_workers
+    from routewise_vllm.router.scale.workers import ListenError, listeners, run_workers
 
     try:
         if settings.workers > 1:

@@ -27,7 +27,7 @@ late_binding_tokens_per_request)`; vLLM does not export max_num_seqs, so the bat
 host:port), else inferred from the replica's /metrics (router.batch_limit; until then no count limit), lowered
 per replica to what its scraped KV cache (vllm:cache_config_info) holds. The rule scales the awaiting-prefill limit by the replica's observed speed
 (`speed_scales`; late_binding_room_in_time). With `--workers N` each worker holds its own queue;
-the outstanding counts it compares with the limits are the host's (router.shared), and another worker's
+the outstanding counts it compares with the limits are the host's (router.scale.shared), and another worker's
 completions reach it through the worker-sync tick (0.1 s) or the next scrape.
 """
 

@@ -5,7 +5,7 @@ TTFT is taken at the first chunk carrying SSE data, inter-token latency between 
 Every dispatched attempt is released in the tracker exactly once (ReplicaTracker.on_complete
 is idempotent per request id, and each attempt releases in a `finally`).
 
-What the OpenAI body means is router.openai's; the probes and passthrough paths are router.probes'. Retries,
+What the OpenAI body means is router.openai's; the probes and passthrough paths are router.observe.probes'. Retries,
 streaming and the outcome accounting stay together here: each attempt's release must stay visibly paired with
 its dispatch.
 """
@@ -23,21 +23,21 @@ from aiohttp import web
 
 from routewise_vllm.router.accounting import Accounts, Children, code_class
 from routewise_vllm.router.auth import client_keys, unauthorized
-from routewise_vllm.router.h1client import H1Client, ReaderTimeoutError
-from routewise_vllm.router.lean import LeanSent, LeanStream
+from routewise_vllm.router.http.client import H1Client, ReaderTimeoutError
+from routewise_vllm.router.http.server import LeanSent, LeanStream
 from routewise_vllm.router.endpoints import ENDPOINTS, read
 from routewise_vllm.router.errors import BadRequest, error_response, sse_error_event
 from routewise_vllm.router.models import names_unknown_model, no_replica_response, unknown_model
 from routewise_vllm.router.openai import decode, validate
-from routewise_vllm.router.outlier import Inflight
+from routewise_vllm.router.observe.outlier import Inflight
 from routewise_vllm.router.paths import GENERATION_PATHS
 from routewise_vllm.router.policy.types import NoHealthyReplica, Outcome, RequestInfo
 from routewise_vllm.router.replicas import Replica, ReplicaSet
 from routewise_vllm.router.routing import Route, Router
 from routewise_vllm.router.settings import RouterSettings
 from routewise_vllm.router.telemetry import RouterMetrics
-from routewise_vllm.router.transport import AiohttpRequest, Downstream, UpstreamResponse, read_body, refuse, upstreams
-from routewise_vllm.router.upstream import UpstreamError, classify, malformed, request_headers, response_headers
+from routewise_vllm.router.http.transport import AiohttpRequest, Downstream, UpstreamResponse, read_body, refuse, upstreams
+from routewise_vllm.router.http.upstream import UpstreamError, classify, malformed, request_headers, response_headers
 
 log = logging.getLogger("router.proxy")
 
@@ -104,13 +104,13 @@ class Proxy:
         return await self.generate(AiohttpRequest(request, raw), chat)
 
     def generate(self, request: Downstream, chat: bool) -> Awaitable[Answer]:
-        """A completion or chat completion whose body is in hand (router.transport.Downstream): an awaitable of
+        """A completion or chat completion whose body is in hand (router.http.transport.Downstream): an awaitable of
         the response to send, or for a stream of the one already sent.
 
         Its start runs now, before the caller's task first runs: parsing, the decision and, on an idle
         kept-alive connection, the send upstream (on the lean listener the event loop's turn before the task
         starts was 30-40 us of each request's wait at low load). The awaitable must be run, or what the start
-        took stays taken: router.lean cancels a request only after its task's first step."""
+        took stays taken: router.http.server cancels a request only after its task's first step."""
         t0 = time.perf_counter()
         admitted = self._admit(request, chat)
         if not isinstance(admitted, tuple):

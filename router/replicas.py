@@ -21,11 +21,11 @@ from yarl import URL
 from routewise_vllm.router.batch_limit import BatchLimitInference
 from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.models import fetch_models
-from routewise_vllm.router.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
+from routewise_vllm.router.observe.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
 from routewise_vllm.router.policy.model_routing import members
 from routewise_vllm.router.policy.tracking import ClusterTracker, ReplicaTracker
 from routewise_vllm.router.settings import RouterSettings, replica_id
-from routewise_vllm.router.shared import SharedClusterTracker
+from routewise_vllm.router.scale.shared import SharedClusterTracker
 from routewise_vllm.router.telemetry import RouterMetrics
 
 log = logging.getLogger("router.replicas")

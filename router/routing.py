@@ -27,7 +27,7 @@ from routewise_vllm.router.policy.late_binding import restrict
 from routewise_vllm.router.policy.model_routing import ModelLabels
 from routewise_vllm.router.policy.served import GUARD_FIELDS, served_policy
 from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info, make_view, unhealthy
-from routewise_vllm.router.prompt_tokens import PromptBlocks
+from routewise_vllm.router.kv.prompt_tokens import PromptBlocks
 from routewise_vllm.router.replicas import Replica, ReplicaSet
 from routewise_vllm.router.serving.arms import routing_key
 from routewise_vllm.router.serving.layer import ServingLayer
@@ -177,7 +177,7 @@ class Router:
         self.metrics = metrics
         self.clock = clock
         self.estimator = TokenEstimator(chars_per_token=settings.chars_per_token)
-        self.prompt_blocks: PromptBlocks | None = None  # set when KV events are on (router.kv_events)
+        self.prompt_blocks: PromptBlocks | None = None  # set when KV events are on (router.kv.events)
         if settings.ab_treatment is not None:  # A/B: arms control (= policy) and treatment
             self.main = PolicyRunner("control", settings.policy, settings, metrics)
             self.arms: dict[str, PolicyRunner] = {
@@ -206,7 +206,7 @@ class Router:
         text, exact = prompt_text(body, chat)
         request_id = f"r{next(self._ids)}"
         model = body.get("model")
-        # the prompt's token blocks when the replicas' KV views can match them (router.prompt_tokens), else the estimate
+        # the prompt's token blocks when the replicas' KV views can match them (router.kv.prompt_tokens), else the estimate
         blocks = None if self.prompt_blocks is None else self.prompt_blocks.of(body, chat)
         return make_request_info(
             request_id,

@@ -85,7 +85,7 @@ class RouterSettings(BaseSettings):
                                          "besides the system's (a private CA or a self-signed replica); "
                                          "verification stays on")
     lean_client: bool = Field(True, description="send generation requests to plain-http replicas with the lean "
-                              "HTTP/1.1 client (router/h1client.py) instead of aiohttp's client; https replicas "
+                              "HTTP/1.1 client (router/http/client.py) instead of aiohttp's client; https replicas "
                               "always use aiohttp's")
     passthrough_paths: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_PASSTHROUGH_PATHS),
@@ -131,7 +131,7 @@ class RouterSettings(BaseSettings):
     max_header_bytes: int = Field(16384, ge=1024, le=1 << 20, description="a request's line and headers; larger get a "
                                   "431 (16 KiB: uvicorn's h11 and Node's default)")
     lean_listener: bool = Field(True, description="serve plain POST /v1/completions and /v1/chat/completions on "
-                                "the lean HTTP/1.1 listener (router/lean.py) instead of aiohttp's server side; "
+                                "the lean HTTP/1.1 listener (router/http/server.py) instead of aiohttp's server side; "
                                 "anything else on a connection hands it to aiohttp. Off with access_log")
     replica_header: bool = Field(False, description="add x-routewise-replica (the serving replica's host:port) to "
                                  "responses; off by default: it reveals the fleet's addresses")
@@ -167,7 +167,7 @@ class RouterSettings(BaseSettings):
     chars_per_token: float = Field(4.0, gt=0, description="characters per token when estimating a prompt's tokens")
     prefix_capacity_blocks: int = Field(4096, ge=1, description="prompt-prefix blocks the router's approximate "
                                         "prefix index remembers")
-    # the replicas' KV-cache events (router/kv_events.py, docs/kv-events.md)
+    # the replicas' KV-cache events (router/kv/events.py, docs/kv-events.md)
     kv_events: Literal["on", "off"] = Field("on", description="subscribe to each replica's KV-cache events (found "
                                             "through its /kv_event_sources) and take prefix matches from what it "
                                             "reports cached; off: the router's own guess only")
@@ -273,9 +273,9 @@ class RouterSettings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may take "
                                    "before the router exits")
     workers: int = Field(1, ge=1, le=64, description="worker processes sharing the port and the host's in-flight "
-                         "load (router.workers); 1 = a single process")
+                         "load (router.scale.workers); 1 = a single process")
 
-    # shared fleet view across router processes on several hosts (router/fleet_view.py)
+    # shared fleet view across router processes on several hosts (router/scale/fleet_view.py)
     shared_state: str | None = Field(None, description="redis://HOST:PORT/DB (or rediss://, unix://) of a Redis or "
                                      "Valkey that the fleet's routers share their in-flight counts through; unset = "
                                      "each router decides on its own counts")

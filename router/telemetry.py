@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from routewise_vllm.router.metric_batch import Batch, FlushingRegistry
+from routewise_vllm.router.observe.metric_batch import Batch, FlushingRegistry
 
 
 def geometric_buckets(lo: float, hi: float, ratio: float) -> tuple[float, ...]:
@@ -73,7 +73,7 @@ class ReplicaStateCollector(Collector):
 
 class RouterMetrics:
     def __init__(self) -> None:
-        self.batch = Batch()  # per-request observations, applied off the requests' path (router.metric_batch)
+        self.batch = Batch()  # per-request observations, applied off the requests' path (router.observe.metric_batch)
         self.registry = FlushingRegistry(self.batch, auto_describe=True)
         r = self.registry
         self.requests = Counter(

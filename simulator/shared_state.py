@@ -1,5 +1,5 @@
 """Several routers sharing a fleet view (`ClusterConfig.shared_state_lag_s`), as the live router's
-`--shared-state` does (router.fleet_view): before each decision, router k's trackers count its own requests
+`--shared-state` does (router.scale.fleet_view): before each decision, router k's trackers count its own requests
 plus the other routers' as they were `lag_s` ago, folded in by the live router's code
 (router.policy.remote_load.RemoteLoad).
 

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from routewise_vllm.router.app import REPLICAS, ROUTER, create_app
 from routewise_vllm.router.policy import FEATURE_NAMES, build_features
 from routewise_vllm.router.settings import RouterSettings
-from routewise_vllm.router.vllm_metrics import parse_vllm_metrics
+from routewise_vllm.router.observe.vllm_metrics import parse_vllm_metrics
 from routewise_vllm.simulator.cluster import ClusterSim
 from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup, ScrapeConfig
 from routewise_vllm.simulator.types import SimRequest

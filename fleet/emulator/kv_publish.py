@@ -8,7 +8,7 @@ Events: the replica model's prefix cache (`simulator.replica.Replica.cache`, one
 emulator's id blocks are KV blocks) is observed; every entry added is a `BlockStored` (grouped by chain, with the
 block's token ids and its parent), every entry evicted a `BlockRemoved`, sent after each engine iteration as one
 batch: multipart `[topic, 8-byte big-endian sequence, msgpack KVEventBatch]` on a ZMQ PUB socket (vLLM's wire
-format, router/kv_wire.py), with an optional replay ROUTER socket as vLLM's.
+format, router/kv/wire.py), with an optional replay ROUTER socket as vLLM's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What each replica's prefix cache holds, as the replica itself reports it (vLLM's KV-cache events).
 
-Pure: the events arrive already decoded (router/kv_events.py decodes vLLM's wire format, the simulator may build them
+Pure: the events arrive already decoded (router/kv/events.py decodes vLLM's wire format, the simulator may build them
 directly) and every time is passed in. The interface:
 
     view = KVView(max_blocks=..., stale_hold_s=...)
@@ -35,7 +35,7 @@ from routewise_vllm.router.policy.estimate import chain_blocks, chain_hash
 # vLLM's ExternalBlockHash: sha256 bytes by default, an int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
 BlockHash = Union[bytes, int]
 EVENT_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
-# Ignored-input reasons (decode-level reasons come from router/kv_events.py and go through `reject`)
+# Ignored-input reasons (decode-level reasons come from router/kv/events.py and go through `reject`)
 IGNORED_REASONS = ("garbage", "unknown_kind", "huge_batch", "bad_tokens", "unknown_lora", "unknown_topic",
                    "orphan", "medium", "replay_overflow")
 DEFAULT_MAX_BLOCKS = 1 << 20  # per replica: 2^20 blocks of 16 tokens = 16M tokens, ~100 MB of view

@@ -1,5 +1,5 @@
 """The other routers' in-flight load, folded into one router's trackers (the live router's shared fleet view,
-router.fleet_view, and the simulator's `shared_state_lag_s` run this same code).
+router.scale.fleet_view, and the simulator's `shared_state_lag_s` run this same code).
 
 A tracker's shared counters (SHARED_FIELDS) become its own counts plus the others' latest sums: the fold is
 done when new sums arrive (every sync interval), not at every decision, so views, the C view builder, the

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
 from routewise_vllm.router.policy.registry import make_policy  # noqa: E402
-from routewise_vllm.router.prompt_tokens import LocalTokenizer  # noqa: E402
+from routewise_vllm.router.kv.prompt_tokens import LocalTokenizer  # noqa: E402
 from routewise_vllm.simulator.cluster import simulate  # noqa: E402
 from routewise_vllm.simulator.config import ClusterConfig, KVViewConfig, ReplicaGroup  # noqa: E402
 from routewise_vllm.simulator.metrics import Slo, summarize  # noqa: E402

@@ -4,7 +4,7 @@
         [--vllm-router .venv-vr/bin/vllm-router] [--policy least-outstanding] [--json]
     # the learned policy's added latency next to least-outstanding's, in one run:
     .venv/bin/python tests/bench/router_bench.py --policy least-outstanding,learned --replicas 16 --no-wrk
-    # what the lean listener (router/lean.py) saves: each router beside itself with it off
+    # what the lean listener (router/http/server.py) saves: each router beside itself with it off
     .venv/bin/python tests/bench/router_bench.py --policy learned --workers 1,2 --aiohttp-listener
     # the latency floor of any Python router here: a bare proxy on raw asyncio protocols, beside the rest
     .venv/bin/python tests/bench/router_bench.py --policy learned --python-floor --no-wrk

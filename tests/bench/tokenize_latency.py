@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from routewise_vllm.router.prompt_tokens import LocalTokenizer, PromptBlocks  # noqa: E402
+from routewise_vllm.router.kv.prompt_tokens import LocalTokenizer, PromptBlocks  # noqa: E402
 
 
 def model_dir(arg: str | None) -> Path:

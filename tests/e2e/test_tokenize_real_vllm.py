@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from routewise_vllm.router.policy.kv_view import token_prefix_blocks
-from routewise_vllm.router.prompt_tokens import LocalTokenizer, PromptBlocks
+from routewise_vllm.router.kv.prompt_tokens import LocalTokenizer, PromptBlocks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

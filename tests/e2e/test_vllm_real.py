@@ -278,7 +278,7 @@ def test_metrics_move_under_concurrent_load(vllm_servers):
 
 def _assert_router_parser_agrees(page: str) -> None:
     """The live router's parser must read a real page the same way prometheus_client does."""
-    from routewise_vllm.router.vllm_metrics import parse_vllm_metrics
+    from routewise_vllm.router.observe.vllm_metrics import parse_vllm_metrics
 
     expected = read(page)
     stats = parse_vllm_metrics(page)

@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from routewise_vllm.router.app import PROXY, create_app
-from routewise_vllm.router.listener import RouterRunner
+from routewise_vllm.router.http.listener import RouterRunner
 from routewise_vllm.router.settings import RouterSettings
 from tests.fakes.fake_vllm import FakeVllm
 

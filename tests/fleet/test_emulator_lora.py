@@ -12,7 +12,7 @@ from openai import AsyncOpenAI, NotFoundError
 
 from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
 from routewise_vllm.fleet.emulator.api import add_arguments, settings_from_args
-from routewise_vllm.router.vllm_metrics import parse_vllm_metrics
+from routewise_vllm.router.observe.vllm_metrics import parse_vllm_metrics
 
 pytestmark = pytest.mark.timeout(60)
 

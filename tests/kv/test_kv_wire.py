@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from routewise_vllm.fleet.emulator.kv_publish import encode_batch, frames
-from routewise_vllm.router.kv_events import KVEvents, RateLimit, connect_address, parse_sources
-from routewise_vllm.router.kv_wire import BadBatch, decode_frames
+from routewise_vllm.router.kv.events import KVEvents, RateLimit, connect_address, parse_sources
+from routewise_vllm.router.kv.wire import BadBatch, decode_frames
 from routewise_vllm.router.policy.kv_view import AllBlocksCleared, BlockRemoved, BlockStored, KVView, token_prefix_blocks
 from routewise_vllm.router.policy.tracking import ClusterTracker
 from routewise_vllm.router.settings import RouterSettings

@@ -159,7 +159,7 @@ def test_compiled_views_equal_python_views_field_for_field_and_type_for_type(mon
 
 
 def test_compiled_view_reads_a_tracker_subclass_through_its_properties():
-    """A subclass whose fields are properties (router/shared.py's SharedReplicaTracker) is read with getattr."""
+    """A subclass whose fields are properties (router/scale/shared.py's SharedReplicaTracker) is read with getattr."""
     from routewise_vllm.router.policy import tracking
 
     require_compiled_views()

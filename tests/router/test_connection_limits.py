@@ -1,4 +1,4 @@
-"""Connection limits that keep the router up (router/connections.py, router/listener.py, router/lean.py), on
+"""Connection limits that keep the router up (router/http/connections.py, router/http/listener.py, router/http/server.py), on
 loopback: distinct 127.0.0.x source addresses are distinct clients. Idle sockets from one address do not lock out
 another, idle keep-alive connections are closed to make room, /health and /ready answer at the cap, refusals are
 counted and logged once per episode, heads over max_header_bytes get a 431; and `router serve` under a low
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import routewise_vllm.router.connections
+import routewise_vllm.router.http.connections
 from routewise_vllm import router
 from routewise_vllm.router.app import METRICS
 from routewise_vllm.router.settings import RouterSettings
@@ -152,7 +152,7 @@ async def test_health_and_ready_answer_at_the_cap(fakes, router_client, lean):
 async def test_refusals_are_counted_and_logged_once_per_episode(fakes, router_client, caplog, monkeypatch):
     """A burst of refusals is one line when it starts and one when it ends (EPISODE_QUIET_S without a refusal),
     whatever its size; each refusal is counted."""
-    monkeypatch.setattr(router.connections, "EPISODE_QUIET_S", 5.0)
+    monkeypatch.setattr(router.http.connections, "EPISODE_QUIET_S", 5.0)
     (f,) = await fakes(1)
     client = await router_client([f.url], max_client_connections=4, header_timeout_s=30)
     conns = client.server.runner.conns
@@ -308,12 +308,12 @@ async def test_router_serve_under_a_low_open_file_limit(fakes, tmp_path):
     ({}, 50, (1, 1)),
 ])
 def test_caps_derived_from_the_open_file_limit(fields, nofile, caps):
-    assert router.connections.connection_caps(RouterSettings(replicas=REPLICAS, **fields), nofile) == caps
+    assert router.http.connections.connection_caps(RouterSettings(replicas=REPLICAS, **fields), nofile) == caps
 
 
 def test_a_cap_above_the_open_file_limit_is_lowered_with_one_warning(caplog):
     caplog.set_level(logging.WARNING, logger="router.connections")
     settings = RouterSettings(replicas=REPLICAS, max_client_connections=5000)
-    assert router.connections.connection_caps(settings, 1024) == (472, 236)
+    assert router.http.connections.connection_caps(settings, 1024) == (472, 236)
     assert [r.getMessage() for r in caplog.records] == [
         "max_client_connections=5000 is more than the open-file limit of 1024 leaves for client connections: using 472"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from routewise_vllm.router.fleet_view import (HEARTBEAT_FIELD, MAX_BACKOFF_S, FleetSharedClusterTracker, FleetState, decode, encode,
+from routewise_vllm.router.scale.fleet_view import (HEARTBEAT_FIELD, MAX_BACKOFF_S, FleetSharedClusterTracker, FleetState, decode, encode,
                                load_source)
 from routewise_vllm.router.policy.remote_load import ZERO, RemoteLoad
 from routewise_vllm.router.policy.tracking import ClusterTracker
 from routewise_vllm.router.policy.types import RequestInfo
-from routewise_vllm.router.shared import SharedLoad
+from routewise_vllm.router.scale.shared import SharedLoad
 
 
 class Clock:

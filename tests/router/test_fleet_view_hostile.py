@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from routewise_vllm.router.fleet_view import (MAX_FIELDS, MAX_IN_FLIGHT, MAX_ROUTERS, MAX_TOKENS, ROUTERS_KEY,
+from routewise_vllm.router.scale.fleet_view import (MAX_FIELDS, MAX_IN_FLIGHT, MAX_ROUTERS, MAX_TOKENS, ROUTERS_KEY,
                                               FleetSync, encode, load_key, parse_counts)
 from routewise_vllm.router.policy.remote_load import RemoteLoad
 from routewise_vllm.router.policy.tracking import ClusterTracker

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from routewise_vllm.router.fleet_view import FleetSync
+from routewise_vllm.router.scale.fleet_view import FleetSync
 from routewise_vllm.router.policy.remote_load import RemoteLoad
 from routewise_vllm.router.policy.tracking import ClusterTracker
 from routewise_vllm.router.policy.types import RequestInfo

@@ -11,9 +11,9 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from routewise_vllm.router import h1client
-from routewise_vllm.router.h1client import ConnectionLimit, H1Client, H1Connection
-from routewise_vllm.router.upstream import classify
+from routewise_vllm.router.http import client as h1client
+from routewise_vllm.router.http.client import ConnectionLimit, H1Client, H1Connection
+from routewise_vllm.router.http.upstream import classify
 from tests.ci import skip_or_fail
 
 CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
@@ -225,7 +225,7 @@ async def test_broken_answers_are_classified():
 
 
 async def test_a_body_nobody_reads_pauses_the_replica_and_resumes():
-    from routewise_vllm.router.h1client import HIGH_WATER
+    from routewise_vllm.router.http.client import HIGH_WATER
 
     big = b"x" * (HIGH_WATER * 3)
     server, url, _ = await serve(lambda h, b, t: t.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)))
@@ -337,10 +337,10 @@ def _random_chunked(rng: random.Random) -> bytes:
 
 
 def test_compiled_chunk_scanner_decodes_every_body_as_the_python_loop_does(monkeypatch):
-    """router._fasthttp.scan_chunks takes the common case only: with and without it, each body (canonical or not,
+    """router.http._fasthttp.scan_chunks takes the common case only: with and without it, each body (canonical or not,
     broken or not) cut anywhere decodes to the same bytes, end, failure, leftover and keep-alive."""
     if h1client.scan_chunks is None:
-        skip_or_fail("the C extension router._fasthttp is not built (no C compiler at install)")
+        skip_or_fail("the C extension router.http._fasthttp is not built (no C compiler at install)")
     rng = random.Random(7)
     compiled = h1client.scan_chunks
     differ = 0
@@ -358,7 +358,7 @@ def test_compiled_chunk_scanner_decodes_every_body_as_the_python_loop_does(monke
 
 def test_scan_chunks_takes_canonical_chunks_and_stops_at_anything_else():
     if h1client.scan_chunks is None:
-        skip_or_fail("the C extension router._fasthttp is not built (no C compiler at install)")
+        skip_or_fail("the C extension router.http._fasthttp is not built (no C compiler at install)")
     scan = h1client.scan_chunks
     assert scan(b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n", 0) == (21, b"hello world")  # stops at the last chunk
     assert scan(b"xx5\r\nhello\r\n", 2) == (12, b"hello")
@@ -390,10 +390,10 @@ def _random_response_head(rng: random.Random) -> bytes:
 
 
 def test_compiled_response_head_reads_what_it_takes_as_the_python_parse_does():
-    """router._fasthttp.response_head takes the common case: whatever it takes, parse_response_head reads the same
+    """router.http._fasthttp.response_head takes the common case: whatever it takes, parse_response_head reads the same
     (status, HTTP/1.0, headers in order); what it leaves, the Python parse decides (reads or raises)."""
     if h1client.response_head is None:
-        skip_or_fail("the C extension router._fasthttp is not built (no C compiler at install)")
+        skip_or_fail("the C extension router.http._fasthttp is not built (no C compiler at install)")
     rng = random.Random(5)
     taken = 0
     for _ in range(20000):

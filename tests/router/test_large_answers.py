@@ -21,9 +21,9 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from routewise_vllm.router.app import METRICS, REPLICAS
-from routewise_vllm.router.h1client import HIGH_WATER, H1Client
+from routewise_vllm.router.http.client import HIGH_WATER, H1Client
 from routewise_vllm.router.settings import RouterSettings
-from routewise_vllm.router.upstream import classify, make_h1_client, make_session
+from routewise_vllm.router.http.upstream import classify, make_h1_client, make_session
 from tests.fakes.scripted_replica import ScriptedReplica, chunked
 from tests.router.conftest import wait_for
 
@@ -255,7 +255,7 @@ async def test_a_client_that_stops_reading_a_stream_is_not_the_replicas_fault(fa
     """A stream the client stops reading: the router stops reading the replica (its buffer full), and once
     idle_timeout_s passes without the router taking, the upstream client drops the replica's connection (the
     replica is freed): h1client by its own read timer, aiohttp's client (which stops its read timer while paused)
-    through router/transport.py's watch. The client, reading again, gets what came before and an error event; the
+    through router/http/transport.py's watch. The client, reading again, gets what came before and an error event; the
     replica is not blamed."""
     event = b"data: " + b"x" * (MB - 8) + b"\n\n"
     replica = ScriptedReplica({"big": chunked(200, [event] * 16, [("Content-Type", "text/event-stream")])})

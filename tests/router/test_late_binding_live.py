@@ -454,7 +454,7 @@ async def test_a_replica_measured_faster_takes_more_awaiting_prefill_when_room_i
 
 
 class _Answered:
-    """A Downstream (router.transport) for calling Proxy.generate directly: records the whole answer."""
+    """A Downstream (router.http.transport) for calling Proxy.generate directly: records the whole answer."""
 
     def __init__(self, body: dict) -> None:
         self.headers: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""The lean listener (router/lean.py): plain generation requests served without aiohttp's server side, the rest of a
+"""The lean listener (router/http/server.py): plain generation requests served without aiohttp's server side, the rest of a
 connection handed to aiohttp; raw sockets, so every byte on the wire is the router's.
 
 A response written by aiohttp carries its `Server: Python/... aiohttp/...` header; the lean writer sends none, which
@@ -13,8 +13,8 @@ import random
 import pytest
 
 from routewise_vllm.router.app import PROXY, REPLICAS
-from routewise_vllm.router import lean
-from routewise_vllm.router.lean import LeanHead, parse_head, parse_plain
+from routewise_vllm.router.http import server as lean
+from routewise_vllm.router.http.server import LeanHead, parse_head, parse_plain
 from tests.ci import skip_or_fail
 from tests.router.conftest import wait_for
 
@@ -350,11 +350,11 @@ def _parsed(head: LeanHead | None):
 
 
 def test_compiled_head_parser_takes_only_what_the_python_one_takes_and_reads_it_the_same() -> None:
-    """router._fasthttp.request_head reads the common case; whatever it takes, parse_plain reads the same (chat,
+    """router.http._fasthttp.request_head reads the common case; whatever it takes, parse_plain reads the same (chat,
     headers in order, length, close), and it takes nothing parse_plain refuses; parse_head agrees with parse_plain
     on every head."""
     if lean.request_head is None:
-        skip_or_fail("the C extension router._fasthttp is not built (no C compiler at install)")
+        skip_or_fail("the C extension router.http._fasthttp is not built (no C compiler at install)")
     rng = random.Random(11)
     taken = 0
     for _ in range(20000):

@@ -8,7 +8,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
-from routewise_vllm.router.fleet_view import ROUTERS_KEY, FleetSync, load_key
+from routewise_vllm.router.scale.fleet_view import ROUTERS_KEY, FleetSync, load_key
 from routewise_vllm.router.logsafe import MAX_CHARS, safe, safe_exc
 from routewise_vllm.router.policy.remote_load import RemoteLoad
 from routewise_vllm.router.policy.tracking import ClusterTracker

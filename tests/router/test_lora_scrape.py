@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
 from routewise_vllm.router.app import REPLICAS, SCRAPER
 from routewise_vllm.router.policy.types import LoraState, RequestInfo
-from routewise_vllm.router.vllm_metrics import parse_vllm_metrics
+from routewise_vllm.router.observe.vllm_metrics import parse_vllm_metrics
 
 # vLLM 0.32 (vllm/v1/metrics/loggers.py): a new label set per stats update, set to the time; older ones stay
 PAGE = """\

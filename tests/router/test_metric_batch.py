@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, values
 
-from routewise_vllm.router.metric_batch import Batch, FlushingRegistry
+from routewise_vllm.router.observe.metric_batch import Batch, FlushingRegistry
 from routewise_vllm.router.telemetry import DECISION_BUCKETS, LATENCY_BUCKETS, RouterMetrics
 
 # bounds hit exactly, between bounds, below the first, above the last finite one, zero, negative, repeats

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from routewise_vllm.router.workers import PID_REUSE_MARGIN_S, clean_stale_metrics_dirs
+from routewise_vllm.router.scale.workers import PID_REUSE_MARGIN_S, clean_stale_metrics_dirs
 
 
 def _folder(tmp: Path, name: str, files: list[str], age_s: float) -> Path:

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from routewise_vllm.router.app import METRICS, REPLICAS, SCRAPER
-from routewise_vllm.router.vllm_metrics import MetricsParseError, parse_vllm_metrics
+from routewise_vllm.router.observe.vllm_metrics import MetricsParseError, parse_vllm_metrics
 from tests.fakes.fake_vllm import FakeVllm
 from tests.router.conftest import wait_for
 

@@ -1,7 +1,7 @@
 """Replica answers mutated at random (status lines, header bytes, framing headers, chunk framing, interim heads,
 byte flips, cuts), seeded:
 
-- fed to h1client's connection in random pieces, with and without the C fast paths (router._fasthttp): both read
+- fed to h1client's connection in random pieces, with and without the C fast paths (router.http._fasthttp): both read
   each the same (status, headers, body, failure), no exception escapes data_received, and no head it takes holds a
   control byte in a value or a status outside 200-599;
 - through the router on each transport path (lean listener or aiohttp's server side, h1client or aiohttp's
@@ -15,8 +15,8 @@ import random
 
 import pytest
 
-from routewise_vllm.router import h1client
-from routewise_vllm.router.h1client import H1Connection
+from routewise_vllm.router.http import client as h1client
+from routewise_vllm.router.http.client import H1Connection
 from tests.ci import skip_or_fail
 from tests.fakes.harness import router_apps
 from tests.fakes.scripted_replica import CLOSE, Pause, ScriptedReplica
@@ -142,7 +142,7 @@ def _read(answer: bytes, cuts: list[int]) -> tuple:
 
 def test_the_connection_reads_mutated_answers_alike_with_and_without_c_and_takes_no_control_byte(monkeypatch):
     if h1client.response_head is None or h1client.scan_chunks is None:
-        skip_or_fail("the C extension router._fasthttp is not built (no C compiler at install)")
+        skip_or_fail("the C extension router.http._fasthttp is not built (no C compiler at install)")
     rng = random.Random(50)
     compiled = h1client.response_head, h1client.scan_chunks
     kinds: dict[str, int] = {}

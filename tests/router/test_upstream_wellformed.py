@@ -13,10 +13,10 @@ import logging
 import pytest
 from multidict import CIMultiDict
 
-from routewise_vllm.router import h1client
+from routewise_vllm.router.http import client as h1client
 from routewise_vllm.router.app import METRICS, REPLICAS
-from routewise_vllm.router.h1client import H1Connection, MalformedResponse, parse_response_head
-from routewise_vllm.router.upstream import classify
+from routewise_vllm.router.http.client import H1Connection, MalformedResponse, parse_response_head
+from routewise_vllm.router.http.upstream import classify
 from tests.fakes.harness import router_apps
 from tests.fakes.scripted_replica import CLOSE, Pause, ScriptedReplica
 from tests.router.conftest import FAST, TRANSPORTS
@@ -261,7 +261,7 @@ async def test_the_session_path_checks_what_aiohttps_parser_took():
     import aiohttp
     from yarl import URL
 
-    from routewise_vllm.router.transport import SessionUpstream
+    from routewise_vllm.router.http.transport import SessionUpstream
 
     replica = ScriptedReplica({"a": [last(b"HTTP/1.1 600 X", OK_LENGTH), CLOSE],
                                "b": [last(b"HTTP/1.1 200 OK", b"X: \x01", OK_LENGTH), CLOSE],

@@ -20,8 +20,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from routewise_vllm.router.shared import SharedLoad
-from routewise_vllm.router.workers import ListenError, clean_stale_metrics_dirs, port_guard
+from routewise_vllm.router.scale.shared import SharedLoad
+from routewise_vllm.router.scale.workers import ListenError, clean_stale_metrics_dirs, port_guard
 from tests.fakes.harness import wait_router_ready
 from tests.router.test_workers import AUTH, ROOT, TOKEN, Workers, _draining, _free_port
 
@@ -137,9 +137,9 @@ async def _complete(s: aiohttp.ClientSession, url: str) -> None:
 # Workers learn of the parent's death twice: the parent-death signal (Linux) and the pipe (everywhere). This
 # prelude leaves them the pipe only, by asking prctl for an option that does not exist.
 PIPE_ONLY = """
-import routewise_vllm.router.workers
+import routewise_vllm.router.scale.workers
 from routewise_vllm import router
-router.workers.PR_SET_PDEATHSIG = -1
+router.scale.workers.PR_SET_PDEATHSIG = -1
 """
 
 
@@ -170,10 +170,10 @@ async def test_workers_exit_with_a_killed_parent_the_port_is_freed_and_the_next_
 
 
 # The fault: the first worker to parse the shared admin command naming "die-while-syncing" is SIGKILLed in
-# the middle of reading it (inside router.shared's read of the command, on its 0.1 s sync tick)
+# the middle of reading it (inside router.scale.shared's read of the command, on its 0.1 s sync tick)
 DIE_WHILE_SYNCING = """
 import json, os, signal, types
-import routewise_vllm.router.shared
+import routewise_vllm.router.scale.shared
 from routewise_vllm import router
 def _loads(raw, _real=json.loads):
     if b"die-while-syncing" in (raw if isinstance(raw, bytes) else raw.encode()):
@@ -186,7 +186,7 @@ def _loads(raw, _real=json.loads):
             os.close(fd)
             os.kill(os.getpid(), signal.SIGKILL)
     return _real(raw)
-router.shared.json = types.SimpleNamespace(dumps=json.dumps, loads=_loads)
+router.scale.shared.json = types.SimpleNamespace(dumps=json.dumps, loads=_loads)
 """
 
 

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from routewise_vllm.router.policy.types import RequestInfo
-from routewise_vllm.router.shared import SharedClusterTracker, SharedLoad
+from routewise_vllm.router.scale.shared import SharedClusterTracker, SharedLoad
 from tests.ci import require_compiled_views
 from tests.fakes.harness import wait_router_ready
 from tests.router.conftest import wait_for
@@ -29,14 +29,14 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["C", "numpy"])
 def test_a_dispatch_by_one_worker_is_in_the_other_workers_view(compiled, monkeypatch):
-    import routewise_vllm.router.shared
+    import routewise_vllm.router.scale.shared
     from routewise_vllm import router
 
     if compiled:
         require_compiled_views()
-        assert router.shared._compiled is not None
+        assert router.scale.shared._compiled is not None
     else:
-        monkeypatch.setattr(router.shared, "_compiled", None)
+        monkeypatch.setattr(router.scale.shared, "_compiled", None)
     load = SharedLoad(2)
     try:
         a, b = SharedClusterTracker(load, 0), SharedClusterTracker(load, 1)

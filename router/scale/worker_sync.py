@@ -1,5 +1,5 @@
 """What one worker of `router serve --workers N` repeats from the others: drain/restore and admin policy
-reloads (router.shared holds them). Every worker runs `follow_workers` every `interval_s`."""
+reloads (router.scale.shared holds them). Every worker runs `follow_workers` every `interval_s`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 
 from routewise_vllm.router.replicas import ReplicaSet
 from routewise_vllm.router.serving.reload import PolicyReloader
-from routewise_vllm.router.shared import SharedLoad
+from routewise_vllm.router.scale.shared import SharedLoad
 
 log = logging.getLogger("router.worker_sync")
 

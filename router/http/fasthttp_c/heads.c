@@ -1,5 +1,5 @@
-/* router._fasthttp.request_head and response_head: the common case of the heads the lean listener and the lean
-client read (router/lean.py's parse_head and router/h1client.py's response head parse are the reference).
+/* router.http._fasthttp.request_head and response_head: the common case of the heads the lean listener and the lean
+client read (router/http/server.py's parse_head and router/http/client.py's response head parse are the reference).
 
 request_head(head) -> (chat, [(name, value)], content_length, close), or None
     `head`: the request line and header lines without the blank line. Takes only a plain generation request in the
@@ -22,8 +22,8 @@ one call. */
 
 #include <string.h>
 
-#define MAX_LINES 101 /* router.lean.MAX_HEADERS + the request line */
-#define MAX_RESPONSE_LINES 100 /* router.h1client.MAX_RESPONSE_HEADERS */
+#define MAX_LINES 101 /* router.http.server.MAX_HEADERS + the request line */
+#define MAX_RESPONSE_LINES 100 /* router.http.client.MAX_RESPONSE_HEADERS */
 
 static unsigned char token_char[256], value_char[256];
 

@@ -1,4 +1,4 @@
-/* router._fasthttp.scan_chunks: a chunked body's common case (router/h1client.py keeps the reference).
+/* router.http._fasthttp.scan_chunks: a chunked body's common case (router/http/client.py keeps the reference).
 
 scan_chunks(data, pos) -> (pos, payload)
     From `pos`, at the start of a chunk-size line of a chunked body, takes every complete chunk in the canonical

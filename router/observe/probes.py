@@ -13,8 +13,8 @@ from routewise_vllm.router.endpoints import ENDPOINTS
 from routewise_vllm.router.errors import BadRequest, error_response
 from routewise_vllm.router.paths import GENERATION_PATHS, PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
 from routewise_vllm.router.proxy import Proxy
-from routewise_vllm.router.transport import refuse
-from routewise_vllm.router.upstream import classify, request_headers, response_headers
+from routewise_vllm.router.http.transport import refuse
+from routewise_vllm.router.http.upstream import classify, request_headers, response_headers
 
 POST_ONLY = frozenset((*GENERATION_PATHS, *ENDPOINTS))  # the paths the router routes: POST only, as on vLLM
 

@@ -1,10 +1,10 @@
 """The proxy's two sides, one interface each, so `Proxy` reads the same code whichever transport carries a request.
 
 Downstream, a generation request whose body is in hand (`Downstream`): the lean listener's `LeanRequest`
-(router/lean.py) or `AiohttpRequest` here, around aiohttp's web.Request. Each answers with `respond` (a whole
+(router/http/server.py) or `AiohttpRequest` here, around aiohttp's web.Request. Each answers with `respond` (a whole
 answer), `stream` (a chunked one, written with `write` / `write_eof`) or `refuse` (a 4xx from the router).
 
-Upstream, a replica's answer (`UpstreamResponse`): h1client's H1Response or aiohttp's ClientResponse, which
+Upstream, a replica's answer (`UpstreamResponse`): the lean client's H1Response or aiohttp's ClientResponse, which
 already read alike (status, headers, a body read with readany / read_nowait / at_eof, read, release, close). An
 `Upstream` sends a request: `H1Upstream` with the lean client (plain http only), `SessionUpstream` with aiohttp's.
 `upstreams` picks one per URL scheme from the settings, so a request costs a dict lookup, no branch.
@@ -26,7 +26,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from routewise_vllm.router.errors import BadRequest
-from routewise_vllm.router.h1client import H1Client, MalformedResponse, ReaderTimeoutError, check_fields, check_status
+from routewise_vllm.router.http.client import H1Client, MalformedResponse, ReaderTimeoutError, check_fields, check_status
 
 
 class StreamOut(Protocol):
@@ -85,7 +85,7 @@ class Upstream(Protocol):
 
 
 class H1Upstream:
-    """router.h1client's pools (plain http only)."""
+    """router.http.client's pools (plain http only)."""
 
     __slots__ = ("_client",)
 
@@ -100,7 +100,7 @@ class H1Upstream:
 
 
 class SessionUpstream:
-    """aiohttp's ClientSession (http and https). Each head is held to h1client's rules (`_checked`: aiohttp's lax
+    """aiohttp's ClientSession (http and https). Each head is held to the lean client's rules (`_checked`: aiohttp's lax
     parser takes statuses 000-999, 101, control bytes in values, any Transfer-Encoding) and due within
     idle_timeout_s in total (aiohttp's read timeout restarts at each interim head), and each response is watched
     while the router does not take its data (`_Watched`)."""
@@ -131,7 +131,7 @@ async def _checked(sent: Awaitable[aiohttp.ClientResponse], idle_timeout_s: floa
 
 
 class _Watched:
-    """aiohttp's ClientResponse, with h1client's rule for a reader that stops taking (a client that stopped reading
+    """aiohttp's ClientResponse, with the lean client's rule for a reader that stops taking (a client that stopped reading
     a stream): data waits untaken for idle_timeout_s, the replica's connection is dropped (the replica is freed)
     and the next read raises ReaderTimeoutError, which does not blame the replica. aiohttp's own read timeout
     cannot do it: its protocol stops that timer while its buffer is full and reading is paused. One timer per

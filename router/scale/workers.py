@@ -2,7 +2,7 @@
 
 The parent binds one SO_REUSEPORT listening socket per worker (so a port in use fails once, in the
 parent, and the kernel spreads new connections evenly over the workers by hash; one shared socket lets
-the busiest-awake worker accept nearly all of them), creates the shared in-flight load (router.shared)
+the busiest-awake worker accept nearly all of them), creates the shared in-flight load (router.scale.shared)
 and the prometheus_client multiprocess directory, then forks the workers, each running the ordinary app
 on its own sockets. A restarted worker's socket stays open in the parent, so its backlog waits for it.
 Every worker probes and scrapes the replicas itself: that keeps each worker's health, breaker and scrape
@@ -219,7 +219,7 @@ def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> in
         from prometheus_client import values
 
         values.ValueClass = values.get_value_class()
-    from routewise_vllm.router.shared import SharedLoad
+    from routewise_vllm.router.scale.shared import SharedLoad
 
     load = SharedLoad(settings.workers)
     parent = os.getpid()

@@ -26,11 +26,11 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from yarl import URL
 
-from routewise_vllm.router.kv_wire import END_SEQ, BadBatch, decode_frames, decode_payload
+from routewise_vllm.router.kv.wire import END_SEQ, BadBatch, decode_frames, decode_payload
 from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.policy.kv_view import EVENT_KINDS, IGNORED_REASONS, KVView
 from routewise_vllm.router.policy.tracking import MATCH_SOURCES
-from routewise_vllm.router.prompt_tokens import LocalTokenizer, PromptBlocks
+from routewise_vllm.router.kv.prompt_tokens import LocalTokenizer, PromptBlocks
 
 log = logging.getLogger("router.kv_events")
 

@@ -1,8 +1,8 @@
-/* router._fasthttp: the lean HTTP/1.1 listener's and client's hot loops in C. Each function takes the common case
+/* router.http._fasthttp: the lean HTTP/1.1 listener's and client's hot loops in C. Each function takes the common case
 only and answers None (or takes nothing) for anything else, which the Python code it stands beside then decides:
 that code stays the one definition of every case, and a differential test holds the two together.
-Sources: module.c (the method table), chunks.c (router/h1client.py's chunked bodies), heads.c (router/lean.py's
-request heads, router/h1client.py's response heads). */
+Sources: module.c (the method table), chunks.c (router/http/client.py's chunked bodies), heads.c (router/http/server.py's
+request heads, router/http/client.py's response heads). */
 #ifndef FASTHTTP_H
 #define FASTHTTP_H
 #define PY_SSIZE_T_CLEAN

@@ -10,7 +10,7 @@ import aiohttp
 from aiohttp import http_exceptions
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from routewise_vllm.router.h1client import MALFORMED_REASONS, H1Client, MalformedResponse, UpstreamConnectError
+from routewise_vllm.router.http.client import MALFORMED_REASONS, H1Client, MalformedResponse, UpstreamConnectError
 from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.settings import RouterSettings, replica_tls_context
 
@@ -65,7 +65,7 @@ class UpstreamError(Exception):
 
 
 def classify(exc: BaseException) -> str:
-    """The `kind` label of an upstream failure. `malformed`: an answer that is not well-formed HTTP (h1client's
+    """The `kind` label of an upstream failure. `malformed`: an answer that is not well-formed HTTP (the lean client's
     MalformedResponse, or a head aiohttp's parser refused), which no request can make a sound replica send."""
     if isinstance(exc, (MalformedResponse, aiohttp.ClientResponseError)):
         return "malformed"
@@ -79,7 +79,7 @@ def classify(exc: BaseException) -> str:
 
 
 def malformed_reason(exc: BaseException) -> str:
-    """The `reason` label (h1client.MALFORMED_REASONS) of a `malformed` failure."""
+    """The `reason` label (client.MALFORMED_REASONS) of a `malformed` failure."""
     if isinstance(exc, MalformedResponse):
         return exc.reason
     # aiohttp's C parser raises a plain HttpProcessingError: its message's first words tell what it refused (what

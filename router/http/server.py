@@ -9,7 +9,7 @@ plain) hands the connection, with every byte not yet consumed, to aiohttp's Guar
 unusual request keeps aiohttp's handling and error shapes. The proxy's start (parse, decide, and on an idle
 kept-alive connection the send upstream) runs inside data_received; the request's task, which waits for the
 answer, runs after it. Limits are the router's: header_timeout_s, max_header_bytes (a 431), body_timeout_s (a 408),
-keepalive_timeout_s, the listener's connection caps (router.connections: a connection it does not admit as is goes to
+keepalive_timeout_s, the listener's connection caps (router.http.connections: a connection it does not admit as is goes to
 aiohttp at once, which refuses it or serves it a probe slot); a client that disconnects cancels its request (as
 aiohttp's handler_cancellation); the drain waits for a request in progress like aiohttp's does.
 """
@@ -29,11 +29,11 @@ from aiohttp import web
 from aiohttp.tcp_helpers import tcp_nodelay
 from multidict import CIMultiDict
 
-from routewise_vllm.router.connections import ADMITTED, peer_address
+from routewise_vllm.router.http.connections import ADMITTED, peer_address
 from routewise_vllm.router.errors import BadRequest, error_response
 
-try:  # the head's common case in C (router/fasthttp_c); without a C compiler, parse_plain alone
-    from routewise_vllm.router._fasthttp import request_head
+try:  # the head's common case in C (router/http/fasthttp_c); without a C compiler, parse_plain alone
+    from routewise_vllm.router.http._fasthttp import request_head
 except ImportError:
     request_head = None
 
@@ -67,7 +67,7 @@ class LeanHead:
 
 def parse_head(head: bytes) -> LeanHead | None:
     """The head (request line and header lines, without the blank line) of a plain generation request, or None
-    for anything this parser leaves to aiohttp. The common case is read in C (router._fasthttp.request_head, when
+    for anything this parser leaves to aiohttp. The common case is read in C (router.http._fasthttp.request_head, when
     built); `parse_plain` defines every case."""
     fast = request_head(head) if request_head is not None else None
     if fast is not None:
@@ -141,7 +141,7 @@ def _header_bytes(headers: Any) -> list[bytes]:
 
 class LeanRequest:
     """What the Proxy reads of a request served here: its headers, the client's address and the whole body, and
-    how to answer it (router.transport.Downstream)."""
+    how to answer it (router.http.transport.Downstream)."""
 
     __slots__ = ("headers", "remote", "body", "_conn")
 
@@ -234,7 +234,7 @@ class LeanConnection(asyncio.Protocol):
     def __init__(self, server: Any, generate: Callable[[LeanRequest, bool], Awaitable[web.StreamResponse]],
                  limits: tuple[float, float, float], aiohttp_handler: Callable[[str], asyncio.Protocol],
                  max_body: int) -> None:
-        self._server = server  # router.listener.GuardedServer: connections are registered there (drain, caps)
+        self._server = server  # router.http.listener.GuardedServer: connections are registered there (drain, caps)
         self._conns = server.conns  # the listener's ClientConnections
         self._max_head = server.max_header_bytes
         self._admission = ADMITTED

@@ -29,8 +29,8 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-try:  # the chunked-body loop's and the head's common case in C (router/fasthttp_c); without a C compiler, Python alone
-    from routewise_vllm.router._fasthttp import response_head, scan_chunks
+try:  # the chunked-body loop's and the head's common case in C (router/http/fasthttp_c); without a C compiler, Python alone
+    from routewise_vllm.router.http._fasthttp import response_head, scan_chunks
 except ImportError:
     response_head = scan_chunks = None
 
@@ -422,7 +422,7 @@ class H1Connection(asyncio.Protocol):
 
 def parse_response_head(head: bytes) -> tuple[int, bool, CIMultiDict[str]]:
     """(status, HTTP/1.0, headers) of a response head without its blank line; raises MalformedResponse. The common
-    case is read in C (router._fasthttp.response_head, when built); this defines every case."""
+    case is read in C (router.http._fasthttp.response_head, when built); this defines every case."""
     lines = head.split(b"\r\n")
     if len(lines) > MAX_RESPONSE_HEADERS + 1:
         raise MalformedResponse("too_many_headers", f"more than {MAX_RESPONSE_HEADERS} header lines")

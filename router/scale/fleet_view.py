@@ -14,7 +14,7 @@ decides on its own, as without shared state), counts llm_router_shared_state_err
 episode; ticks go on with a backoff up to 1 s until Redis answers. llm_router_shared_state_age_seconds is the
 age of the others' counts in use. No request ever waits for Redis.
 
-With `--workers N` the host's workers already share their counts (router.shared): worker 0 publishes the
+With `--workers N` the host's workers already share their counts (router.scale.shared): worker 0 publishes the
 host's sums under the host's id, which every worker of the host shares (the parent sets it before forking), and
 each worker reads the other hosts only. One writer per host keeps Redis's load per host that of one router, and
 a restarted worker 0 publishes under the same id, so the host's share never counts twice.
@@ -42,8 +42,8 @@ from prometheus_client import Counter, Gauge, CollectorRegistry
 from routewise_vllm.router.logsafe import safe, safe_exc
 from routewise_vllm.router.policy.remote_load import SHARED_FIELDS, ZERO, Counts, RemoteLoad, own_counts
 from routewise_vllm.router.settings import redact_url
-from routewise_vllm.router.shared import FIELDS as HOST_FIELDS
-from routewise_vllm.router.shared import SharedClusterTracker, SharedReplicaTracker
+from routewise_vllm.router.scale.shared import FIELDS as HOST_FIELDS
+from routewise_vllm.router.scale.shared import SharedClusterTracker, SharedReplicaTracker
 
 log = logging.getLogger("router.fleet_view")
 
@@ -306,7 +306,7 @@ class FleetState:
 
 
 class FleetSharedClusterTracker(SharedClusterTracker):
-    """`--workers N` with shared state: views read the host's sums (router.shared) plus the other hosts' (the
+    """`--workers N` with shared state: views read the host's sums (router.scale.shared) plus the other hosts' (the
     fleet view's latest), added at each refresh."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -2,12 +2,12 @@
 
 - `RouterRunner` (use it instead of `web.AppRunner`) makes every connection a `GuardedHandler`:
   request line and headers must arrive within header_timeout_s (slow-loris) and fit in max_header_bytes (else a
-  431), connections are admitted by the listener's `ClientConnections` (router.connections: a cap derived from
+  431), connections are admitted by the listener's `ClientConnections` (router.http.connections: a cap derived from
   the open-file limit, a per-client cap, idle ones closed first, probe slots for /health and /ready at the cap),
   and malformed HTTP gets a 400 in the OpenAI error shape with one log line (aiohttp logs a traceback and
   answers in plain text).
 - With a Proxy given and settings.lean_listener on, every connection starts on the lean listener
-  (router.lean: the generation endpoints without aiohttp's server side) and is handed to a GuardedHandler
+  (router.http.server: the generation endpoints without aiohttp's server side) and is handed to a GuardedHandler
   at its first request that is not a plain generation request.
 - `openai_errors` (a middleware) turns aiohttp's own HTTP errors (404, 405, 413, ...) into the same shape.
 """
@@ -24,11 +24,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from routewise_vllm.router.connections import (ADMITTED, GLOBAL_CAP, OPS_CAP, PER_CLIENT_CAP, PROBE, PROBE_HEADER_TIMEOUT_S,
+from routewise_vllm.router.http.connections import (ADMITTED, GLOBAL_CAP, OPS_CAP, PER_CLIENT_CAP, PROBE, PROBE_HEADER_TIMEOUT_S,
                                 PROBE_PATHS, PROBE_SLOTS, ClientConnections, connection_caps, head_too_large,
                                 peer_address, raise_open_file_limit)
 from routewise_vllm.router.errors import error_body, error_response
-from routewise_vllm.router.lean import LeanConnection
+from routewise_vllm.router.http.server import LeanConnection
 from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.settings import RouterSettings
 
@@ -244,7 +244,7 @@ class RouterRunner(web.AppRunner):
     """An AppRunner whose connections are GuardedHandlers, limited by the settings' header_timeout_s,
     max_header_bytes and connection caps; with `proxy` (and settings.lean_listener on, settings.access_log off:
     the lean listener writes no access log) they start on the lean listener. Its construction raises the soft
-    open-file limit to the hard one and derives the caps from it (router.connections); without a proxy (the ops
+    open-file limit to the hard one and derives the caps from it (router.http.connections); without a proxy (the ops
     listener) the cap is OPS_CAP. Refusals are counted in `metrics` (default: the proxy's)."""
 
     def __init__(self, app: web.Application, *, settings: RouterSettings, proxy: Proxy | None = None,

@@ -18,7 +18,7 @@ import aiohttp
 from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.replicas import Replica, ReplicaSet
 from routewise_vllm.router.telemetry import RouterMetrics
-from routewise_vllm.router.vllm_metrics import REQUIRED, MetricsParseError, VllmStats, parse_vllm_metrics
+from routewise_vllm.router.observe.vllm_metrics import REQUIRED, MetricsParseError, VllmStats, parse_vllm_metrics
 
 log = logging.getLogger("router.scraper")
 
