@@ -30,7 +30,7 @@ from routewise_vllm.router.kv.wire import END_SEQ, BadBatch, decode_frames, deco
 from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.policy.kv_view import EVENT_KINDS, IGNORED_REASONS, KVView
 from routewise_vllm.router.policy.tracking import MATCH_SOURCES
-from routewise_vllm.router.kv.prompt_tokens import LocalTokenizer, PromptBlocks
+from routewise_vllm.router.kv.prompt_tokens import BLOCK_SOURCES, LocalTokenizer, PromptBlocks
 
 log = logging.getLogger("router.kv_events")
 
@@ -131,9 +131,10 @@ class KVEvents:
         self._lora_models: frozenset[str] | None = None
         self._lora: dict[str, str] = {}
         self.tokenize_seconds = Histogram(
-            "llm_router_tokenize_seconds", "Time to tokenize a request's prompt prefix for the KV view: with the "
-            "router's own tokenizer (source local, on the request path) or a replica's /tokenize (replica, in the "
-            "background).", ["source"], buckets=TOKENIZE_BUCKETS, registry=registry)
+            "llm_router_tokenize_seconds", "Time to tokenize a request's prompt prefix for the KV view, in the "
+            "background (requests meanwhile decide on a shorter cached prefix or the estimate): with the router's "
+            "own tokenizer (source local) or a replica's /tokenize (replica).", ["source"], buckets=TOKENIZE_BUCKETS,
+            registry=registry)
         local = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
         self.prompt_blocks = PromptBlocks(self.view.block_size, local, None if local else self._tokenize,
                                           lambda source, s: self.tokenize_seconds.labels(source).observe(s))
@@ -402,6 +403,11 @@ class KVCollector:
                         "guessed).", labels=["source"]),
             "unknown": c("llm_router_kv_events_unknown_topic", "KV event messages on the bound socket whose topic "
                          "names no replica."),
+            "blocks_source": c("llm_router_prompt_blocks", "Requests by where their prompt's token blocks came from: "
+                               "cached (its longest prefix tokenized before), prefix (a shorter cached prefix; the "
+                               "longer one tokenized in the background), estimate (nothing cached yet: the character "
+                               "estimate, the prefix tokenized in the background), ids (the request sent token ids).",
+                               labels=["source"]),
         }
 
     def collect(self):
@@ -426,4 +432,7 @@ class KVCollector:
         for name, n in zip(MATCH_SOURCES, kv.replicas.cluster.match_sources):
             source.add_metric([name], n)
         unknown.add_metric([], kv.unknown_topics)
-        yield from (events, ignored, gaps, replays, dropped, blocks, age, fresh, source, unknown)
+        blocks_source = f["blocks_source"]
+        for name in BLOCK_SOURCES:
+            blocks_source.add_metric([name], kv.prompt_blocks.sources.get(name, 0))
+        yield from (events, ignored, gaps, replays, dropped, blocks, age, fresh, source, unknown, blocks_source)

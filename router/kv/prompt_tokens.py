@@ -1,11 +1,15 @@
 """A request's prefix blocks from its token ids, as the replica will tokenize it, for the KV view to match.
 
-Two sources of token ids, both cached by prompt prefix (a bounded LRU), so a system prompt is tokenized once:
+Two sources of token ids, both cached by prompt prefix (a bounded LRU), so a system prompt is tokenized once, and
+both off the request path: a request whose prefix is not cached yet decides on the longest shorter prefix that is,
+or on the character estimate, while its prefix is tokenized in the background for the next request that shares it.
 - `LocalTokenizer` (`--tokenizer PATH`): the model's tokenizer.json with the HF `tokenizers` library, and its chat
   template rendered with jinja2 as transformers' `apply_chat_template(add_generation_prompt=True)` does, which is
-  what vLLM tokenizes (completions with the tokenizer's special tokens, chat without: the template has them).
-- a replica's `POST /tokenize` (no tokenizer configured): asked once per distinct prefix, off the request path; the
-  first request with a new prefix keeps the character estimate while the answer is fetched.
+  what vLLM tokenizes (completions with the tokenizer's special tokens, chat without: the template has them). A
+  miss is tokenized on one background thread (`encode_batch` releases the GIL, so the event loop runs meanwhile),
+  at most MAX_QUEUED prefixes waiting; its result is picked up by the next request.
+- a replica's `POST /tokenize` (no tokenizer configured): asked once per distinct prefix, at most max_fetches at once.
+Where each request's blocks came from is counted (`sources`: cached, prefix, estimate, ids).
 
 The prefix: for a text prompt (or a chat request's rendered text), its first 2^k * 512 characters, cut before a
 space (a word's tokens do not depend on what follows it), the last token dropped (the cut's own token may merge
@@ -18,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +36,10 @@ log = logging.getLogger("router.prompt_tokens")
 MIN_PREFIX_CHARS = 512
 MAX_PREFIX_CHARS = 1 << 17
 MAX_TOKEN_BLOCKS = 1024
+MAX_QUEUED = 16  # local tokenizations waiting for the background thread; more misses keep the estimate
+# Where a request's prefix blocks came from: its longest prefix cached, a shorter cached prefix, nothing cached (the
+# character estimate), or the token ids the request sent
+BLOCK_SOURCES = ("cached", "prefix", "estimate", "ids")
 
 
 def prefix_cuts(n_chars: int) -> list[int]:
@@ -72,6 +82,10 @@ class LocalTokenizer:
 
     def completion_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+
+    def completion_ids_nogil(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """As completion_ids, with the GIL released while it tokenizes (for a background thread)."""
+        return self.tokenizer.encode_batch([prompt], add_special_tokens=add_special_tokens)[0].ids
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if self.template is None:
@@ -139,13 +153,15 @@ class _LRU:
 
 
 class PromptBlocks:
-    """`of(body, chat)` -> the request's TokenBlocks, or None (use the character estimate)."""
+    """`of(body, chat)` -> the request's TokenBlocks, or None (use the character estimate). Never tokenizes a new
+    prefix on the caller's path: see the module's docstring."""
 
     def __init__(self, block_size: Callable[[], int | None], local: LocalTokenizer | None = None,
                  fetch: Callable[[str | None, dict], Any] | None = None, observe: Callable[[str, float], None] | None = None,
-                 max_entries: int = 4096, max_fetches: int = 4) -> None:
+                 max_entries: int = 4096, max_fetches: int = 4, max_queued: int = MAX_QUEUED) -> None:
         """block_size: the replicas' KV block size (None while unknown). fetch(model, body) -> awaitable token ids of
-        one /tokenize body (a replica's), or None. observe(source, seconds): tokenizer latency."""
+        one /tokenize body (a replica's), or None. observe(source, seconds): tokenizer latency (called from the
+        background thread for source local)."""
         self.block_size = block_size
         self.local = local
         self.fetch = fetch
@@ -153,10 +169,18 @@ class PromptBlocks:
         self.cache = _LRU(max_entries)
         self.max_fetches = max_fetches
         self.fetching: dict[Any, asyncio.Task] = {}
+        self.max_queued = max_queued
+        self.queued: set[Any] = set()  # local tokenizations submitted, not yet picked up (the request path's only)
+        self.done: deque = deque()  # (key, ids or None) from the background thread: appended there, drained here
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.sources: Counter = Counter()
         self.misses = 0
         self.hits = 0
 
     def of(self, body: dict, chat: bool) -> TokenBlocks | None:
+        if self.done:
+            self._pick_up()
         bs = self.block_size()
         if bs is None:
             return None
@@ -177,28 +201,31 @@ class PromptBlocks:
                 return None
             if self.local is not None:
                 kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
-                t0 = time.perf_counter()
                 text = self.local.render_chat(messages, bool(body.get("add_generation_prompt", True)), **kwargs)
-                self.observe("local", time.perf_counter() - t0)
                 return self._text_ids(text, bool(body.get("add_special_tokens", False)), model)
             if len(messages) < 2:
                 return None
             key = ("chat", model, json.dumps(messages[:-1], sort_keys=True, default=str))
             ids = self.cache.get(key)
             if ids is None:
+                self.sources["estimate"] += 1
                 self._miss(key, model, {"messages": messages[:-1], "add_generation_prompt": False})
+            else:
+                self.sources["cached"] += 1
             return ids
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            self.sources["ids"] += 1
             return prompt  # token ids: exact
         if not isinstance(prompt, str):
             return None
         return self._text_ids(prompt, bool(body.get("add_special_tokens", True)), model)
 
     def _text_ids(self, text: str, special: bool, model: str | None) -> list[int] | None:
-        """The token ids of the longest cached prefix of `text`; a miss tokenizes (local) or asks a replica."""
+        """The token ids of the longest cached prefix of `text`; the longest prefix, when not cached, is tokenized
+        (local) or asked of a replica in the background."""
         if len(text) <= MIN_PREFIX_CHARS:
             cuts = [len(text)]
         else:
@@ -210,12 +237,12 @@ class PromptBlocks:
             ids = self.cache.get(key)
             if ids is not None:
                 self.hits += 1
+                self.sources["cached" if i == 0 else "prefix"] += 1
                 if i > 0:  # a longer prefix is new: learn it for the next request that shares it
                     self._learn(cuts[0], text, special, model)
                 return ids
         self.misses += 1
-        if self.local is not None:
-            return self._tokenize_local(text, cuts[0], special, model)
+        self.sources["estimate"] += 1
         self._learn(cuts[0], text, special, model)
         if len(cuts) > 1:
             self._learn(cuts[1], text, special, model)
@@ -224,21 +251,56 @@ class PromptBlocks:
     def _trim(self, ids: list[int], whole: bool) -> list[int]:
         return ids if whole else ids[:-1]
 
-    def _tokenize_local(self, text: str, cut: int, special: bool, model: str | None) -> list[int]:
-        t0 = time.perf_counter()
-        ids = self._trim(self.local.completion_ids(text[:cut], special), cut == len(text))  # type: ignore[union-attr]
-        self.observe("local", time.perf_counter() - t0)
-        self.cache.put(("text", model, special, text[:cut]), ids)
-        return ids
-
     def _learn(self, cut: int, text: str, special: bool, model: str | None) -> None:
         key = ("text", model, special, text[:cut])
         if self.local is not None:
-            if self.cache.get(key) is None:
-                self._tokenize_local(text, cut, special, model)
+            self._submit(key, text[:cut], special, whole=cut == len(text))
             return
         self._miss(key, model, {"prompt": text[:cut], "add_special_tokens": special}, whole=cut == len(text))
 
+    # ---- the local tokenizer, on a background thread
+    def _submit(self, key: Any, text: str, special: bool, whole: bool) -> None:
+        if key in self.queued or len(self.queued) >= self.max_queued:
+            return  # already on its way, or too many waiting: a later request asks again
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+            pool = self._pool
+        self.queued.add(key)
+        try:
+            pool.submit(self._tokenize_local, key, text, special, whole)
+        except RuntimeError:  # shut down
+            self.queued.discard(key)
+
+    def _tokenize_local(self, key: Any, text: str, special: bool, whole: bool) -> None:
+        ids = None
+        try:
+            t0 = time.perf_counter()
+            ids = self._trim(self.local.completion_ids_nogil(text, special), whole)  # type: ignore[union-attr]
+            self.observe("local", time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - the estimate stays; asked again by a later request
+            log.debug("tokenizing failed: %r", e)
+        self.done.append((key, ids))
+
+    def _pick_up(self) -> None:
+        """Results of the background thread into the cache (the cache is touched by the request path only)."""
+        done = self.done
+        while done:
+            key, ids = done.popleft()
+            self.queued.discard(key)
+            if ids:
+                self.cache.put(key, ids)
+
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait until every queued tokenization has finished and is in the cache (tests and benches)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._pick_up()
+            if not self.queued or time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+
+    # ---- a replica's /tokenize, as an asyncio task
     def _miss(self, key: Any, model: str | None, body: dict, whole: bool = False) -> None:
         """Ask a replica in the background, at most max_fetches at once (others wait for a later request)."""
         if self.fetch is None or key in self.fetching or len(self.fetching) >= self.max_fetches:
@@ -266,3 +328,5 @@ class PromptBlocks:
         for t in list(self.fetching.values()):
             t.cancel()
         await asyncio.gather(*self.fetching.values(), return_exceptions=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

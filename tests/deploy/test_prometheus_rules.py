@@ -44,7 +44,7 @@ NOT_ON_DASHBOARD = {
         "llm_router_kv_events_total", "llm_router_kv_events_ignored_total", "llm_router_kv_event_gaps_total",
         "llm_router_kv_event_replays_total", "llm_router_kv_view_dropped_blocks_total", "llm_router_kv_view_blocks",
         "llm_router_kv_view_age_seconds", "llm_router_kv_events_unknown_topic_total",
-        "llm_router_prefix_match_source_total", "llm_router_tokenize_seconds")},
+        "llm_router_prefix_match_source_total", "llm_router_tokenize_seconds", "llm_router_prompt_blocks_total")},
 }
 
 
