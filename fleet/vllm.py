@@ -194,6 +194,34 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The loopback or wildcard TCP ports process `pid` itself listens on (its own sockets, read from /proc): how a
+    server started with `--port 0` is found, with no port picked beforehand for another program to take."""
+    inodes = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return set()
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()  # sl local_address rem_address st ... uid timeout inode
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _group_pids(pgid: int) -> list[int]:
     """The non-zombie processes of a process group (zombies may linger under a non-reaping PID 1)."""
     pids = []
@@ -241,7 +269,8 @@ def log_tail(path: Path, n_lines: int) -> str:
 
 @dataclass
 class VllmServer:
-    """One vLLM API server process group on 127.0.0.1."""
+    """One vLLM API server process group on 127.0.0.1. Started with `--port 0`, its port is 0 until `wait_healthy`
+    reads the one the server bound."""
 
     port: int
     process: subprocess.Popen
@@ -268,14 +297,21 @@ class VllmServer:
             return False
 
     def wait_healthy(self, deadline: float) -> None:
-        """Poll /health until it answers 200; raise with the log tail if the process exits or the deadline passes."""
+        """Poll /health until it answers 200; raise with the log tail if the process exits or the deadline passes.
+        A server started on port 0 is found first: the port its API server process listens on."""
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"vLLM server on port {self.port} exited with rc={self.process.returncode} during startup; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
-            if self.healthy():  # its engine is up: remember its shared memory, in case it is killed later
+            if self.port == 0:
+                ports = listening_ports(self.process.pid)
+                if len(ports) > 1:
+                    raise RuntimeError(f"vLLM server (pid {self.process.pid}) listens on several ports {sorted(ports)}: "
+                                       "which one serves HTTP is unknown; give it a port")
+                self.port = ports.pop() if ports else 0
+            if self.port and self.healthy():  # its engine is up: remember its shared memory, in case it is killed later
                 self.segments = self.shared_memory()
                 return
             if time.monotonic() > deadline:
@@ -366,7 +402,8 @@ def launch_server(
     core: int,
     extra_args: list[str] | tuple[str, ...] = (),
 ) -> VllmServer:
-    """Start one server (does not wait for it), confined to CPU `core` with all its processes.
+    """Start one server (does not wait for it), confined to CPU `core` with all its processes. Port 0: the server
+    binds a free one, which `wait_healthy` reads (no port picked here for another program to take first).
 
     Later flags in extra_args override BASE_SERVER_ARGS. VLLM_CPU_OMP_THREADS_BIND pins only the Worker; the
     EngineCore busy-waits on the Worker's results (sched_yield spin, vLLM's shm_broadcast) on any free core, and on
@@ -374,6 +411,8 @@ def launch_server(
     (a /health ping took 27 s). Set before the API server spawns anything, so its EngineCore and Worker inherit it.
     """
     log_path = work_dir / f"vllm-{port}.log"
+    if not port:  # named before the port is known: the first free vllm-port0-N.log
+        log_path = next(p for i in range(1, 10_000) if not (p := work_dir / f"vllm-port0-{i}.log").exists())
     args = [
         str(python), "-m", API_SERVER_MODULE, "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), *BASE_SERVER_ARGS, *extra_args,
@@ -401,7 +440,7 @@ def start_servers(
     """Start n servers together and wait until all are healthy; on any failure stop every one and raise.
 
     extra_args: one list applied to every server, or a list of n lists (one per server).
-    base_port: ports base_port..base_port+n-1; None picks free ports.
+    base_port: ports base_port..base_port+n-1; None: each server binds a free one (`--port 0`).
     cores: the CPUs to put servers on, one each in turn (default: every CPU this process may use).
     """
     if extra_args is None:
@@ -412,7 +451,7 @@ def start_servers(
         per_server = [list(a) for a in extra_args]
     else:
         per_server = [list(extra_args) for _ in range(n)]
-    ports = free_ports(n) if base_port is None else [base_port + i for i in range(n)]
+    ports = [0] * n if base_port is None else [base_port + i for i in range(n)]
     cores = list(cores) if cores else cpu_ids()
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -429,8 +468,9 @@ def start_servers(
     return servers
 
 
-def stop_servers(servers: list[VllmServer]) -> None:
-    """Stop all servers: SIGTERM every group first so they shut down in parallel, then wait for each."""
+def stop_servers(servers: list[VllmServer], grace_s: float = 20.0) -> None:
+    """Stop all servers: SIGTERM every group first so they shut down in parallel, then wait for each (SIGKILL after
+    grace_s: a server with requests in flight waits for them to finish before it exits on SIGTERM)."""
     segments = [server.shared_memory() for server in servers]
     for server in servers:
         try:
@@ -438,7 +478,7 @@ def stop_servers(servers: list[VllmServer]) -> None:
         except ProcessLookupError:
             pass
     for server, mapped in zip(servers, segments):
-        server.stop(segments=mapped)
+        server.stop(grace_s=grace_s, segments=mapped)
 
 
 def _main(argv: list[str]) -> int:

@@ -38,7 +38,6 @@ from routewise_vllm.fleet.vllm import (
     TINY_MODEL_MAX_POSITIONS,
     VllmServer,
     _group_alive,
-    free_ports,
     launch_server,
 )
 
@@ -121,10 +120,10 @@ def extra_server(request, vllm_python_path, tiny_model_dir, vllm_work_dir) -> It
         return
     work = vllm_work_dir / "extra"
     work.mkdir(parents=True, exist_ok=True)
-    (port,) = free_ports(1)
     launched_at = time.monotonic()
-    # a long context, so the failover test's long streams outlast the run-up to the kill
-    server = launch_server(vllm_python_path, tiny_model_dir, port, work, core=0,
+    # a long context, so the failover test's long streams outlast the run-up to the kill; port 0: it binds a free
+    # one, read once it is healthy
+    server = launch_server(vllm_python_path, tiny_model_dir, 0, work, core=0,
                            extra_args=["--max-model-len", str(EXTRA_MAX_MODEL_LEN),
                                        "--kv-cache-memory-bytes", EXTRA_KV_CACHE])
     try:
@@ -267,9 +266,10 @@ class RouterSampler:
 
 
 async def test_router_state_follows_real_replica_metrics_under_load(fleet_router, vllm_servers):
-    """48 concurrent 300-token requests, least-outstanding: about 24 per replica, so the 4-sequence one queues for
-    6 rounds of 300 decode steps (about 5 s on an idle 2-core machine, longer on a busy one)."""
-    n_requests, max_tokens = 48, 300
+    """40 concurrent 240-token requests, least-outstanding: about 20 per replica, so the 4-sequence one queues for
+    5 rounds of 240 decode steps (about 3 s on an idle 2-core machine, longer on a busy one): requests wait there
+    through several of the router's 0.5 s scrapes."""
+    n_requests, max_tokens = 40, 240
     ids = [replica_id(u) for u in vllm_servers]
     small, roomy = ids[SMALL], ids[ROOMY]
     vllm_before = [vllm_counters(u) for u in vllm_servers]
@@ -303,7 +303,7 @@ async def test_router_state_follows_real_replica_metrics_under_load(fleet_router
     # at least one sample per 2 s of load (and 5 in all): the peaks come from a sampler that kept up
     assert n_samples >= max(5.0, load_s / 2), \
         f"only {n_samples} router samples during {load_s:.1f}s of load; errors {sampler.errors[-3:]}"
-    # queueing on the small replica (4 sequences for ~24 requests) and work on both is visible in the router
+    # queueing on the small replica (4 sequences for ~20 requests) and work on both is visible in the router
     assert all(v == {True} for v in sampler.routable.values()), f"a replica left the rotation: {sampler.routable}"
     # scrapes every interval with the same timeout: on a starved CPU a few time out, but the stats stay fresh
     median_age = ages[len(ages) // 2]

@@ -1,10 +1,15 @@
 """A real redis-server (Debian's package) on a random loopback port, in its own process group, no persistence;
 stopped (and its group killed) on exit. Skips locally, fails under CI, when redis-server or the redis client is
-missing."""
+missing.
+
+redis-server cannot bind port 0 (it means "no TCP"), so a free port is picked and handed to it: another program can
+take it in between. Such a start is caught, not trusted: the server that answers must report this process's pid
+(INFO server), and a server that exits (the port was taken) is started again on another port."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -34,33 +39,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """redis-server exited at start: its port was taken by another program."""
+
+
 class RedisServer:
     def __init__(self, binary: str) -> None:
         self.binary = binary
         self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 20.0) -> None:
-        """Starts it (again, on the same port) and waits until it answers PING."""
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 20.0, attempts: int = 1) -> None:
+        """Starts it (again, on the same port) and waits until it answers; up to `attempts` tries on a fresh port
+        when the port turns out taken (the first start: a restart keeps its port, which clients know)."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except PortTaken:
+                if attempt == attempts - 1:
+                    raise
+                self.port = _free_port()
+
+    def _start_once(self, timeout_s: float) -> None:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode} on port {self.port}")
+                raise PortTaken(f"redis-server exited with {self.proc.returncode} on port {self.port}")
+            if self._answers_as_ours():
+                return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not answer on port {self.port} in {timeout_s:.0f} s")
             time.sleep(0.02)
+
+    def _answers_as_ours(self) -> bool:
+        """The server on the port is the one started here: INFO server names its pid (another test's redis-server
+        that took the port first would answer too)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as s:
+                s.sendall(b"INFO server\r\n")
+                reply = b""
+                while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    reply += chunk
+        except OSError:
+            return False
+        found = re.search(rb"process_id:(\d+)", reply)
+        return found is not None and self.proc is not None and int(found.group(1)) == self.proc.pid
 
     def stop(self) -> None:
         """SIGKILL to its process group (no shutdown save: it has no persistence anyway)."""
@@ -73,7 +107,7 @@ class RedisServer:
 @contextmanager
 def redis_server() -> Iterator[RedisServer]:
     server = RedisServer(require_redis())
-    server.start()
+    server.start(attempts=5)
     try:
         yield server
     finally:

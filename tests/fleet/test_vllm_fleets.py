@@ -60,12 +60,39 @@ def test_servers_start_on_the_cores_given_one_each_in_turn(monkeypatch, tmp_path
 
     def fake_launch(python, model_dir, port, work, core, extra):
         started.append(core)
+        ports.append(port)
         return Started()
 
+    ports: list[int] = []
     monkeypatch.setattr(vllm, "launch_server", fake_launch)
     vllm.start_servers(3, tmp_path, "python", tmp_path, base_port=40000, cores=[2, 5])
-    assert started == [2, 5, 2]
+    assert started == [2, 5, 2] and ports == [40000, 40001, 40002]
     started.clear()
+    ports.clear()
     monkeypatch.setattr(vllm, "cpu_ids", lambda: [0, 1])
-    vllm.start_servers(2, tmp_path, "python", tmp_path, base_port=40000)
+    vllm.start_servers(2, tmp_path, "python", tmp_path)
     assert started == [0, 1]
+    assert ports == [0, 0]  # no port picked here for another program to take first: each server binds its own
+
+
+def test_a_server_on_port_0_is_found_on_the_port_it_bound(tmp_path):
+    """What `wait_healthy` reads for a server started with --port 0: the port its own process listens on."""
+    import subprocess
+    import sys
+    import time
+
+    from routewise_vllm.fleet.vllm import listening_ports
+
+    script = ("import socket, sys, time; s = socket.create_server(('127.0.0.1', 0)); "
+              "print(s.getsockname()[1], flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        bound = int(child.stdout.readline())
+        deadline = time.monotonic() + 10
+        while not (found := listening_ports(child.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found == {bound}
+    finally:
+        child.kill()
+        child.wait()
+    assert listening_ports(child.pid) == set()  # gone

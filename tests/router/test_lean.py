@@ -102,13 +102,13 @@ async def test_keepalive_timeout_runs_from_the_last_answer_not_the_first(fakes, 
     """A connection busy past the keep-alive timeout in total stays open while requests keep coming; idle after
     its last answer, it is closed. (One timer per connection, moved forward: none per request.)"""
     (f,) = await fakes(1)
-    client = await router_client([f.url], keepalive_timeout_s=0.3)
+    client = await router_client([f.url], keepalive_timeout_s=1.0)
     reader, writer = await connect(client)
-    for _ in range(5):  # 5 x 0.15 s: past the timeout counted from the first request
+    for _ in range(5):  # 5 x 0.35 s: past the timeout counted from the first, each gap well within it (a busy host)
         writer.write(post())
         status, _, _ = await read_response(reader)
         assert status == 200
-        await asyncio.sleep(0.15)
+        await asyncio.sleep(0.35)
     assert not reader.at_eof()
     assert await asyncio.wait_for(reader.read(), 5) == b""  # idle: closed
     writer.close()
