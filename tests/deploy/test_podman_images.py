@@ -7,12 +7,13 @@ trainer images from deploy/docker/ (layers cached between runs). Then:
   streamed and not through the openai client, /health, /ready and /metrics from outside the container, the
   image's HEALTHCHECK, the process's uid on the host, and the learned policy deciding (fallbacks by reason);
 - the trainer image: its CLI, torch 2.13.0, a non-root user;
-- deploy/compose/docker-compose.cpu.yml under podman-compose: the emulators, the router and the loadgen profile on
-  the compose network. Prometheus and Grafana run from registry images, which cannot be pulled where no registry
-  is reachable: that test (`bench` tier) says so and skips unless both images are already in local storage.
-The trainer image (torch inside: the longest build) is the `bench` tier too. Where podman cannot start a container
-at all these skip with the reason, and fail under CI, which runs podman. Every container, pod network and
-process the tests start is removed by its name or id.
+- deploy/compose/docker-compose.cpu.yml under podman-compose (`bench` tier: it builds the emulator image too, about
+  2-3 minutes on 2 cores): the emulators, the router and the loadgen profile on the compose network. Prometheus
+  and Grafana run from registry images, which cannot be pulled where no registry is reachable: that test (`bench`
+  tier) says so and skips unless both images are already in local storage.
+The trainer image (torch inside: the longest build) is the `bench` tier too; CI builds and runs the router image.
+Where podman cannot start a container at all these skip with the reason, and fail under CI, which runs podman.
+Every container, pod network and process the tests start is removed by its name or id.
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ def ensure_podman_compose() -> None:
             skip_or_fail(f"podman-compose not installed and pip could not install it: {r.stderr.strip()[-300:]}")
 
 
+@pytest.mark.bench
 def test_cpu_compose_stack_under_podman_compose(podman: Podman) -> None:
     """The emulators, the router and the loadgen profile of docker-compose.cpu.yml, on the compose network: the
     router reaches the emulators by service name and clients reach it through the published loopback port."""

@@ -211,15 +211,15 @@ def test_repeated_prompt_hits_the_prefix_cache(vllm_servers):
 
 @pytest.mark.vllm
 def test_metrics_move_under_concurrent_load(vllm_servers):
-    """40 250-token requests, 16 in flight at a time, on the 4-sequence server: it runs 4, queues the rest, fills its KV cache.
+    """24 150-token requests, 16 in flight at a time, on the 4-sequence server: it runs 4, queues the rest, fills its KV cache.
 
-    The load lasts by construction: 10 rounds of 250 decode steps (about 7 s on an idle 2-core machine, several
+    The load lasts by construction: 6 rounds of 150 decode steps (about 3 s on an idle 2-core machine, several
     times that on a busy one), sampled from before the first request until the last one has finished. Each
-    sequence (197 prompt + 250 tokens = 14 blocks) fits 4 at a time in the 64-block cache, so nothing is preempted.
+    sequence (197 prompt + 150 tokens = 11 blocks) fits 4 at a time in the 64-block cache, so nothing is preempted.
     The prompts share a long prefix, so the queued ones hit the prefix cache the first ones filled.
     """
     url = vllm_servers[SMALL]
-    n_requests, max_tokens = 40, 250
+    n_requests, max_tokens = 24, 150
     before = read(fetch_metrics(url))
     # vLLM's server closes idle keep-alive connections; a pooled connection closed under the client is reported as
     # "Server disconnected without sending a response" (the request never reached vLLM). The client retries those,
@@ -235,7 +235,7 @@ def test_metrics_move_under_concurrent_load(vllm_servers):
 
     with MetricsSampler(url) as sampler:
         t0 = time.monotonic()
-        # 16 connections at a time (40 at once made vLLM's server drop a connection now and then): still 12 queued
+        # 16 connections at a time (40 at once made vLLM's server drop a connection now and then): 12 queued at first
         with ThreadPoolExecutor(16) as pool:
             completed = list(pool.map(one, range(n_requests)))
         t1 = time.monotonic()

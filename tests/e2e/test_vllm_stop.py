@@ -4,7 +4,8 @@ flight, a server used to leave both segments behind (20 segments, about 4 GB of 
 The launcher now removes what the stopped group had mapped.
 
 It stops the session's two servers (tests/e2e/conftest.py runs it after every other test of the run) once each
-says, on its own /metrics, that it is running requests."""
+says, on its own /metrics, that it is running requests. A server with requests in flight waits for them on SIGTERM,
+so the stop ends in SIGKILL after a grace of GRACE_S: the path that used to leak."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.vllm
 
 REQUESTS_PER_SERVER = 16
 MAX_TOKENS = 900  # with the prompt, within the servers' 1,024 positions; seconds of decoding on a shared core
+GRACE_S = 5.0  # SIGTERM to SIGKILL: the requests above outlast it
 
 
 def _generate(base_url: str) -> None:
@@ -59,7 +61,7 @@ def test_servers_stopped_under_load_leave_no_shared_memory(vllm_fleet: list[Vllm
                 break
             time.sleep(0.2)
     finally:
-        stop_servers(servers)
+        stop_servers(servers, grace_s=GRACE_S)
         pool.shutdown(wait=True, cancel_futures=True)
     assert all(n > 0 for n in in_flight), f"requests running per server when stopped: {in_flight}"
     assert all(s.process.returncode is not None for s in servers)

@@ -103,7 +103,7 @@ async def test_the_default_configuration_infers_the_emulated_servers_max_num_seq
 
         async def one(i: int) -> int:
             resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": f"p{i} " * 50,
-                                                              "max_tokens": 250, "stream": True})
+                                                              "max_tokens": 120, "stream": True})
             await resp.read()
             return resp.status
 

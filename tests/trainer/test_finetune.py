@@ -39,6 +39,7 @@ def test_shipped_onnx_weights_are_recovered_exactly():
     assert meta["policy_version"] and "network" in meta["training_config"]
 
 
+@pytest.mark.slow  # 20-30 s on 2 cores: three simulated logs and two fine-tunings
 def test_finetune_moves_the_policy_toward_the_one_trained_on_the_true_profiles(tmp_path):
     # The fleet in fleet-misfit.yaml has a replica throttled 4x for the whole run: not what the prior saw.
     # "Trained on the true profiles": the regression fitted on a large, heavily explored log of that fleet.
