@@ -3,7 +3,8 @@ the real-vLLM tier shares them (the stop test, which stops them under load, runs
 server flags starts its own and says why.
 
 Each server serves the tiny model under two names: SERVED_MODEL_NAME, which both serve, and one of its own
-(OWN_MODELS), so the multi-model test routes by model on the same pair.
+(OWN_MODELS), so the multi-model test routes by model on the same pair. Each publishes its KV-cache events (a ZMQ
+PUB socket it binds on a free port, `GET /kv_event_sources` names it), so routers in front of the pair follow them.
 
 Use from any test module under tests/e2e/:
 
@@ -20,6 +21,7 @@ Without a vLLM venv the tests skip locally and fail under CI=true (CI must run t
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -37,6 +39,7 @@ from routewise_vllm.fleet.vllm import (
     VLLM_PYTHON_ENV,
     VllmServer,
     ensure_tiny_model,
+    free_ports,
     start_servers,
     stop_servers,
     vllm_python,
@@ -49,6 +52,15 @@ STARTUP_TIMEOUT_S = float(os.environ.get("ROUTEWISE_VLLM_STARTUP_TIMEOUT_S", "30
 # the first, SERVED_MODEL_NAME)
 OWN_MODELS = ("tiny-small", "tiny-roomy")
 SESSION_FLEET_ARGS = [[*args, "--served-model-name", SERVED_MODEL_NAME, own] for args, own in zip(FLEET_ARGS, OWN_MODELS)]
+
+
+def with_kv_events(per_server: list[list[str]]) -> list[list[str]]:
+    """Each server's args plus a KV event publisher bound on a free port of its own (a wildcard endpoint)."""
+    return [[*args, "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                        "endpoint": f"tcp://*:{port}", "topic": "kv"})]
+            for args, port in zip(per_server, free_ports(len(per_server)))]
+
+
 # Runs last: it stops the session's servers
 STOPS_THE_FLEET = "test_vllm_stop.py"
 
@@ -92,7 +104,7 @@ def vllm_fleet(vllm_python_path: Path, tiny_model_dir: Path, vllm_work_dir: Path
     t0 = time.monotonic()
     servers = start_servers(
         len(SESSION_FLEET_ARGS), tiny_model_dir, vllm_python_path, vllm_work_dir / "fleet",
-        extra_args=SESSION_FLEET_ARGS, startup_timeout_s=STARTUP_TIMEOUT_S,
+        extra_args=with_kv_events(SESSION_FLEET_ARGS), startup_timeout_s=STARTUP_TIMEOUT_S,
     )
     print(f"\n{len(servers)} vLLM servers healthy in {time.monotonic() - t0:.1f} s: "
           + ", ".join(s.base_url for s in servers))
