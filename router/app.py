@@ -86,15 +86,14 @@ def handler_args(settings: RouterSettings) -> dict[str, Any]:
             "lingering_time": 1.0}
 
 
-def fleet_sync(settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics,
+def fleet_sync(config: fleet_view.FleetViewConfig, replicas: ReplicaSet, metrics: RouterMetrics,
                shared: tuple[SharedLoad, int] | None) -> fleet_view.FleetSync:
     """The shared fleet view's sync loop (settings.shared_state): a single process publishes its own counts; with
     --workers N, worker 0 publishes the host's."""
     return fleet_view.FleetSync(
-        settings.shared_state, fleet_view.load_source(replicas.cluster), metrics.registry,  # type: ignore[arg-type]
+        config, fleet_view.load_source(replicas.cluster), metrics.registry,  # type: ignore[arg-type]
         router_id=fleet_view.router_id(worker=shared is not None), publisher=shared is None or shared[1] == 0,
-        interval_s=settings.shared_state_interval_s, ttl_s=settings.shared_state_ttl_s,
-        timeout_s=settings.shared_state_timeout_s, on_change=replicas.notify)
+        on_change=replicas.notify)
 
 
 def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.monotonic,
@@ -110,12 +109,13 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     session_getter = lambda: app[SESSION]  # noqa: E731 - the session exists once the app starts
     tracker_cls = SharedClusterTracker if settings.shared_state is None else fleet_view.FleetSharedClusterTracker
     cluster = None if shared is None else tracker_cls(shared[0], shared[1], prefix_capacity_blocks=settings.prefix_capacity_blocks)
-    replicas = ReplicaSet(settings, session_getter, clock, metrics, cluster)
-    fleet = None if settings.shared_state is None else fleet_sync(settings, replicas, metrics, shared)
+    replicas = ReplicaSet(settings.replica_config(), session_getter, clock, metrics, cluster)
+    fleet_config = settings.fleet_view_config()
+    fleet = None if fleet_config is None else fleet_sync(fleet_config, replicas, metrics, shared)
     router = Router(settings, replicas, metrics, clock)
     sync = None if shared is None else WorkerSync(shared[0], replicas, router.serving.reloaders)
     proxy = Proxy(settings, replicas, router, metrics, session_getter, lambda: app[H1])
-    scraper = Scraper(replicas, session_getter, metrics, settings.scrape_interval_s, settings.scrape_timeout_s)
+    scraper = Scraper(settings.scrape_config(), replicas, session_getter, metrics)
     metrics.add_replica_state(replica_rows(replicas))
     if settings.kv_events == "on":  # the replicas' own reports of their caches (router/kv/events.py)
         from routewise_vllm.router.kv.events import KVEvents  # pyzmq loads only with KV events on
@@ -202,7 +202,7 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
-    own = Probes(proxy, session_getter)
+    own = Probes(settings.passthrough_config(), proxy, session_getter)
     probes = [web.get("/health", own.health), web.get("/ready", own.ready)]
     app.add_routes([
         web.post("/v1/completions", proxy.completions),

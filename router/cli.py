@@ -246,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if settings.workers > 1:
-            return run_workers(settings, serve_worker)
-        socks, _ = listeners(settings)  # bound before the event loop starts: a busy port is one line, as with workers
+            return run_workers(settings.workers_config(),
+                               lambda socks, shared: serve_worker(settings.for_worker(shared[1]), socks, shared))
+        # bound before the event loop starts: a busy port is one line, as with workers
+        socks, _ = listeners(settings.workers_config())
     except OSError as exc:
         print(f"router: {exc.strerror if isinstance(exc, ListenError) else exc}", file=sys.stderr)
         return 2

@@ -53,7 +53,7 @@ def parse_model_list(data: Any) -> tuple[dict[str, Any], ...]:
 
 async def fetch_models(replicas: ReplicaSet, rep: Replica) -> None:
     """Reads `rep`'s /v1/models into rep.models / rep.model_entries (see the module docstring)."""
-    timeout = aiohttp.ClientTimeout(total=replicas.settings.models_timeout_s)
+    timeout = aiohttp.ClientTimeout(total=replicas.config.models_timeout_s)
     try:
         async with replicas._session().get(rep.url / "v1" / "models", timeout=timeout) as resp:
             raw = await resp.read()
@@ -111,7 +111,7 @@ def models_handler(replicas: ReplicaSet) -> Callable[[web.Request], Awaitable[we
     """GET /v1/models: every model some replica lists, in replica order (the first listing's entry). The body is
     built once per list change (router.model_index), gzipped for a client that takes it, 304 to a matching
     If-None-Match, and a 429 when the bodies sent exceed models_list_bytes_per_s (counted, logged once an episode)."""
-    budget = SendBudget(replicas.settings.models_list_bytes_per_s)
+    budget = SendBudget(replicas.config.models_list_bytes_per_s)
     last_shed = -_SHED_LOG_S
 
     async def handler(request: web.Request) -> web.Response:

@@ -5,11 +5,21 @@ vLLM's `/reset_prefix_cache`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_PASSTHROUGH_PATHS = ("/v1/models", "/v1/models/*")
 PASSTHROUGH_METHODS = frozenset({"GET", "POST"})
+
+
+@dataclass(frozen=True, slots=True)
+class PassthroughConfig:
+    """What the passthrough of allow-listed paths reads (router.observe.probes): the settings of the same names
+    (RouterSettings.passthrough_config builds it)."""
+
+    passthrough_paths: tuple[str, ...]  # validated: plain absolute paths, '/prefix/*' for a subtree
+    max_retries: int  # a failed attempt is tried on another routable replica at most this many times
 
 
 def normalise_path(raw_path: str) -> str | None:

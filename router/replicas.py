@@ -11,7 +11,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -21,14 +21,40 @@ from yarl import URL
 from routewise_vllm.router.batch_limit import BatchLimitInference
 from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.models import fetch_models
-from routewise_vllm.router.observe.outlier import OutlierState, stalled, stalled_streams, ttfb_outliers
+from routewise_vllm.router.observe.outlier import EjectionConfig, OutlierState, stalled, stalled_streams, ttfb_outliers
 from routewise_vllm.router.policy.model_routing import members
 from routewise_vllm.router.policy.tracking import ClusterTracker, ReplicaTracker
-from routewise_vllm.router.settings import RouterSettings, replica_id
 from routewise_vllm.router.scale.shared import SharedClusterTracker
 from routewise_vllm.router.telemetry import RouterMetrics
 
 log = logging.getLogger("router.replicas")
+
+
+def replica_id(url: str | URL) -> str:
+    """The bounded metric label of a replica: its host:port."""
+    u = URL(url) if isinstance(url, str) else url
+    return f"{u.host}:{u.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    """What the replica set reads: membership, health probes, model lists, batch caps and ejection; the
+    settings of the same names (RouterSettings.replica_config builds it)."""
+
+    replicas: tuple[str, ...]  # base URLs, validated
+    discover: str | None  # host:port of a headless service
+    discover_interval_s: float
+    health_interval_s: float
+    health_timeout_s: float
+    health_failure_threshold: int
+    health_success_threshold: int
+    models_refresh_interval_s: float
+    models_timeout_s: float
+    models_list_bytes_per_s: int
+    prefix_capacity_blocks: int
+    late_binding_max_num_seqs: int | None
+    late_binding_replica_max_num_seqs: Mapping[str, int]  # by replica id, read-only
+    ejection: EjectionConfig
 
 
 class BreakerState(str, Enum):
@@ -111,16 +137,16 @@ class Replica:
 
 class ReplicaSet:
     def __init__(
-        self, settings: RouterSettings, session_getter: Callable[[], aiohttp.ClientSession],
+        self, config: ReplicaConfig, session_getter: Callable[[], aiohttp.ClientSession],
         clock: Callable[[], float] = time.monotonic, metrics: RouterMetrics | None = None,
         cluster: ClusterTracker | None = None,
     ) -> None:
-        self.settings = settings
+        self.config = config
         self._session = session_getter
         self.clock = clock
         self.metrics = metrics
         # a SharedClusterTracker with `router serve --workers N`: in-flight load and draining host-wide
-        self.cluster = cluster or ClusterTracker([], prefix_capacity_blocks=settings.prefix_capacity_blocks)
+        self.cluster = cluster or ClusterTracker([], prefix_capacity_blocks=config.prefix_capacity_blocks)
         self.by_id: dict[str, Replica] = {}
         self.ordered: list[Replica] = []  # aligned with self.cluster.trackers (view indices)
         self.known_models: frozenset[str] = frozenset()
@@ -130,7 +156,7 @@ class ReplicaSet:
         # called after anything that can change where requests may go (health, drain, membership, scrape):
         # the late-binding queue's wake-up (router.hold_queue)
         self.listeners: list[Callable[[], None]] = []
-        for url in settings.replicas:
+        for url in config.replicas:
             self.add(url)
 
     # membership
@@ -138,9 +164,9 @@ class ReplicaSet:
         rid = replica_id(url)
         if rid in self.by_id:
             return self.by_id[rid]
-        s = self.settings
-        rep = Replica(rid, URL(url), self.cluster.add(rid), Breaker(s.breaker_failure_threshold, s.breaker_cooldown_s),
-                      outlier=OutlierState(s.outlier_window))
+        e = self.config.ejection
+        rep = Replica(rid, URL(url), self.cluster.add(rid), Breaker(e.breaker_failure_threshold, e.breaker_cooldown_s),
+                      outlier=OutlierState(e.outlier_window))
         rep.sync()
         self.by_id[rid] = rep
         self._reorder()
@@ -196,8 +222,8 @@ class ReplicaSet:
     def batch_limit(self, rid: str) -> tuple[int | None, str | None]:
         """A replica's batch limit (vLLM's max_num_seqs) and its source: the operator's (for this replica, else for
         every replica), else inferred from its /metrics (router.batch_limit), else (None, None): not known yet."""
-        s = self.settings
-        n = s.late_binding_replica_max_num_seqs.get(rid, s.late_binding_max_num_seqs)
+        c = self.config
+        n = c.late_binding_replica_max_num_seqs.get(rid, c.late_binding_max_num_seqs)
         if n is not None:
             return n, "operator"
         rep = self.by_id.get(rid)
@@ -223,9 +249,9 @@ class ReplicaSet:
     def record_failure(self, rep: Replica, stream: bool = False) -> None:
         """A failure blamed on the replica (never one the request itself caused)."""
         rep.outlier.record(stream, True)
-        s = self.settings
-        reason = rep.breaker.record_failure() or rep.outlier.failure_reason(s.outlier_min_requests,
-                                                                          s.outlier_failure_ratio)
+        e = self.config.ejection
+        reason = rep.breaker.record_failure() or rep.outlier.failure_reason(e.outlier_min_requests,
+                                                                          e.outlier_failure_ratio)
         if reason is not None:
             self.eject(rep, reason)
 
@@ -238,7 +264,7 @@ class ReplicaSet:
             return True
         out = sum(1 for r in self.ordered if r is not rep and not r.routable)
         others_routable = any(r.routable for r in self.ordered if r is not rep)
-        if not others_routable or out + 1 > self.settings.max_ejected_ratio * len(self.ordered):
+        if not others_routable or out + 1 > self.config.ejection.max_ejected_ratio * len(self.ordered):
             if self.metrics is not None:
                 self.metrics.ejections_refused.labels(reason).inc()
             log.debug("replica %s not ejected (%s): panic threshold", rep.id, reason)
@@ -256,18 +282,18 @@ class ReplicaSet:
 
     def check_outliers(self, now: float) -> None:
         """The periodic part of outlier detection: stalled replicas and slow first bytes."""
-        s = self.settings
+        e = self.config.ejection
         for rep in self.ordered:  # a stream that stopped mid-way ends with an error event (and counts as a failure)
-            for a in stalled_streams(rep.outlier, now, s.stall_timeout_s):
+            for a in stalled_streams(rep.outlier, now, e.stall_timeout_s):
                 log.info("aborting a stream from %s silent for %.1f s", rep.id, now - a.last)
                 a.abort()
         states = {r.id: r.outlier for r in self.ordered}
         routable = {r.id: r.routable for r in self.ordered}
-        for rid in stalled(states, now, s.stall_timeout_s, routable.__getitem__):
+        for rid in stalled(states, now, e.stall_timeout_s, routable.__getitem__):
             if self.by_id[rid].breaker.state is not BreakerState.OPEN:
                 self.eject(self.by_id[rid], "stalled")
         live = {rid: st for rid, st in states.items() if routable[rid]}
-        for rid in ttfb_outliers(live, s.outlier_min_requests, s.outlier_ttfb_ratio, s.outlier_ttfb_min_s):
+        for rid in ttfb_outliers(live, e.outlier_min_requests, e.outlier_ttfb_ratio, e.outlier_ttfb_min_s):
             if self.eject(self.by_id[rid], "slow_first_byte"):
                 self.by_id[rid].outlier.ttfb.clear()
 
@@ -300,7 +326,7 @@ class ReplicaSet:
 
     # health probes
     async def probe(self, rep: Replica) -> bool:
-        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
         try:
             async with self._session().get(rep.url / "health", timeout=timeout) as resp:
                 await resp.read()
@@ -313,11 +339,11 @@ class ReplicaSet:
         return ok
 
     def _apply_probe(self, rep: Replica, ok: bool) -> None:
-        s = self.settings
+        c = self.config
         if ok:
             rep.probe_failures = 0
             rep.probe_successes += 1
-            if not rep.probe_ok and rep.probe_successes >= s.health_success_threshold:
+            if not rep.probe_ok and rep.probe_successes >= c.health_success_threshold:
                 rep.probe_ok = True
                 log.info("replica %s healthy", rep.id)
             if rep.breaker.cooled_down(self.clock()):
@@ -326,7 +352,7 @@ class ReplicaSet:
         else:
             rep.probe_successes = 0
             rep.probe_failures += 1
-            if rep.probe_ok and rep.probe_failures >= s.health_failure_threshold:
+            if rep.probe_ok and rep.probe_failures >= c.health_failure_threshold:
                 rep.probe_ok = False
                 log.warning("replica %s unhealthy: %s", rep.id, safe(rep.last_probe_error))
         rep.sync()
@@ -347,26 +373,26 @@ class ReplicaSet:
     async def run_prober(self) -> None:
         next_models = 0.0
         while True:
-            await asyncio.sleep(self.settings.health_interval_s)
+            await asyncio.sleep(self.config.health_interval_s)
             self.check_outliers(time.perf_counter())
             await self.probe_all()
             if self.clock() >= next_models:
                 await self.refresh_models()
-                next_models = self.clock() + self.settings.models_refresh_interval_s
+                next_models = self.clock() + self.config.models_refresh_interval_s
             else:
                 await self.refresh_models(only_unknown=True)
 
     # DNS discovery of a headless service
     async def discover_once(self) -> None:
-        host, _, port = self.settings.discover.rpartition(":")  # type: ignore[union-attr]
+        host, _, port = self.config.discover.rpartition(":")  # type: ignore[union-attr]
         loop = asyncio.get_running_loop()
         try:
             infos = await loop.getaddrinfo(host, int(port), family=socket.AF_INET, type=socket.SOCK_STREAM)
         except OSError as exc:
-            log.warning("discovery of %s failed: %s (keeping %d replicas)", self.settings.discover, exc, len(self.ordered))
+            log.warning("discovery of %s failed: %s (keeping %d replicas)", self.config.discover, exc, len(self.ordered))
             return
         found = {f"http://{info[4][0]}:{port}" for info in infos}
-        static = {replica_id(u) for u in self.settings.replicas}
+        static = {replica_id(u) for u in self.config.replicas}
         wanted = {replica_id(u) for u in found} | static
         for url in sorted(found):
             if replica_id(url) not in self.by_id:
@@ -378,5 +404,5 @@ class ReplicaSet:
 
     async def run_discovery(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.discover_interval_s)
+            await asyncio.sleep(self.config.discover_interval_s)
             await self.discover_once()

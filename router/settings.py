@@ -1,36 +1,47 @@
-"""RouterSettings: every knob of the live router, built once at the edge and passed down.
+"""RouterSettings: every knob of the live router, built once at the edge.
 
 Sources, highest priority first: command-line flags, `ROUTEWISE_*` environment variables,
 a YAML/JSON config file (`--config`), defaults. Bad values raise a pydantic ValidationError
 that names the field and the value.
+
+The settings stay flat (the names users know as flags, variables and file keys); each component gets its own
+small config of the settings it reads, built here (`replica_config()`, `scrape_config()`, ...), and never
+imports this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import re
 import ssl
 from pathlib import Path
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from types import MappingProxyType
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 from yarl import URL
 
+from routewise_vllm.router.observe.outlier import EjectionConfig
+from routewise_vllm.router.observe.scraper import ScrapeConfig
 from routewise_vllm.router.policy.late_binding import LateBindingConfig
 from routewise_vllm.router.policy.registry import LEARNED, check_policy_name, is_learned
-from routewise_vllm.router.paths import DEFAULT_PASSTHROUGH_PATHS, normalise_path
+from routewise_vllm.router.paths import DEFAULT_PASSTHROUGH_PATHS, PassthroughConfig, normalise_path
+from routewise_vllm.router.replicas import ReplicaConfig, replica_id  # replica_id: importable here too
+from routewise_vllm.router.scale.fleet_view import FleetViewConfig, redact_url  # redact_url: here too
+from routewise_vllm.router.scale.workers import WorkersConfig
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+C = TypeVar("C")
 
 
-def replica_id(url: str | URL) -> str:
-    """The bounded metric label of a replica: its host:port."""
-    u = URL(url) if isinstance(url, str) else url
-    return f"{u.host}:{u.port}"
+def _fill(config: type[C], settings: object, **given: Any) -> C:
+    """A component's config: each field from the setting of the same name, unless `given`."""
+    return config(**{f.name: given[f.name] if f.name in given else getattr(settings, f.name)
+                     for f in dataclasses.fields(config)})  # type: ignore[arg-type]
 
 
 class RouterSettings(BaseSettings):
@@ -458,6 +469,32 @@ class RouterSettings(BaseSettings):
                                  "or live routers would expire between syncs")
         return self
 
+    # each component's own config (the component reads nothing else and never sees RouterSettings)
+    def replica_config(self) -> ReplicaConfig:
+        """The replica set's: membership, health probes, model lists, batch caps, the breaker and outlier ejection."""
+        return _fill(ReplicaConfig, self, replicas=tuple(self.replicas), ejection=_fill(EjectionConfig, self),
+                     late_binding_replica_max_num_seqs=MappingProxyType(dict(self.late_binding_replica_max_num_seqs)))
+
+    def scrape_config(self) -> ScrapeConfig:
+        return _fill(ScrapeConfig, self)
+
+    def passthrough_config(self) -> PassthroughConfig:
+        return _fill(PassthroughConfig, self, passthrough_paths=tuple(self.passthrough_paths))
+
+    def fleet_view_config(self) -> FleetViewConfig | None:
+        """The shared fleet view's, None without shared_state."""
+        return None if self.shared_state is None else _fill(FleetViewConfig, self)
+
+    def workers_config(self) -> WorkersConfig:
+        return _fill(WorkersConfig, self)
+
+    def for_worker(self, slot: int) -> RouterSettings:
+        """Worker `slot`'s settings under `--workers N`: its own decision log directory, DIR/worker-<slot> (files of
+        one writer each, so rotation and `keep` stay per file set; read each worker's directory)."""
+        if self.decision_log_dir is None:
+            return self
+        return self.model_copy(update={"decision_log_dir": self.decision_log_dir / f"worker-{slot}"})
+
 
 def replica_tls_context(ca_file: Path | None) -> ssl.SSLContext:
     """The verifying context for https replicas: the system's trust store, plus `ca_file`'s certificates."""
@@ -517,14 +554,6 @@ def build_settings(config_file: str | Path | None = None, *, explicit_none: Iter
     merged.update({k: v for k, v in overrides.items() if v is not None})
     merged.update(dict.fromkeys(explicit_none))
     return RouterSettings(**merged)
-
-
-def redact_url(url: str) -> str:
-    """`url` with its password (if any: in the authority, or redis-py's `?password=`) shown as "<redacted>"."""
-    u = URL(url)
-    if u.password:
-        url = str(u.with_password("REDACTED")).replace("REDACTED", "<redacted>")
-    return re.sub(r"([?&]password=)[^&#]*", r"\1<redacted>", url)
 
 
 def redacted(settings: RouterSettings) -> dict[str, Any]:

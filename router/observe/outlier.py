@@ -20,6 +20,22 @@ import aiohttp
 EJECTION_REASONS = ("consecutive_failures", "request_failures", "stream_failures", "slow_first_byte", "stalled")
 
 
+@dataclass(frozen=True, slots=True)
+class EjectionConfig:
+    """When a replica is taken out of rotation for its request outcomes (the breaker and outlier detection);
+    the settings of the same names (RouterSettings.replica_config builds it)."""
+
+    breaker_failure_threshold: int
+    breaker_cooldown_s: float
+    max_ejected_ratio: float
+    outlier_window: int
+    outlier_min_requests: int
+    outlier_failure_ratio: float
+    outlier_ttfb_ratio: float
+    outlier_ttfb_min_s: float
+    stall_timeout_s: float
+
+
 class Inflight:
     """One attempt on a replica; `abort()` ends it. Before its first byte: a streamed attempt's first-byte
     timeout fires now, a non-streamed attempt's task is cancelled (the proxy turns either into a retryable

@@ -11,7 +11,8 @@ from aiohttp import web
 
 from routewise_vllm.router.endpoints import ENDPOINTS
 from routewise_vllm.router.errors import BadRequest, error_response
-from routewise_vllm.router.paths import GENERATION_PATHS, PASSTHROUGH_METHODS, PathAllowList, encode_path, normalise_path
+from routewise_vllm.router.paths import (GENERATION_PATHS, PASSTHROUGH_METHODS, PassthroughConfig, PathAllowList,
+                                         encode_path, normalise_path)
 from routewise_vllm.router.proxy import Proxy
 from routewise_vllm.router.http.transport import refuse
 from routewise_vllm.router.http.upstream import classify, request_headers, response_headers
@@ -20,10 +21,11 @@ POST_ONLY = frozenset((*GENERATION_PATHS, *ENDPOINTS))  # the paths the router r
 
 
 class Probes:
-    def __init__(self, proxy: Proxy, session: Callable[[], aiohttp.ClientSession]) -> None:
-        self._proxy = proxy  # its draining flag, settings, replicas and arms
+    def __init__(self, config: PassthroughConfig, proxy: Proxy, session: Callable[[], aiohttp.ClientSession]) -> None:
+        self._proxy = proxy  # its draining flag, body reader, replicas and arms
         self._session = session
-        self._allowed = PathAllowList(proxy.settings.passthrough_paths)
+        self._allowed = PathAllowList(config.passthrough_paths)
+        self._max_retries = config.max_retries
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """An allow-listed path (passthrough_paths: /v1/models by default), GET or POST: forwarded to one
@@ -46,7 +48,7 @@ class Probes:
             return refuse(exc.response(), request)
         upstream_path = encode_path(path)
         tried: set[str] = set()
-        for _ in range(proxy.settings.max_retries + 1):
+        for _ in range(self._max_retries + 1):
             candidates = [r for r in proxy.replicas.ordered if r.routable and r.id not in tried]
             if not candidates:
                 break

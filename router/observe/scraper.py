@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -23,16 +24,24 @@ from routewise_vllm.router.observe.vllm_metrics import REQUIRED, MetricsParseErr
 log = logging.getLogger("router.scraper")
 
 
+@dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    """The settings of the same names (RouterSettings.scrape_config builds it)."""
+
+    scrape_interval_s: float
+    scrape_timeout_s: float  # at most scrape_interval_s
+
+
 class Scraper:
     def __init__(
-        self, replicas: ReplicaSet, session_getter: Callable[[], aiohttp.ClientSession], metrics: RouterMetrics,
-        interval_s: float, timeout_s: float,
+        self, config: ScrapeConfig, replicas: ReplicaSet, session_getter: Callable[[], aiohttp.ClientSession],
+        metrics: RouterMetrics,
     ) -> None:
         self.replicas = replicas
         self._session = session_getter
         self.metrics = metrics
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
+        self.interval_s = config.scrape_interval_s
+        self.timeout_s = config.scrape_timeout_s
 
     def _fail(self, rep: Replica, kind: str, detail: str) -> None:
         self.metrics.scrape_errors.labels(rep.id, kind).inc()

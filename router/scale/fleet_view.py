@@ -31,17 +31,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, CollectorRegistry
+from yarl import URL
 
 from routewise_vllm.router.logsafe import safe, safe_exc
 from routewise_vllm.router.policy.remote_load import SHARED_FIELDS, ZERO, Counts, RemoteLoad, own_counts
-from routewise_vllm.router.settings import redact_url
 from routewise_vllm.router.scale.shared import FIELDS as HOST_FIELDS
 from routewise_vllm.router.scale.shared import SharedClusterTracker, SharedReplicaTracker
 
@@ -224,6 +226,24 @@ def screen(reply: list[Any]) -> Screened:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class FleetViewConfig:
+    """The settings of the same names (RouterSettings.fleet_view_config builds it when shared_state is set)."""
+
+    shared_state: str  # redis://, rediss:// or unix:// URL, validated
+    shared_state_interval_s: float
+    shared_state_ttl_s: float  # above interval + timeout
+    shared_state_timeout_s: float
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any: in the authority, or redis-py's `?password=`) shown as "<redacted>"."""
+    u = URL(url)
+    if u.password:
+        url = str(u.with_password("REDACTED")).replace("REDACTED", "<redacted>")
+    return re.sub(r"([?&]password=)[^&#]*", r"\1<redacted>", url)
+
+
 class LoadSource(Protocol):
     def own(self) -> dict[str, Counts]: ...
     def apply(self, sums: Mapping[str, Counts]) -> bool: ...
@@ -357,13 +377,15 @@ def check_client() -> str | None:
 class FleetSync:
     """The sync loop of one router process (see the module's docstring)."""
 
-    def __init__(self, url: str, source: LoadSource, registry: CollectorRegistry, *, router_id: str, publisher: bool,
-                 interval_s: float, ttl_s: float, timeout_s: float, on_change: Callable[[], None] = lambda: None,
+    def __init__(self, config: FleetViewConfig, source: LoadSource, registry: CollectorRegistry, *, router_id: str,
+                 publisher: bool, on_change: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic, multiprocess: bool = False) -> None:
         from redis.asyncio import from_url
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
+        url, interval_s = config.shared_state, config.shared_state_interval_s
+        ttl_s, timeout_s = config.shared_state_ttl_s, config.shared_state_timeout_s
         self.url, self.source, self.publisher = url, source, publisher
         self.router_id, self.key = router_id, load_key(router_id)
         self.ttl_ms, self.timeout_s = max(1, int(ttl_s * 1000)), timeout_s

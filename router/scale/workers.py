@@ -33,9 +33,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-
-from routewise_vllm.router.settings import RouterSettings
 
 log = logging.getLogger("router.workers")
 
@@ -44,6 +43,18 @@ METRICS_PREFIX = "routewise-metrics-"
 # its pid was reused (a container's router restarted gets the same small pid). The margin covers the clock's
 # granularity and small steps of the wall clock; a crash and restart within it leaves the folder for a later start.
 PID_REUSE_MARGIN_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersConfig:
+    """The settings of the same names (RouterSettings.workers_config builds it)."""
+
+    host: str
+    port: int
+    ops_host: str | None  # None: host
+    ops_port: int | None  # None: no ops listener
+    workers: int
+    drain_timeout_s: float
 
 
 def bind(host: str, port: int, backlog: int = 1024, reuse_port: bool = True) -> socket.socket:
@@ -120,22 +131,22 @@ def _guard_holder(key: str) -> str:
         return ""
 
 
-def listeners(settings: RouterSettings) -> tuple[list[list[socket.socket]], list]:
+def listeners(config: WorkersConfig) -> tuple[list[list[socket.socket]], list]:
     """([worker][public, ops?] sockets, guards to close last). One worker binds without SO_REUSEPORT, so the
     kernel refuses any other listener on its addresses. OSError names the address that could not be bound."""
     socks: list[list[socket.socket]] = []
     guards: list = []
-    addrs = [(settings.host, settings.port)]
-    if settings.ops_port is not None:
-        addrs.append((settings.ops_host or settings.host, settings.ops_port))
-    many = settings.workers > 1
+    addrs = [(config.host, config.port)]
+    if config.ops_port is not None:
+        addrs.append((config.ops_host or config.host, config.ops_port))
+    many = config.workers > 1
     host, port = addrs[0]
     try:
         if many:
             for host, port in addrs:
                 guards.append(port_guard(host, port))
                 bind(host, port, backlog=1, reuse_port=False).close()  # the probe (port_guard's docstring)
-        for _ in range(settings.workers):
+        for _ in range(config.workers):
             socks.append([])
             for host, port in addrs:
                 socks[-1].append(bind(host, port, reuse_port=many))
@@ -197,19 +208,11 @@ def _started_after(pid: int, when: float) -> bool:
         return False
 
 
-def worker_settings(settings: RouterSettings, slot: int) -> RouterSettings:
-    """Worker `slot`'s settings: its own decision log directory, DIR/worker-<slot> (files of one writer each,
-    so rotation and `keep` stay per file set; read each worker's directory)."""
-    if settings.decision_log_dir is None:
-        return settings
-    return settings.model_copy(update={"decision_log_dir": settings.decision_log_dir / f"worker-{slot}"})
-
-
-def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> int:
-    """Runs settings.workers workers until SIGTERM/SIGINT; `worker_main(settings, socks, shared)` is one
-    worker's life (router.cli.serve_worker). Returns the exit status. OSError (ListenError) when an address
-    cannot be listened on."""
-    socks, guards = listeners(settings)
+def run_workers(config: WorkersConfig, worker_main: Callable[[list[socket.socket], tuple], int]) -> int:
+    """Runs config.workers workers until SIGTERM/SIGINT; `worker_main(socks, (shared load, slot))` is one
+    worker's life (router.cli.serve_worker with that slot's settings). Returns the exit status. OSError
+    (ListenError) when an address cannot be listened on."""
+    socks, guards = listeners(config)
     clean_stale_metrics_dirs()
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")  # the pid: clean_stale_metrics_dirs
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
@@ -221,12 +224,12 @@ def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> in
         values.ValueClass = values.get_value_class()
     from routewise_vllm.router.scale.shared import SharedLoad
 
-    load = SharedLoad(settings.workers)
+    load = SharedLoad(config.workers)
     parent = os.getpid()
     watch_r, watch_w = os.pipe()  # the parent holds the only write end: end-of-file for the workers when it is gone
     children: dict[int, int] = {}  # worker pid -> slot
     stopping = False
-    grace_s = settings.drain_timeout_s + 5.0
+    grace_s = config.drain_timeout_s + 5.0
 
     def spawn(slot: int) -> None:
         pid = os.fork()
@@ -241,7 +244,7 @@ def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> in
                     if other is not socks[slot]:
                         for s in other:
                             s.close()
-                code = worker_main(worker_settings(settings, slot), socks[slot], (load, slot))
+                code = worker_main(socks[slot], (load, slot))
             except BaseException:  # noqa: BLE001 - a worker's crash is logged, the parent restarts it
                 log.exception("worker %d failed", slot)
             finally:
@@ -258,9 +261,9 @@ def run_workers(settings: RouterSettings, worker_main: Callable[..., int]) -> in
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        for slot in range(settings.workers):
+        for slot in range(config.workers):
             spawn(slot)
-        log.info("%d workers on http://%s:%d", settings.workers, settings.host, settings.port)
+        log.info("%d workers on http://%s:%d", config.workers, config.host, config.port)
         deadline: float | None = None
         while children:
             if stopping and deadline is None:

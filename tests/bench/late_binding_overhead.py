@@ -45,7 +45,7 @@ def bench(n: int, iters: int) -> tuple[list[float], list[float]]:
     rng = np.random.default_rng(0)
     ct = cluster(n, rng)
     settings = RouterSettings(replicas=["http://127.0.0.1:9"], policy="least-outstanding", late_binding=True)
-    replicas = ReplicaSet(settings, lambda: None)
+    replicas = ReplicaSet(settings.replica_config(), lambda: None)
     replicas.cluster = ct
     pol = FallbackPolicy(LeastOutstanding(seed=0), LeastOutstanding(seed=1), budget_s=None, clock=time.perf_counter)
 

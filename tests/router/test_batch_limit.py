@@ -56,7 +56,7 @@ def test_a_larger_running_count_raises_it_and_it_never_falls():
 def test_the_operators_limit_wins_over_the_inferred_one():
     s = RouterSettings(replicas=["http://a:1", "http://b:2", "http://c:3"], policy="least-outstanding",
                        late_binding_replica_max_num_seqs={"a:1": 3})
-    reps = ReplicaSet(s, lambda: None)
+    reps = ReplicaSet(s.replica_config(), lambda: None)
     for rid in ("a:1", "b:2"):
         reps.by_id[rid].batch.observe(5, 1)
         reps.by_id[rid].batch.observe(5, 1)
@@ -65,7 +65,7 @@ def test_the_operators_limit_wins_over_the_inferred_one():
     assert reps.batch_limit("c:3") == (None, None)
     s = RouterSettings(replicas=["http://a:1", "http://b:2"], policy="least-outstanding",
                        late_binding_max_num_seqs=16, late_binding_replica_max_num_seqs={"a:1": 3})
-    reps = ReplicaSet(s, lambda: None)
+    reps = ReplicaSet(s.replica_config(), lambda: None)
     assert (reps.batch_limit("a:1"), reps.batch_limit("b:2")) == ((3, "operator"), (16, "operator"))
 
 

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from routewise_vllm.router.scale.fleet_view import (MAX_FIELDS, MAX_IN_FLIGHT, MAX_ROUTERS, MAX_TOKENS, ROUTERS_KEY,
-                                              FleetSync, encode, load_key, parse_counts)
+                                              FleetSync, FleetViewConfig, encode, load_key, parse_counts)
 from routewise_vllm.router.policy.remote_load import RemoteLoad
 from routewise_vllm.router.policy.tracking import ClusterTracker
 from routewise_vllm.router.policy.types import RequestInfo
@@ -41,8 +41,8 @@ def redis():
 
 def _sync(url: str, cluster: ClusterTracker, name: str, registry: CollectorRegistry | None = None,
           timeout_s: float = 2.0) -> FleetSync:
-    return FleetSync(url, RemoteLoad(cluster), registry or CollectorRegistry(), router_id=name, publisher=True,
-                     interval_s=0.01, ttl_s=5.0, timeout_s=timeout_s)
+    return FleetSync(FleetViewConfig(url, 0.01, 5.0, timeout_s), RemoteLoad(cluster), registry or CollectorRegistry(),
+                     router_id=name, publisher=True)
 
 
 def _counts(cluster: ClusterTracker) -> list[tuple[int, ...]]:

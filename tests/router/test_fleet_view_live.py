@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from routewise_vllm.router.scale.fleet_view import FleetSync
+from routewise_vllm.router.scale.fleet_view import FleetSync, FleetViewConfig
 from routewise_vllm.router.policy.remote_load import RemoteLoad
 from routewise_vllm.router.policy.tracking import ClusterTracker
 from routewise_vllm.router.policy.types import RequestInfo
@@ -37,8 +37,8 @@ def redis():
 
 
 def _sync(url: str, cluster: ClusterTracker, name: str, registry: CollectorRegistry | None = None) -> FleetSync:
-    return FleetSync(url, RemoteLoad(cluster), registry or CollectorRegistry(), router_id=name, publisher=True,
-                     interval_s=0.01, ttl_s=2.0, timeout_s=1.0)
+    return FleetSync(FleetViewConfig(url, 0.01, 2.0, 1.0), RemoteLoad(cluster), registry or CollectorRegistry(),
+                     router_id=name, publisher=True)
 
 
 def _outstanding(cluster: ClusterTracker) -> list[int]:
@@ -91,8 +91,8 @@ async def test_ticks_carry_one_routers_counts_to_the_other_and_redis_down_falls_
 async def test_a_slow_redis_is_a_failed_tick_within_the_timeout(redis):
     cluster = ClusterTracker(["r0:1"])
     registry = CollectorRegistry()
-    sync = FleetSync(redis.url, RemoteLoad(cluster), registry, router_id="me", publisher=True, interval_s=0.01,
-                     ttl_s=2.0, timeout_s=0.2)
+    sync = FleetSync(FleetViewConfig(redis.url, 0.01, 2.0, 0.2), RemoteLoad(cluster), registry, router_id="me",
+                     publisher=True)
     try:
         await sync.tick()
         os.kill(redis.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]  # up, but answering nothing

@@ -262,7 +262,7 @@ async def test_off_by_default_every_request_goes_at_once(fakes, router_client):
 async def test_a_request_routed_as_its_client_leaves_is_released():
     """The queue routed the head (tracker counts it) but the handler was cancelled before it resumed."""
     settings = RouterSettings(replicas=["http://127.0.0.1:9"], policy="least-outstanding", **LATE)
-    replicas = ReplicaSet(settings, lambda: None)
+    replicas = ReplicaSet(settings.replica_config(), lambda: None)
     rep = replicas.ordered[0]
     rep.probe_ok = True
     rep.sync()

@@ -8,7 +8,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
-from routewise_vllm.router.scale.fleet_view import ROUTERS_KEY, FleetSync, load_key
+from routewise_vllm.router.scale.fleet_view import ROUTERS_KEY, FleetSync, FleetViewConfig, load_key
 from routewise_vllm.router.logsafe import MAX_CHARS, safe, safe_exc
 from routewise_vllm.router.policy.remote_load import RemoteLoad
 from routewise_vllm.router.policy.tracking import ClusterTracker
@@ -60,8 +60,8 @@ async def test_a_router_id_from_redis_with_a_newline_and_an_escape_is_logged_on_
         r.sadd(ROUTERS_KEY, FORGED)
         r.hset(load_key(FORGED), mapping={"_hb": "1", "r0:1": "-5 0 0 0 0"})
         r.close()
-        sync = FleetSync(server.url, RemoteLoad(ClusterTracker(["r0:1"])), CollectorRegistry(), router_id="me",
-                         publisher=True, interval_s=0.01, ttl_s=5.0, timeout_s=2.0)
+        sync = FleetSync(FleetViewConfig(server.url, 0.01, 5.0, 2.0), RemoteLoad(ClusterTracker(["r0:1"])),
+                         CollectorRegistry(), router_id="me", publisher=True)
         try:
             await sync.tick()
         finally:

@@ -22,7 +22,7 @@ def guards(policy) -> tuple:
 
 def router(**kw) -> Router:
     settings = RouterSettings(replicas=URLS, policy_watch_interval_s=None, **kw)
-    return Router(settings, ReplicaSet(settings, lambda: None), RouterMetrics())
+    return Router(settings, ReplicaSet(settings.replica_config(), lambda: None), RouterMetrics())
 
 
 def test_learned_treatment_and_shadow_beside_a_baseline_get_the_learned_guards():
