@@ -196,6 +196,8 @@ def create_app(settings: RouterSettings, *, clock: Callable[[], float] = time.mo
     app.on_shutdown.append(on_shutdown)
 
     exposed = metrics.registry if shared is None else metrics.multiprocess_registry()
+    if shared is not None and settings.kv_events == "on":
+        kv.expose(exposed)  # the KV view's figures under --workers N (router/kv/events.py)
 
     async def metrics_handler(request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest(exposed))

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import aiohttp
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from yarl import URL
 
@@ -36,6 +36,7 @@ log = logging.getLogger("router.kv_events")
 
 REPLAY_TIMEOUT_S = 2.0
 NO_SOURCE_RETRY_S = 60.0
+WORKER_FLUSH_S = 1.0  # with --workers N: how often a worker adds its decisions' counts to the host's
 RCVHWM = 10_000  # batches queued per subscription before ZMQ drops (a gap, then a replay or a stale view)
 TOKENIZE_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
@@ -128,6 +129,7 @@ class KVEvents:
         self.healthy: dict[str, bool] = {}
         self._retry: dict[str, float] = {}  # replicas without a publisher: when to ask again
         self._bind_task: asyncio.Task | None = None
+        self._flush_task: asyncio.Task | None = None
         self._lora_models: frozenset[str] | None = None
         self._lora: dict[str, str] = {}
         self.tokenize_seconds = Histogram(
@@ -139,6 +141,35 @@ class KVEvents:
         self.prompt_blocks = PromptBlocks(self.view.block_size, local, None if local else self._tokenize,
                                           lambda source, s: self.tokenize_seconds.labels(source).observe(s))
         registry.register(KVCollector(self))
+        self._decision_counters: tuple[Counter, Counter] | None = None  # with --workers N (expose)
+        self._flushed: dict[tuple[str, str], int] = {}
+
+    def expose(self, registry: CollectorRegistry) -> None:
+        """With --workers N: the view's figures on the host's registry (every worker follows the same publishers, so
+        the worker that answers the scrape reports them), and each worker's per-decision counts (match sources,
+        prompt block sources) summed over the workers through prometheus_client's multiprocess files."""
+        registry.register(KVCollector(self, decisions=False))
+        self._decision_counters = (
+            Counter("llm_router_prefix_match_source", MATCH_SOURCE_HELP, ["source"], registry=None),
+            Counter("llm_router_prompt_blocks", BLOCK_SOURCE_HELP, ["source"], registry=None),
+        )
+        for name in MATCH_SOURCES:
+            self._decision_counters[0].labels(name)
+        for name in BLOCK_SOURCES:
+            self._decision_counters[1].labels(name)
+
+    def flush_decisions(self) -> None:
+        """Add the decisions counted since the last flush to the multiprocess counters (off the request path)."""
+        if self._decision_counters is None:
+            return
+        match, blocks = self._decision_counters
+        current = [(("match", name), n, match) for name, n in zip(MATCH_SOURCES, self.replicas.cluster.match_sources)]
+        current += [(("blocks", name), self.prompt_blocks.sources.get(name, 0), blocks) for name in BLOCK_SOURCES]
+        for key, n, counter in current:
+            delta = n - self._flushed.get(key, 0)
+            if delta > 0:
+                counter.labels(key[1]).inc(delta)
+                self._flushed[key] = n
 
     # ---- the replicas' cache view, installed on the cluster tracker
     def install(self, router) -> None:
@@ -161,12 +192,19 @@ class KVEvents:
     async def run(self) -> None:
         if self.settings.kv_events_bind:
             self._bind_task = asyncio.create_task(self._bound(self.settings.kv_events_bind), name="kv-events-bind")
+        if self._decision_counters is not None:
+            self._flush_task = asyncio.create_task(self._flush_loop(), name="kv-events-flush")
         while True:
             try:
                 await self.refresh()
             except Exception:  # noqa: BLE001 - one bad round does not end the subscriptions
                 log.exception("kv events: refresh failed")
             await asyncio.sleep(self.settings.kv_events_refresh_s)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(WORKER_FLUSH_S)
+            self.flush_decisions()
 
     async def refresh(self) -> None:
         """Find new replicas' publishers, clear the views of replicas that lost their health, drop removed ones."""
@@ -234,10 +272,12 @@ class KVEvents:
     async def close(self) -> None:
         for rid in list(self.sources):
             await self._drop(rid)
-        if self._bind_task is not None:
-            self._bind_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._bind_task
+        for task in (self._bind_task, self._flush_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self.flush_decisions()
         await self.prompt_blocks.close()
         self.ctx.destroy(linger=0)
 
@@ -368,14 +408,27 @@ def _seq_of(frames: list[bytes]) -> int | None:
     return None
 
 
+MATCH_SOURCE_HELP = ("Routing decisions by where their prefix matches came from: precise (every replica's KV view), "
+                     "guess (the router's approximate index), mixed (stale views guessed).")
+BLOCK_SOURCE_HELP = ("Requests by where their prompt's token blocks came from: cached (its longest prefix tokenized "
+                     "before), prefix (a shorter cached prefix; the longer one tokenized in the background), head (its "
+                     "first 512 characters tokenized on the path by the router's own tokenizer, the rest in the "
+                     "background), estimate (nothing cached, no tokenizer: the character estimate, the prefix asked "
+                     "of a replica's /tokenize), ids (the request sent token ids).")
+DECISION_FAMILIES = ("source", "blocks_source")
+
+
 class KVCollector:
     """The view's counters and sizes, read at scrape time (the view itself stays pure)."""
 
-    def __init__(self, kv: KVEvents) -> None:
+    def __init__(self, kv: KVEvents, decisions: bool = True) -> None:
+        """decisions: also the per-decision counts (match sources, prompt block sources); without them (--workers N)
+        they come summed over the workers from the multiprocess counters."""
         self.kv = kv
+        self.decisions = decisions
 
     def describe(self):
-        return list(self._families().values())
+        return [f for k, f in self._families().items() if self.decisions or k not in DECISION_FAMILIES]
 
     @staticmethod
     def _families() -> dict:
@@ -398,16 +451,10 @@ class KVCollector:
                      "the first).", labels=["replica"]),
             "fresh": g("llm_router_kv_view_fresh", "1 when decisions take the replica's prefix match from its KV view, "
                        "0 while it is stale (a gap, bad input, lost health).", labels=["replica"]),
-            "source": c("llm_router_prefix_match_source", "Routing decisions by where their prefix matches came from: "
-                        "precise (every replica's KV view), guess (the router's approximate index), mixed (stale views "
-                        "guessed).", labels=["source"]),
+            "source": c("llm_router_prefix_match_source", MATCH_SOURCE_HELP, labels=["source"]),
             "unknown": c("llm_router_kv_events_unknown_topic", "KV event messages on the bound socket whose topic "
                          "names no replica."),
-            "blocks_source": c("llm_router_prompt_blocks", "Requests by where their prompt's token blocks came from: "
-                               "cached (its longest prefix tokenized before), prefix (a shorter cached prefix; the "
-                               "longer one tokenized in the background), estimate (nothing cached yet: the character "
-                               "estimate, the prefix tokenized in the background), ids (the request sent token ids).",
-                               labels=["source"]),
+            "blocks_source": c("llm_router_prompt_blocks", BLOCK_SOURCE_HELP, labels=["source"]),
         }
 
     def collect(self):
@@ -429,10 +476,12 @@ class KVCollector:
             if r.last_event_s is not None:
                 age.add_metric([rid], max(0.0, now - r.last_event_s))
             fresh.add_metric([rid], 1.0 if kv.view.fresh(rid, now) else 0.0)
-        for name, n in zip(MATCH_SOURCES, kv.replicas.cluster.match_sources):
-            source.add_metric([name], n)
         unknown.add_metric([], kv.unknown_topics)
-        blocks_source = f["blocks_source"]
-        for name in BLOCK_SOURCES:
-            blocks_source.add_metric([name], kv.prompt_blocks.sources.get(name, 0))
-        yield from (events, ignored, gaps, replays, dropped, blocks, age, fresh, source, unknown, blocks_source)
+        yield from (events, ignored, gaps, replays, dropped, blocks, age, fresh, unknown)
+        if self.decisions:
+            for name, n in zip(MATCH_SOURCES, kv.replicas.cluster.match_sources):
+                source.add_metric([name], n)
+            blocks_source = f["blocks_source"]
+            for name in BLOCK_SOURCES:
+                blocks_source.add_metric([name], kv.prompt_blocks.sources.get(name, 0))
+            yield from (source, blocks_source)

@@ -3,13 +3,16 @@
 Two sources of token ids, both cached by prompt prefix (a bounded LRU), so a system prompt is tokenized once, and
 both off the request path: a request whose prefix is not cached yet decides on the longest shorter prefix that is,
 or on the character estimate, while its prefix is tokenized in the background for the next request that shares it.
+With a local tokenizer the request's first 512 characters (its shortest prefix, about 0.1 ms) are tokenized on the
+path when nothing shorter is cached, so even a prompt's first request matches the replicas' views on its leading
+blocks (another router may have sent the same system prompt before).
 - `LocalTokenizer` (`--tokenizer PATH`): the model's tokenizer.json with the HF `tokenizers` library, and its chat
   template rendered with jinja2 as transformers' `apply_chat_template(add_generation_prompt=True)` does, which is
   what vLLM tokenizes (completions with the tokenizer's special tokens, chat without: the template has them). A
   miss is tokenized on one background thread (`encode_batch` releases the GIL, so the event loop runs meanwhile),
   at most MAX_QUEUED prefixes waiting; its result is picked up by the next request.
 - a replica's `POST /tokenize` (no tokenizer configured): asked once per distinct prefix, at most max_fetches at once.
-Where each request's blocks came from is counted (`sources`: cached, prefix, estimate, ids).
+Where each request's blocks came from is counted (`sources`: cached, prefix, head, estimate, ids).
 
 The prefix: for a text prompt (or a chat request's rendered text), its first 2^k * 512 characters, cut before a
 space (a word's tokens do not depend on what follows it), the last token dropped (the cut's own token may merge
@@ -37,9 +40,10 @@ MIN_PREFIX_CHARS = 512
 MAX_PREFIX_CHARS = 1 << 17
 MAX_TOKEN_BLOCKS = 1024
 MAX_QUEUED = 16  # local tokenizations waiting for the background thread; more misses keep the estimate
-# Where a request's prefix blocks came from: its longest prefix cached, a shorter cached prefix, nothing cached (the
-# character estimate), or the token ids the request sent
-BLOCK_SOURCES = ("cached", "prefix", "estimate", "ids")
+# Where a request's prefix blocks came from: its longest prefix cached, a shorter cached prefix, its first 512
+# characters tokenized on the path (local tokenizer, nothing cached), nothing (the character estimate), or the token
+# ids the request sent
+BLOCK_SOURCES = ("cached", "prefix", "head", "estimate", "ids")
 
 
 def prefix_cuts(n_chars: int) -> list[int]:
@@ -242,6 +246,14 @@ class PromptBlocks:
                     self._learn(cuts[0], text, special, model)
                 return ids
         self.misses += 1
+        if self.local is not None:  # the shortest prefix now (cheap), the longest in the background
+            head = cuts[-1]
+            ids = self._trim(self.local.completion_ids(text[:head], special), head == len(text))
+            self.cache.put(("text", model, special, text[:head]), ids)
+            self.sources["head"] += 1
+            if len(cuts) > 1:
+                self._learn(cuts[0], text, special, model)
+            return ids
         self.sources["estimate"] += 1
         self._learn(cuts[0], text, special, model)
         if len(cuts) > 1:

@@ -1,7 +1,7 @@
 """The router's own tokenizer (`--tokenizer`): what the request path pays for an 8k-token prompt's prefix blocks.
 
-A cache miss decides on the estimate and hands the prompt's longest 512 x 2^k-character prefix to the background
-thread (HF `tokenizers`); a hit (the same system prompt again) looks it up. Prints p50 / p99 of what the request
+A cache miss decides on the prompt's first 512 characters (tokenized on the path) and hands its longest
+512 x 2^k-character prefix to the background thread (HF `tokenizers`); a hit (the same system prompt again) looks it up. Prints p50 / p99 of what the request
 path pays on a miss and on a hit, for chat (the template rendered on the path) and completions; the background
 tokenization's own time; and a hit's latency while the background thread tokenizes (does it hold the GIL?).
 
@@ -79,7 +79,7 @@ def main() -> int:
             t0 = time.perf_counter()
             blocks = pb.of(body(i), chat)
             miss.append(time.perf_counter() - t0)
-            assert blocks is None  # the estimate: the prefix goes to the background thread
+            assert blocks  # its head's blocks; the long prefix goes to the background thread
             for _ in range(3):  # another prompt's hits while the background thread tokenizes this one
                 t0 = time.perf_counter()
                 pb.of(warm, chat)

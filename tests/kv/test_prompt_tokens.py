@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from routewise_vllm.router.kv.prompt_tokens import LocalTokenizer, PromptBlocks
+from routewise_vllm.router.kv.prompt_tokens import MIN_PREFIX_CHARS, LocalTokenizer, PromptBlocks
 from routewise_vllm.router.policy.kv_view import token_prefix_blocks
 
 pytestmark = pytest.mark.timeout(60)
@@ -17,7 +17,8 @@ SYSTEM = " ".join(f"w{i % 97}" for i in range(600))  # ~2,300 characters: cut at
 
 
 class SlowTokenizer:
-    """A tokenizer that takes `delay_s` and notes the threads it ran on: one token per word."""
+    """One token per word. A text longer than the shortest prefix takes `delay_s` (and waits for `release`); the
+    threads such texts were tokenized on are noted."""
 
     def __init__(self, delay_s: float = 0.2) -> None:
         self.delay_s = delay_s
@@ -26,27 +27,36 @@ class SlowTokenizer:
         self.release.set()
 
     def completion_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        self.threads.append(threading.get_ident())
-        self.release.wait(10)
-        time.sleep(self.delay_s)
+        if len(prompt) > MIN_PREFIX_CHARS:
+            self.threads.append(threading.get_ident())
+            self.release.wait(10)
+            time.sleep(self.delay_s)
         return [1 + (hash(w) % 1000) for w in prompt.split(" ")]
 
     completion_ids_nogil = completion_ids
 
 
-def test_a_miss_decides_on_the_estimate_and_tokenizes_in_the_background():
+def test_a_miss_decides_on_its_head_and_tokenizes_the_prefix_in_the_background():
     tok = SlowTokenizer()
     pb = PromptBlocks(lambda: 16, tok)  # type: ignore[arg-type]
     body = {"prompt": SYSTEM + " question one?"}
     t0 = time.perf_counter()
-    assert pb.of(body, chat=False) is None  # the estimate: nothing cached yet
-    assert time.perf_counter() - t0 < tok.delay_s / 2  # it did not wait for the tokenizer
-    assert pb.sources["estimate"] == 1
+    head = pb.of(body, chat=False)  # nothing cached yet: the first 512 characters' blocks
+    assert time.perf_counter() - t0 < tok.delay_s / 2  # it did not wait for the long prefix
+    words = SYSTEM[:MIN_PREFIX_CHARS + 1].count(" ")  # the words before the cut, the last one dropped
+    assert head and len(head) == words // 16
+    assert pb.sources["head"] == 1
     pb.drain()
     assert tok.threads and threading.get_ident() not in tok.threads
     blocks = pb.of({"prompt": SYSTEM + " question two?"}, chat=False)  # the same system prompt: precise now
     assert blocks and len(blocks) >= 2000 // 16 // 4
     assert pb.sources["cached"] == 1
+
+
+def test_without_a_tokenizer_a_miss_decides_on_the_estimate():
+    pb = PromptBlocks(lambda: 16, None, fetch=None)
+    assert pb.of({"prompt": SYSTEM}, chat=False) is None
+    assert pb.sources["estimate"] == 1
 
 
 def test_a_shorter_cached_prefix_is_used_while_the_longer_one_is_tokenized():
@@ -69,11 +79,11 @@ def test_the_background_queue_is_bounded():
     tok.release.clear()
     pb = PromptBlocks(lambda: 16, tok, max_queued=3)  # type: ignore[arg-type]
     for i in range(10):
-        assert pb.of({"prompt": f"{i} " + SYSTEM}, chat=False) is None
+        assert pb.of({"prompt": f"{i} " + SYSTEM}, chat=False)  # each its head
     assert len(pb.queued) == 3  # the other misses are asked again by a later request
     tok.release.set()
     pb.drain()
-    assert not pb.queued and len(pb.cache.d) == 3
+    assert not pb.queued and len(pb.cache.d) == 10 + 3  # 10 heads, 3 long prefixes
 
 
 def test_the_background_tokenization_gives_the_callers_ids(tmp_path: Path):
@@ -88,7 +98,8 @@ def test_the_background_tokenization_gives_the_callers_ids(tmp_path: Path):
     prompt = SYSTEM + " question?"
     assert local.completion_ids_nogil(prompt) == local.completion_ids(prompt)
     pb = PromptBlocks(lambda: 16, local)
-    assert pb.of({"prompt": prompt}, chat=False) is None
+    head = SYSTEM.rfind(" ", 0, MIN_PREFIX_CHARS + 1)
+    assert pb.of({"prompt": prompt}, chat=False) == token_prefix_blocks(local.completion_ids(SYSTEM[:head])[:-1], 16)
     pb.drain()
     blocks = pb.of({"prompt": prompt}, chat=False)
     cut = SYSTEM.rfind(" ", 0, 2049)
