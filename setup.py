@@ -6,13 +6,15 @@ that is not code (models, scenarios, profiles, traces, configs, their READMEs) s
 once here for the whole tree, so a new folder cannot be left out of the wheel.
 
 Without a C compiler the build skips the extensions and the router runs their Python references:
-- routewise_vllm.router.policy._fastnet: the routing network's forward pass for one decision
-  (router/policy/fastnet.py), the views and feature rows (router/policy/tracking.py and features.py), the prompt's
-  prefix-block hashes (router/policy/estimate.py); sources router/policy/fastnet_c/*.c (fastnet.h lists them);
-  without it the learned policy is served by onnxruntime alone;
+- routewise_vllm.router.policy._fastnet: the routing network's forward pass for one decision and its cross-replica
+  inputs (router/policy/fastnet.py), the views and feature rows (router/policy/tracking.py and feature_binding.py),
+  the prompt's prefix-block hashes (router/policy/estimate.py); sources router/policy/fastnet_c/*.c (fastnet.h lists
+  them); without it the learned policy is served by onnxruntime alone;
 - routewise_vllm.router.http._fasthttp: the lean listener's request heads (router/http/server.py), the lean
   client's response heads and chunked bodies (router/http/client.py), each the common case beside the Python that defines every case;
-  sources router/http/fasthttp_c/*.c (fasthttp.h lists them)."""
+  sources router/http/fasthttp_c/*.c (fasthttp.h lists them);
+- routewise_vllm.router.scale._shared: the host-wide in-flight counters the router's workers share
+  (router/scale/shared.py); sources router/scale/shared_c/*.c."""
 
 from glob import glob
 
@@ -39,5 +41,7 @@ setup(
         ),
         Extension(f"{NAMESPACE}.router.http._fasthttp", sorted(glob("router/http/fasthttp_c/*.c")),
                   depends=["router/http/fasthttp_c/fasthttp.h"], extra_compile_args=FLAGS, optional=True),
+        Extension(f"{NAMESPACE}.router.scale._shared", sorted(glob("router/scale/shared_c/*.c")), extra_compile_args=FLAGS,
+                  optional=True),
     ],
 )

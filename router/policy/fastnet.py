@@ -2,7 +2,7 @@
 
 At one decision the network is tiny, so onnxruntime spends its time on per-operator overhead (about 45
 operators, ~100 us at 16 replicas) and the numpy cross-replica inputs on per-call overhead; one compiled
-pass (`_fastnet.c`: `model_inputs`, then the network) does the same arithmetic in microseconds
+pass (`_fastnet`: `model_inputs`, then the network) does the same arithmetic in microseconds
 (tests/bench/decision_latency_learned.py). ONNX stays the format and onnxruntime the reference:
 
 - Weights: the exporter writes them into the model's metadata (key `fastnet`: the network's dimensions and
@@ -22,21 +22,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from routewise_vllm.router.policy.features import (
-    EXPECTED_WAIT_DECODE_WEIGHT,
+from routewise_vllm.router.policy.feature_binding import compiled as _fastnet  # bound to the feature table
+from routewise_vllm.router.policy.feature_table import (
     FEATURE_NAMES,
     MODEL_INPUT_NAMES,
     N_FEATURES,
     N_MODEL_INPUTS,
     REPLICA_FEATURES,
-    UNLOG_COLUMNS,
-    UNLOG_SCALES,
 )
-
-try:
-    from routewise_vllm.router.policy import _fastnet
-except ImportError:  # built without a C compiler: onnxruntime serves alone
-    _fastnet = None
 
 METADATA_KEY = "fastnet"
 LAYOUT_VERSION = 1
@@ -44,11 +37,8 @@ PARITY_MAX_DIFF = 1e-3
 PARITY_TIE = 1e-4
 PARITY_WIDTHS = (1, 2, 3, 5, 8, 16, 33, 64)
 
-# The feature contract as the C code reads it (router/policy/features.py is the one source of truth).
 _COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
-_SPEC_I = (len(REPLICA_FEATURES), _COL["healthy"], _COL["prefix_match_frac"], *UNLOG_COLUMNS)
-_SPEC_F = np.array([*UNLOG_SCALES, EXPECTED_WAIT_DECODE_WEIGHT], dtype=np.float32).tobytes()
-_WAIT_COL = MODEL_INPUT_NAMES.index("expected_wait")
+_WAIT_COL = MODEL_INPUT_NAMES.index("expected_wait")  # the wait prior's input
 
 
 def available() -> bool:
@@ -131,25 +121,25 @@ class FastNet:
         """float32 [R] logits (unhealthy replicas -1e9) for build_features rows float32 [R, N_FEATURES]."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         out = np.empty(rows.shape[0], dtype=np.float32)
-        _fastnet.logits(rows, rows.shape[0], _SPEC_I, _SPEC_F, self._weights, self._dims, out)
+        _fastnet.logits(rows, rows.shape[0], self._weights, self._dims, out)
         return out
 
     def best(self, rows: np.ndarray) -> tuple[int, bool]:
         """(index of the largest logit among healthy rows, -1 if none; whether all healthy logits are finite):
         policy.base.best_of(logits(rows), healthy) in one call, for C-contiguous float32 rows."""
-        return _fastnet.best(rows, rows.shape[0], _SPEC_I, _SPEC_F, self._weights, self._dims)
+        return _fastnet.best(rows, rows.shape[0], self._weights, self._dims)
 
     def best_view(self, row_args: tuple) -> tuple[int, bool]:
         """best(build_features(view, request)) with the rows built inside the same C call, no numpy array on the
-        way: `row_args` is features.compiled_row_args(view, request)."""
-        return _fastnet.best_view(*row_args, _SPEC_I, _SPEC_F, self._weights, self._dims)
+        way: `row_args` is feature_binding.compiled_row_args(view, request)."""
+        return _fastnet.best_view(*row_args, self._weights, self._dims)
 
 
 def inputs(rows: np.ndarray) -> np.ndarray:
     """model_inputs(rows, healthy column) for one decision, computed by the C code (for tests)."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     out = np.empty((rows.shape[0], N_MODEL_INPUTS), dtype=np.float32)
-    _fastnet.inputs(rows, rows.shape[0], _SPEC_I, _SPEC_F, out)
+    _fastnet.inputs(rows, rows.shape[0], out)
     return out
 
 

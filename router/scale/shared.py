@@ -37,8 +37,8 @@ from routewise_vllm.router.policy.tracking import ClusterTracker, ReplicaTracker
 from routewise_vllm.router.policy.types import ClusterView, RequestInfo
 
 try:  # numpy's sum and slice assignment cost tens of microseconds on the cold caches of a live decision
-    from routewise_vllm.router.policy import _fastnet as _compiled
-except ImportError:  # built without a C compiler: numpy does it
+    from routewise_vllm.router.scale import _shared as _compiled  # shared_c/shared.c
+except ImportError:  # built without a C compiler: numpy does it (the reference)
     _compiled = None
 
 log = logging.getLogger("router.shared")

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ci import skip_or_fail
+
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("router", "simulator", "trainer", "fleet")
 pytestmark = pytest.mark.slow
@@ -65,6 +67,16 @@ def test_the_wheel_carries_every_data_file_of_the_tree(wheel):
     missing = [p for p in data if f"routewise_vllm/{p}" not in names]
     assert missing == []
     assert not [n for n in names if n.endswith((".c", ".h", ".pyc"))]
+
+
+def test_the_wheel_carries_each_c_extension_beside_the_python_it_serves(wheel):
+    """One extension per owner: the learned policy's, the HTTP stack's and the scale-out counters'."""
+    built = {n for n in _names_in_wheel(wheel) if n.endswith((".so", ".pyd"))}
+    if not built:
+        skip_or_fail("the wheel was built without a C compiler: no extension in it")
+    for module in ("router/policy/_fastnet", "router/http/_fasthttp", "router/scale/_shared"):
+        assert [n for n in built if n.startswith(f"routewise_vllm/{module}.")], f"{module} is not in the wheel: {built}"
+    assert len(built) == 3, built
 
 
 def test_the_wheel_installs_one_top_level_name_and_states_its_licence(wheel):

@@ -145,7 +145,7 @@ def test_best_view_refuses_bad_input_instead_of_crashing() -> None:
 
     net = OnnxPolicy(DEFAULT_MODEL_PATH)._fast
     rep, req = ReplicaSnapshot("r0", True, 1, 10), RequestInfo("q", 1000)
-    spec = (fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims)
+    spec = (net._weights, net._dims)
     assert _fastnet.best_view((rep,), req, *spec) == (0, True)
     with pytest.raises(ValueError, match="no replicas"):
         _fastnet.best_view((), req, *spec)
@@ -154,9 +154,9 @@ def test_best_view_refuses_bad_input_instead_of_crashing() -> None:
     with pytest.raises(AttributeError):
         _fastnet.best_view((object(),), req, *spec)
     with pytest.raises(ValueError, match="features"):
-        _fastnet.best_view((rep,), req, *spec[:3], (24, *net._dims[1:]))
+        _fastnet.best_view((rep,), req, net._weights, (24, *net._dims[1:]))
     with pytest.raises(ValueError, match="weight blob"):
-        _fastnet.best_view((rep,), req, *spec[:2], net._weights[:-32], net._dims)
+        _fastnet.best_view((rep,), req, net._weights[:-32], net._dims)
 
 
 def _with_metadata(tmp_path, change) -> OnnxPolicy:
@@ -233,13 +233,13 @@ def test_bad_buffers_raise_instead_of_crashing() -> None:
     net = OnnxPolicy(DEFAULT_MODEL_PATH)._fast
     rows = np.zeros((4, N_FEATURES), np.float32)
     with pytest.raises(ValueError, match="rows"):
-        _fastnet.logits(rows, 5, fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims, np.empty(5, np.float32))
+        _fastnet.logits(rows, 5, net._weights, net._dims, np.empty(5, np.float32))
     with pytest.raises(ValueError, match="weight blob"):
-        _fastnet.logits(rows, 4, fastnet._SPEC_I, fastnet._SPEC_F, net._weights[:-8], net._dims, np.empty(4, np.float32))
+        _fastnet.logits(rows, 4, net._weights[:-8], net._dims, np.empty(4, np.float32))
     with pytest.raises(ValueError, match="out"):
-        _fastnet.logits(rows, 4, fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims, np.empty(3, np.float32))
+        _fastnet.logits(rows, 4, net._weights, net._dims, np.empty(3, np.float32))
     with pytest.raises(ValueError, match="no replicas"):
-        _fastnet.logits(rows[:0], 0, fastnet._SPEC_I, fastnet._SPEC_F, net._weights, net._dims, np.empty(0, np.float32))
+        _fastnet.logits(rows[:0], 0, net._weights, net._dims, np.empty(0, np.float32))
 
 
 @needs_ext

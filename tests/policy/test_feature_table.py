@@ -1,9 +1,12 @@
-"""One column table drives every feature row: router/policy/features.py's REPLICA_COLUMNS / REQUEST_COLUMNS, which the
-Python builder follows (generated from it) and the C builder receives when it binds (_fastnet.bind_rows).
+"""One table drives every model input: router/policy/feature_table.py's REPLICA_COLUMNS / REQUEST_COLUMNS, which the
+Python row builder follows (generated from it) and the C builder receives when it binds (_fastnet.bind_rows), and its
+cross-replica inputs (DERIVED_INPUTS, EXCESS_INPUTS), which model_inputs evaluates in numpy and the C extension
+receives as programs when it binds (_fastnet.bind_inputs).
 
 The main test adds features to the table in a copy of the package (one from a snapshot field no column read yet,
-and one from a new snapshot field with the tracker slot that fills it), builds the extension there from the same,
-untouched C sources with the same build command, and shows the C and Python rows agree.
+one from a new snapshot field with the tracker slot that fills it, and a cross-replica input over them with an
+excess input of it), builds the extension there from the same, untouched C sources with the same build command, and
+shows the C and Python rows agree, and the C and numpy model inputs.
 """
 
 from __future__ import annotations
@@ -17,8 +20,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from routewise_vllm.router.policy import features
-from routewise_vllm.router.policy.features import COLUMNS, REPLICA_COLUMNS, Column, Source, check_table, compiled_columns, value
+from routewise_vllm.router.policy import feature_binding, feature_rows, features
+from routewise_vllm.router.policy.features import (
+    COLUMNS,
+    DERIVED_INPUTS,
+    EXCESS_INPUTS,
+    REPLICA_COLUMNS,
+    Column,
+    Derived,
+    Excess,
+    Source,
+    Term,
+    check_cross,
+    check_table,
+    compiled_columns,
+    compiled_inputs,
+    feature,
+    model_inputs,
+    relative,
+    unlogged,
+    value,
+)
 from tests.ci import require_compiled_views, skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,29 +56,42 @@ NEW_FEATURES = [
     ("router/policy/tracking.py",
      "        self._tpot_samples = 0\n",
      "        self._tpot_samples = 0\n        self.backlog_s: float | None = None\n"),
-    ("router/policy/features.py",  # three rows of the table
+    ("router/policy/feature_table.py",  # three rows of the table
      "\n)\nREQUEST_COLUMNS",
      '\n    Column("tpot_floor_ms", value("tpot_floor_s", times=1000.0), "log1p", 5.0),'
      '\n    Column("backlog_s", capped("backlog_s", 60.0), "log1p", 3.0),'
      '\n    Column("backlog_missing", missing("backlog_s", "tpot_floor_s"), "lin", 1.0),'
      "\n)\nREQUEST_COLUMNS"),
+    ("router/policy/feature_table.py",  # a cross-replica input over them, every operation of a term used
+     "\n)\nEXCESS_INPUTS",
+     '\n    Derived("backlog_wait", (unlogged("backlog_s") * (2.0 - feature("backlog_missing")) + unlogged("outstanding"))'
+     '\n            * relative(unlogged("tpot_floor_ms")) / 4.0),'
+     "\n)\nEXCESS_INPUTS"),
+    ("router/policy/feature_table.py",  # and its excess over the fleet
+     "offset=256.0),  # in units of the mean load\n",
+     "offset=256.0),  # in units of the mean load\n"
+     '    Excess("backlog_wait_excess", of="backlog_wait", offset=16.0),\n'),
 ]
 
 CHECK = r"""
 import json, sys
 import numpy as np
 from routewise_vllm import router
-from routewise_vllm.router.policy import features, tracking
+from routewise_vllm.router.policy import fastnet, feature_rows, features, tracking
 from routewise_vllm.router.policy.tracking import ClusterTracker
 from routewise_vllm.router.policy.types import RequestInfo
 
 assert router.__file__.startswith(sys.argv[1]), router.__file__  # the copy, not the checkout
-assert features._compiled is not None and tracking._compiled is not None
+assert feature_rows._compiled is not None and tracking._compiled is not None
 rng = np.random.default_rng(0)
 cluster = ClusterTracker([f"r{i}" for i in range(12)], prefix_block_tokens=16)
-compiled = features._compiled
+compiled = feature_rows._compiled
 same, views, seen_backlog, seen_floor, wrong = True, 0, set(), False, 0
 new = [features.FEATURE_NAMES.index(n) for n in ("tpot_floor_ms", "backlog_s", "backlog_missing")]
+names = features.MODEL_INPUT_NAMES
+healthy, n_rep, n_derived = names.index("healthy"), len(features.REPLICA_COLUMNS), len(features.DERIVED_INPUTS)
+indicators = slice(features.N_FEATURES + 3 * n_rep + 2 * n_derived, -len(features.EXCESS_INPUTS))
+inputs_apart, indicators_same, cross_wrong, masked_views = 0, True, 0, 0
 
 
 def reference(r):  # the three new columns, written out by hand
@@ -67,16 +102,36 @@ def reference(r):  # the three new columns, written out by hand
     return np.array([np.log1p(max(floor, 0.0)) / 5.0, np.log1p(max(backlog, 0.0)) / 3.0, float(gone)], np.float32)
 
 
+def cross_reference(rows):  # the new cross-replica input and its excess, written out by hand (float64)
+    col = lambda n: rows[:, names.index(n)].astype(np.float64)
+    unlog = lambda n, scale: np.exp(col(n) * scale) - 1.0
+    valid = col("healthy") > 0.5
+    floor = unlog("tpot_floor_ms", 5.0)
+    measured = valid & (floor > 0)
+    mean = max(floor[measured].sum() / max(measured.sum(), 1), 1e-6)
+    raw = ((unlog("backlog_s", 3.0) * (2.0 - col("backlog_missing")) + unlog("outstanding", 3.0))
+           * np.where(measured, floor / mean, 1.0) / 4.0)
+    excess = (raw - raw[valid].min()) / (raw[valid].mean() + 16.0) if valid.any() else raw
+    return np.where(valid, np.log1p(raw) / 10.0, 0.0), np.where(valid, excess, 0.0)
+
+
 for step in range(300):
     req = RequestInfo(f"q{step}", int(rng.integers(1, 4000)), None if step % 3 else 64,
                       tuple(int(x) for x in rng.integers(0, 8, int(rng.integers(0, 5)))))
     view = cluster.view(step * 0.1, req)  # built in C, the new field included
     got = features.build_features(view, req)
-    features._compiled = None
+    feature_rows._compiled = None
     want = features.build_features(view, req)
-    features._compiled = compiled
+    feature_rows._compiled = compiled
     same &= got.tobytes() == want.tobytes()
     wrong += sum(not np.array_equal(row[new], reference(r)) for row, r in zip(got, view.replicas))
+    c_inputs, np_inputs = fastnet.inputs(got), features.model_inputs(got, got[:, healthy])
+    inputs_apart += not np.allclose(c_inputs, np_inputs, rtol=2e-6, atol=2e-6)
+    indicators_same &= np.array_equal(c_inputs[:, indicators], np_inputs[:, indicators])
+    value, excess = cross_reference(got)
+    cross_wrong += not np.allclose(np_inputs[:, names.index("backlog_wait")], value, rtol=1e-5, atol=1e-6)
+    cross_wrong += not np.allclose(np_inputs[:, names.index("backlog_wait_excess")], excess, rtol=1e-5, atol=1e-6)
+    masked_views += bool((got[:, healthy] == 0).any())
     views += 1
     i = int(rng.integers(0, 12))
     cluster.dispatch(i, req)
@@ -87,8 +142,11 @@ for step in range(300):
     if step % 5 == 0:
         cluster.trackers[i].on_first_token(req.request_id, 0.1)
     cluster.trackers[i].on_complete(req.request_id, float(rng.uniform(0.005, 0.05)))
+    cluster.trackers[int(rng.integers(0, 12))].healthy = bool(step % 3)
 print(json.dumps({"same": bool(same), "wrong": int(wrong), "views": views, "names": features.FEATURE_NAMES,
-                  "seen_backlog": sorted(seen_backlog), "seen_floor": bool(seen_floor)}))
+                  "seen_backlog": sorted(seen_backlog), "seen_floor": bool(seen_floor), "inputs": list(names),
+                  "inputs_apart": inputs_apart, "indicators_same": bool(indicators_same), "cross_wrong": int(cross_wrong),
+                  "masked_views": masked_views}))
 """
 
 
@@ -99,7 +157,7 @@ def _edit(root: Path, rel: str, text: str, replacement: str) -> None:
     path.write_text(source.replace(text, replacement))
 
 
-def test_a_new_feature_is_built_alike_in_c_and_python_without_touching_c(tmp_path):
+def test_new_features_and_a_new_cross_replica_input_are_built_alike_in_c_and_python_without_touching_c(tmp_path):
     require_compiled_views()
     copy = tmp_path / "routewise"
     shutil.copytree(ROOT / "router", copy / "router", ignore=shutil.ignore_patterns("*.so", "__pycache__", "models"))
@@ -129,6 +187,14 @@ def test_a_new_feature_is_built_alike_in_c_and_python_without_touching_c(tmp_pat
     assert out["same"] and out["views"] == 300  # C and Python: the same bytes on every view
     assert out["wrong"] == 0  # and the new columns hold what their rows of the table say
     assert out["seen_backlog"] == [False, True] and out["seen_floor"]  # the new values did vary, None included
+    # the cross-replica input and its excess: in the model's input, computed alike by C and numpy, as written
+    inputs = out["inputs"]
+    assert len(inputs) == len(features.MODEL_INPUT_NAMES) + 3 * 6 + 4 + 1  # new: 3 columns x 6, 1 derived x 4, 1 excess
+    for name in ("backlog_wait", "backlog_wait_above_min", "is_min_backlog_wait", "is_max_backlog_wait"):
+        assert name in inputs
+    assert inputs[-2:] == ["token_load_excess", "backlog_wait_excess"]
+    assert out["inputs_apart"] == 0 and out["indicators_same"]
+    assert out["cross_wrong"] == 0 and out["masked_views"] > 50  # and with masked (unhealthy) replicas
 
 
 def test_the_table_is_checked_at_import_naming_the_column():
@@ -178,9 +244,88 @@ def test_the_python_rows_are_generated_from_the_table():
     view, request = _one_decision()
     swapped = tuple(c._replace(source=value("outstanding_prompt_tokens")) if c.name == "outstanding" else c
                     for c in COLUMNS)
-    rows = features._compile_rows(swapped)(view.replicas, request)
+    rows = feature_rows._compile_rows(swapped)(view.replicas, request)
     col = features.FEATURE_NAMES.index("outstanding")
     assert [r[col] for r in rows] == [10, 30]
-    assert [r[col] for r in features._raw_rows(view.replicas, request)] == [1, 3]
-    raw = np.array(features._raw_rows(view.replicas, request), float)
+    assert [r[col] for r in feature_rows._raw_rows(view.replicas, request)] == [1, 3]
+    raw = np.array(feature_rows._raw_rows(view.replicas, request), float)
     assert np.array_equal(features.raw_features(view, request), raw)
+
+
+def test_the_cross_replica_inputs_are_checked_at_import_naming_the_input():
+    check_cross()
+    bad = [
+        (Derived("x", Term("cube", (feature("outstanding"),))), "operation 'cube'"),
+        (Derived("x", unlogged("outstanding_tokens")), "no feature column 'outstanding_tokens'"),
+        (Derived("x", unlogged("kv_cache_usage")), "'kv_cache_usage' is not log1p"),
+        (Derived("token_load", feature("outstanding")), "token_load: listed twice"),
+        (Derived("outstanding", feature("outstanding")), "outstanding: listed twice"),
+    ]
+    for derived, message in bad:
+        with pytest.raises(ValueError, match=message):
+            check_cross(DERIVED_INPUTS + (derived,))
+    with pytest.raises(ValueError, match="'waiting' is not a derived input"):
+        check_cross(excess=EXCESS_INPUTS + (Excess("waiting_excess", of="waiting", offset=1.0),))
+
+
+def _rows_of_decisions(rng: np.random.Generator, width: int) -> np.ndarray:
+    rows = rng.uniform(0.0, 1.2, (width, features.N_FEATURES)).astype(np.float32)
+    rows[:, features.FEATURE_NAMES.index("healthy")] = rng.random(width) < 0.7
+    rows[:, features.FEATURE_NAMES.index("prefix_match_frac")] = rng.uniform(0, 1, width)
+    return rows
+
+
+def test_the_extension_computes_the_cross_replica_inputs_it_is_given():
+    """The C model inputs follow the programs bound (bind_inputs), not a copy of the table of their own: one derived
+    input bound with another term changes that input's columns, and only those, to what numpy makes of that term."""
+    require_compiled_views()
+    from routewise_vllm.router.policy import fastnet
+
+    names = features.MODEL_INPUT_NAMES
+    token_load = [names.index(n) for n in ("token_load", "token_load_above_min", "is_min_token_load",
+                                            "is_max_token_load", "token_load_excess")]
+    others = [j for j in range(len(names)) if j not in token_load]
+    prompt_only = (Derived("token_load", unlogged("outstanding_prompt_tokens")),) + DERIVED_INPUTS[1:]
+    rng = np.random.default_rng(4)
+    rows = _rows_of_decisions(rng, 9)
+    decode = features.FEATURE_NAMES.index("outstanding_decode_tokens")
+    try:
+        feature_binding.compiled.bind_inputs(*compiled_inputs(prompt_only))
+        got = fastnet.inputs(rows)
+    finally:
+        feature_binding.compiled.bind_inputs(*compiled_inputs())
+    want = model_inputs(rows, rows[:, features.FEATURE_NAMES.index("healthy")])
+    np.testing.assert_allclose(got[:, others], want[:, others], rtol=2e-6, atol=2e-6)
+    assert not np.allclose(got[:, token_load], want[:, token_load], rtol=1e-3)
+    no_decode = rows.copy()
+    no_decode[:, decode] = 0.0
+    alike = model_inputs(no_decode, no_decode[:, features.FEATURE_NAMES.index("healthy")])
+    np.testing.assert_allclose(got[:, token_load], alike[:, token_load], rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(fastnet.inputs(rows), want, rtol=2e-6, atol=2e-6)  # the table's own programs back
+
+
+def test_the_extension_refuses_cross_replica_inputs_it_cannot_follow():
+    """What bind_inputs checks itself (it indexes rows and its operand stack by them): operations, columns, stack."""
+    compiled = require_compiled_views()
+    width, n_rep, mask, programs, excess = good = compiled_inputs()
+    try:
+        for bad, message in [
+            ((width, n_rep, mask, programs + ((("cube", 0, 0.0),),), excess), "operation cube is not one"),
+            ((width, n_rep, mask, programs + ((("feature", width, 0.0),),), excess), f"reads column {width} of rows"),
+            ((width, n_rep, mask, programs + ((("add", -1, 0.0),),), excess), "add without its operands"),
+            ((width, n_rep, mask, programs + ((("const", -1, 1.0), ("const", -1, 2.0)),), excess), "leaves 2 values"),
+            ((width, n_rep, mask, programs, excess + ((len(programs), 1.0),)), "excess input 1 of derived input 3"),
+            ((width, n_rep, width, programs, excess), "mask column"),
+            ((width, n_rep, mask, programs + ((),), excess), "non-empty tuple"),
+        ]:
+            with pytest.raises((ValueError, TypeError), match=message):
+                compiled.bind_inputs(*bad)
+    finally:  # the good table back whatever happened, without hiding what did
+        compiled.bind_inputs(*good)
+    from routewise_vllm.router.policy import fastnet
+
+    rows = _rows_of_decisions(np.random.default_rng(0), 5)
+    np.testing.assert_allclose(fastnet.inputs(rows), model_inputs(rows, rows[:, features.FEATURE_NAMES.index("healthy")]),
+                               rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="rows of 24 features"):
+        compiled.inputs(rows[:, :24].copy(), 5, np.empty((5, features.N_MODEL_INPUTS), np.float32))

@@ -12,11 +12,10 @@ import math
 import numpy as np
 import pytest
 
-from routewise_vllm.router.policy import features
+from routewise_vllm.router.policy import feature_binding, feature_rows
+from routewise_vllm.router.policy.feature_rows import _LOG_COLS, _SCALES
 from routewise_vllm.router.policy.features import (
     FEATURE_NAMES,
-    _LOG_COLS,
-    _SCALES,
     N_FEATURES,
     STATS_AGE_CAP_S,
     action_mask,
@@ -170,7 +169,7 @@ def test_build_features_is_bit_identical_to_the_per_replica_reference(seed, comp
     if compiled:
         require_compiled_views()
     else:
-        monkeypatch.setattr(features, "_compiled", None)
+        monkeypatch.setattr(feature_rows, "_compiled", None)
     rng = np.random.default_rng(seed)
     for _ in range(40):
         view, request = random_view(rng), random_request(rng)
@@ -231,7 +230,7 @@ class _DuckSnapshot:
 
 def test_compiled_rows_read_by_slot_and_by_getattr_give_the_same_bytes():
     require_compiled_views()
-    assert features._compiled.bind_rows(ReplicaSnapshot, features.compiled_columns()) is True
+    assert feature_binding.compiled.bind_rows(ReplicaSnapshot, feature_binding.compiled_columns()) is True
     rng = np.random.default_rng(3)
     for _ in range(60):
         view, request = random_view(rng), random_request(rng)

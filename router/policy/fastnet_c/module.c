@@ -2,9 +2,11 @@
 #include "fastnet.h"
 
 static PyMethodDef methods[] = {
-    {"inputs", py_inputs, METH_VARARGS, "inputs(rows, n_rows, spec_i, spec_f, out): model_inputs of one decision"},
-    {"logits", py_logits, METH_VARARGS, "logits(rows, n_rows, spec_i, spec_f, weights, dims, out): one decision"},
-    {"best", py_best, METH_VARARGS, "best(rows, n_rows, spec_i, spec_f, weights, dims) -> (pick, finite): one decision"},
+    {"bind_inputs", py_bind_inputs, METH_VARARGS,
+     "bind_inputs(n_features, n_replica, mask_column, programs, excess): inputs()'s cross-replica inputs"},
+    {"inputs", py_inputs, METH_VARARGS, "inputs(rows, n_rows, out): model_inputs of one decision"},
+    {"logits", py_logits, METH_VARARGS, "logits(rows, n_rows, weights, dims, out): one decision"},
+    {"best", py_best, METH_VARARGS, "best(rows, n_rows, weights, dims) -> (pick, finite): one decision"},
     {"bind_view", py_bind_view, METH_VARARGS,
      "bind_view(snapshot_cls, tracker_cls, sources) -> None, or the first field not a plain slot: snapshots()'s table"},
     {"snapshots", py_snapshots, METH_VARARGS, "snapshots(trackers, now_s, matches): ClusterTracker.view's snapshots"},
@@ -12,9 +14,7 @@ static PyMethodDef methods[] = {
      "bind_rows(snapshot_cls, columns) -> whether snapshot_cls is read by slot: rows()'s column table"},
     {"rows", py_rows, METH_VARARGS, "rows(replicas, request, out): build_features of one view"},
     {"best_view", py_best_view, METH_VARARGS,
-     "best_view(replicas, request, spec_i, spec_f, weights, dims) -> (pick, finite): rows() and best() in one call"},
-    {"sum_rows", py_sum_rows, METH_VARARGS, "sum_rows(counters, workers, per_worker, fields, ncols): router.shared's host-wide sums"},
-    {"put_row", py_put_row, METH_VARARGS, "put_row(counters, offset, values): one worker's row of router.shared"},
+     "best_view(replicas, request, weights, dims) -> (pick, finite): rows() and best() in one call"},
     {"chain_blocks", py_chain_blocks, METH_VARARGS,
      "chain_blocks(data, block, n) -> the chained hashes of data's first n blocks (router.policy.estimate.chain_hash)"},
     {NULL, NULL, 0, NULL},

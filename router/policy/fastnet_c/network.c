@@ -5,12 +5,11 @@
  * cost is per-operator overhead and numpy's is per-call overhead; one compiled pass over contiguous memory
  * does the same arithmetic in a few microseconds.
  *
- *   inputs(rows, n_rows, spec_i, spec_f, out)            out = model_inputs(rows, healthy column), float32
- *   logits(rows, n_rows, spec_i, spec_f, weights, dims, out)   out = the exported graph's logits, float32
+ *   logits(rows, n_rows, weights, dims, out)   out = the exported graph's logits, float32
  *
- * rows: build_features rows, float32 [n_rows, F]; spec_i / spec_f: the feature contract's columns and
- * constants (fastnet.py builds them from router/policy/features.py, the one source of truth); weights: one
- * float32 blob in the layout of fastnet.pack_layout; dims: (F, C, hidden, heads, layers, ff, has_prior, wait_col).
+ * rows: build_features rows, float32 [n_rows, F], made into the network's input by cross.c (the cross-replica
+ * inputs bound from router/policy/feature_table.py); weights: one float32 blob in the layout of
+ * fastnet.pack_layout; dims: (F, C, hidden, heads, layers, ff, has_prior, wait_col).
  */
 #include "fastnet.h"
 #include <math.h>
@@ -23,100 +22,6 @@
 #else
 #define VECTOR_CLONES
 #endif
-
-#define N_DERIVED 3
-
-static int cross_inputs(const float *f, int R, int F, const long *si, const float *sf, float *out, int C)
-{
-    const int n = (int)si[SI_NREP], d = N_DERIVED, nx = n + d + 1;
-    const int k_ind = 3 * n + 2 * d;
-    if (C != F + k_ind + 2 * (n + d) + 1 || n > F)
-        return -1;
-    float *x = malloc(sizeof(float) * ((size_t)R * nx + 3 * (size_t)nx + 5 * (size_t)R));
-    if (!x)
-        return -2;
-    float *lo = x + (size_t)R * nx, *hi = lo + nx, *mean = hi + nx;
-    float *u = mean + nx; /* [5][R]: prompt, decode, tpot_ms, awaiting, req_prompt */
-    float *tpot = u + 2 * R;
-    int n_valid = 0, n_measured = 0;
-    float tpot_sum = 0.0f;
-    for (int r = 0; r < R; r++) {
-        const float *row = f + (size_t)r * F;
-        const int valid = row[si[SI_HEALTHY]] > 0.5f;
-        n_valid += valid;
-        for (int j = 0; j < 5; j++) {
-            float t = row[si[SI_UNLOG + j]] * sf[SF_SCALES + j];
-            u[j * R + r] = expf(t) - 1.0f;
-        }
-        if (valid && tpot[r] > 0.0f) {
-            tpot_sum += tpot[r];
-            n_measured++;
-        }
-    }
-    const float mean_tpot = tpot_sum / (float)(n_measured > 1 ? n_measured : 1);
-    const float tpot_ref = mean_tpot > 1e-6f ? mean_tpot : 1e-6f;
-    for (int r = 0; r < R; r++) {
-        const float *row = f + (size_t)r * F;
-        float *xr = x + (size_t)r * nx;
-        const int valid = row[si[SI_HEALTHY]] > 0.5f;
-        const float prompt = u[r], decode = u[R + r], tp = u[2 * R + r], awaiting = u[3 * R + r], req = u[4 * R + r];
-        memcpy(xr, row, sizeof(float) * n);
-        const float load = prompt + decode;
-        float wait = (1.0f - row[si[SI_MATCH]]) * req;
-        wait += awaiting;
-        wait += sf[SF_DECODE_W] * decode;
-        wait *= (valid && tp > 0.0f) ? tp / tpot_ref : 1.0f;
-        xr[n] = logf(load + 1.0f) / 10.0f;
-        xr[n + 1] = logf(load * tp / 10.0f + 1.0f) / 10.0f;
-        xr[n + 2] = logf(wait + 1.0f) / 10.0f;
-        xr[n + 3] = load;
-    }
-    for (int j = 0; j < nx; j++) {
-        float l = INFINITY, h = -INFINITY, s = 0.0f;
-        for (int r = 0; r < R; r++) {
-            if (!(f[(size_t)r * F + si[SI_HEALTHY]] > 0.5f))
-                continue;
-            const float v = x[(size_t)r * nx + j];
-            l = v < l ? v : l;
-            h = v > h ? v : h;
-            s += v;
-        }
-        if (n_valid < R) { /* the masked statistics fill masked rows with +-1e4 (as the network was trained) */
-            l = l < 1e4f ? l : 1e4f;
-            h = h > -1e4f ? h : -1e4f;
-        }
-        lo[j] = n_valid ? l : 0.0f;
-        hi[j] = n_valid ? h : 0.0f;
-        mean[j] = s / (float)(n_valid > 1 ? n_valid : 1);
-    }
-    for (int r = 0; r < R; r++) {
-        const float *row = f + (size_t)r * F;
-        const float *xr = x + (size_t)r * nx;
-        float *o = out + (size_t)r * C;
-        memcpy(o, row, sizeof(float) * F);
-        float *c = o + F;
-        if (!(row[si[SI_HEALTHY]] > 0.5f)) {
-            memset(c, 0, sizeof(float) * (C - F));
-            continue;
-        }
-        for (int j = 0; j < n; j++) {
-            c[j] = xr[j] - lo[j];
-            c[n + j] = xr[j] - mean[j];
-            c[2 * n + j] = hi[j] - xr[j];
-        }
-        for (int j = 0; j < d; j++) {
-            c[3 * n + j] = xr[n + j];
-            c[3 * n + d + j] = xr[n + j] - lo[n + j];
-        }
-        for (int j = 0; j < n + d; j++) {
-            c[k_ind + j] = xr[j] <= lo[j] + 1e-6f ? 1.0f : 0.0f;
-            c[k_ind + n + d + j] = xr[j] >= hi[j] - 1e-6f ? 1.0f : 0.0f;
-        }
-        c[C - F - 1] = (xr[n + d] - lo[n + d]) / (mean[n + d] + 256.0f);
-    }
-    free(x);
-    return 0;
-}
 
 /* GCC vector types: the accumulators below are named registers, not arrays (GCC keeps a float[32]
  * accumulator on the stack, and the store-to-load round trip then bounds every FMA chain). */
@@ -550,38 +455,8 @@ int check_f32(Py_buffer *b, Py_ssize_t n, const char *what)
     return 0;
 }
 
-/* inputs(rows, n_rows, spec_i, spec_f, out) */
-PyObject *py_inputs(PyObject *self, PyObject *args)
-{
-    Py_buffer rows, sf, out;
-    int R;
-    PyObject *si_obj;
-    long si[SI_LEN];
-    if (!PyArg_ParseTuple(args, "y*iOy*w*", &rows, &R, &si_obj, &sf, &out))
-        return NULL;
-    PyObject *res = NULL;
-    if (R < 0 || read_longs(si_obj, si, SI_LEN, "spec_i") || check_f32(&sf, SF_LEN, "spec_f"))
-        goto end;
-    const int F = R ? (int)(rows.len / sizeof(float) / R) : 0;
-    const int C = R ? (int)(out.len / sizeof(float) / R) : 0;
-    if (R && (check_f32(&rows, (Py_ssize_t)R * F, "rows") || check_f32(&out, (Py_ssize_t)R * C, "out")))
-        goto end;
-    if (R && cross_inputs(rows.buf, R, F, si, sf.buf, out.buf, C)) {
-        PyErr_SetString(PyExc_ValueError, "inputs: the row and input widths do not fit the feature spec");
-        goto end;
-    }
-    res = Py_None;
-    Py_INCREF(res);
-end:
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&sf);
-    PyBuffer_Release(&out);
-    return res;
-}
-
 /* The network's logits for one decision into `out` [R]; 0, or -1 with an exception set */
-int run_logits(const float *rows, int R, const long *si, const float *sf, const long *dims, const float *wb, size_t wn,
-               float *out)
+int run_logits(const float *rows, int R, const long *dims, const float *wb, size_t wn, float *out)
 {
     const int F = (int)dims[0], C = (int)dims[1];
     float *work = malloc(sizeof(float) * (size_t)R * (C + 1));
@@ -591,12 +466,11 @@ int run_logits(const float *rows, int R, const long *si, const float *sf, const 
     }
     float *mask = work + (size_t)R * C;
     int rc = -1;
-    if (cross_inputs(rows, R, F, si, sf, work, C)) {
-        PyErr_SetString(PyExc_ValueError, "logits: the model's input width does not fit the feature spec");
+    if (cross_inputs(rows, R, F, work, C, "logits"))
         goto end;
-    }
+    const int col = cross_mask_column();
     for (int r = 0; r < R; r++)
-        mask[r] = rows[(size_t)r * F + si[SI_HEALTHY]] > 0.5f ? 1.0f : 0.0f;
+        mask[r] = rows[(size_t)r * F + col] > 0.5f ? 1.0f : 0.0f;
     if (forward(work, mask, R, dims, wb, wn, out)) {
         PyErr_SetString(PyExc_ValueError, "logits: the weight blob does not match the network's dimensions");
         goto end;
@@ -607,17 +481,17 @@ end:
     return rc;
 }
 
-/* Parses (rows, n_rows, spec_i, spec_f, weights, dims[, out]) and runs the network into `out` (or `own`,
+/* Parses (rows, n_rows, weights, dims[, out]) and runs the network into `out` (or `own`,
  * n_rows floats, when the call has no out, and then a copy of the healthy column in `healthy`); 0, or -1 with
  * an exception set. */
 static int logits_call(PyObject *args, int with_out, float **own, int *R_out, const float **healthy)
 {
-    Py_buffer rows, sf, wb, out = {0};
+    Py_buffer rows, wb, out = {0};
     int R;
-    PyObject *si_obj, *dims_obj;
-    long si[SI_LEN], dims[8];
-    const int parsed = with_out ? PyArg_ParseTuple(args, "y*iOy*y*Ow*", &rows, &R, &si_obj, &sf, &wb, &dims_obj, &out)
-                                : PyArg_ParseTuple(args, "y*iOy*y*O", &rows, &R, &si_obj, &sf, &wb, &dims_obj);
+    PyObject *dims_obj;
+    long dims[8];
+    const int parsed = with_out ? PyArg_ParseTuple(args, "y*iy*Ow*", &rows, &R, &wb, &dims_obj, &out)
+                                : PyArg_ParseTuple(args, "y*iy*O", &rows, &R, &wb, &dims_obj);
     if (!parsed)
         return -1;
     int rc = -1;
@@ -625,8 +499,7 @@ static int logits_call(PyObject *args, int with_out, float **own, int *R_out, co
         PyErr_SetString(PyExc_ValueError, "logits: no replicas");
         goto end;
     }
-    if (read_longs(si_obj, si, SI_LEN, "spec_i") || read_longs(dims_obj, dims, 8, "dims") ||
-        check_f32(&sf, SF_LEN, "spec_f") || check_f32(&rows, (Py_ssize_t)R * dims[0], "rows") ||
+    if (read_longs(dims_obj, dims, 8, "dims") || check_f32(&rows, (Py_ssize_t)R * dims[0], "rows") ||
         (with_out && check_f32(&out, R, "out")))
         goto end;
     float *dst = with_out ? out.buf : (*own = malloc(sizeof(float) * (size_t)R));
@@ -634,7 +507,7 @@ static int logits_call(PyObject *args, int with_out, float **own, int *R_out, co
         PyErr_NoMemory();
         goto end;
     }
-    if (run_logits(rows.buf, R, si, sf.buf, dims, wb.buf, (size_t)wb.len / sizeof(float), dst))
+    if (run_logits(rows.buf, R, dims, wb.buf, (size_t)wb.len / sizeof(float), dst))
         goto end;
     if (!with_out) { /* the caller reads the healthy column after the buffers are released: keep a copy */
         float *h = malloc(sizeof(float) * (size_t)R);
@@ -643,21 +516,20 @@ static int logits_call(PyObject *args, int with_out, float **own, int *R_out, co
             goto end;
         }
         for (int r = 0; r < R; r++)
-            h[r] = ((const float *)rows.buf)[(size_t)r * dims[0] + si[SI_HEALTHY]];
+            h[r] = ((const float *)rows.buf)[(size_t)r * dims[0] + cross_mask_column()];
         *healthy = h;
     }
     *R_out = R;
     rc = 0;
 end:
     PyBuffer_Release(&rows);
-    PyBuffer_Release(&sf);
     PyBuffer_Release(&wb);
     if (with_out)
         PyBuffer_Release(&out);
     return rc;
 }
 
-/* logits(rows, n_rows, spec_i, spec_f, weights, dims, out) */
+/* logits(rows, n_rows, weights, dims, out) */
 PyObject *py_logits(PyObject *self, PyObject *args)
 {
     int R;
@@ -684,7 +556,7 @@ void pick_best(const float *logit, const float *rows, int R, int width, int col,
     *finite_out = finite;
 }
 
-/* best(rows, n_rows, spec_i, spec_f, weights, dims) -> (pick, finite): the first largest logit among healthy
+/* best(rows, n_rows, weights, dims) -> (pick, finite): the first largest logit among healthy
  * replicas (-1 if none is healthy) and whether every healthy replica's logit is finite. One call instead of
  * logits() and four numpy calls, each of which costs tens of microseconds on a cold cache (a live router
  * between requests). */

@@ -1,5 +1,6 @@
-/* build_features rows from the snapshots, by the column table router/policy/features.py binds (it is the reference;
- * tests/policy/test_features_fast.py holds the two to the same bytes).
+/* build_features rows from the snapshots, by the column table router/policy/feature_binding.py binds (from
+ * router/policy/feature_table.py; router/policy/feature_rows.py is the reference, and tests/policy/test_features_fast.py
+ * holds the two to the same bytes).
  *
  * bind_rows(snapshot_cls, columns): one (op, names, refs, x, log, scale) per column, in order. A column's raw value
  * comes from its op (below), reading snapshot fields or request attributes by name and earlier columns by index;
@@ -342,15 +343,15 @@ end:
     return res;
 }
 
-/* best_view(replicas, request, spec_i, spec_f, weights, dims) -> (pick, finite): rows(...) and best(...) in one call,
+/* best_view(replicas, request, weights, dims) -> (pick, finite): rows(...) and best(...) in one call,
  * with the rows in C memory. A live router's caches are cold between requests, and there allocating the numpy array
  * for the rows alone costs tens of microseconds. */
 PyObject *py_best_view(PyObject *self, PyObject *args)
 {
-    PyObject *reps, *request, *si_obj, *dims_obj;
-    Py_buffer sf, wb;
-    long si[SI_LEN], dims[8];
-    if (!PyArg_ParseTuple(args, "O!OOy*y*O", &PyTuple_Type, &reps, &request, &si_obj, &sf, &wb, &dims_obj))
+    PyObject *reps, *request, *dims_obj;
+    Py_buffer wb;
+    long dims[8];
+    if (!PyArg_ParseTuple(args, "O!Oy*O", &PyTuple_Type, &reps, &request, &wb, &dims_obj))
         return NULL;
     PyObject *res = NULL;
     const Py_ssize_t R = PyTuple_GET_SIZE(reps);
@@ -362,7 +363,7 @@ PyObject *py_best_view(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "best_view: %zd replicas (no replicas, or more than it can index)", R);
         goto end;
     }
-    if (read_longs(si_obj, si, SI_LEN, "spec_i") || read_longs(dims_obj, dims, 8, "dims") || check_f32(&sf, SF_LEN, "spec_f"))
+    if (read_longs(dims_obj, dims, 8, "dims"))
         goto end;
     if (dims[0] != F) {
         PyErr_Format(PyExc_ValueError, "best_view: the network reads %ld features, rows() makes %d", dims[0], F);
@@ -375,14 +376,13 @@ PyObject *py_best_view(PyObject *self, PyObject *args)
     }
     logit = rows + (size_t)R * F;
     if (rows_into(reps, request, rows) ||
-        run_logits(rows, (int)R, si, sf.buf, dims, wb.buf, (size_t)wb.len / sizeof(float), logit))
+        run_logits(rows, (int)R, dims, wb.buf, (size_t)wb.len / sizeof(float), logit))
         goto end;
     int pick, finite;
-    pick_best(logit, rows, (int)R, F, (int)si[SI_HEALTHY], &pick, &finite);
+    pick_best(logit, rows, (int)R, F, cross_mask_column(), &pick, &finite);
     res = Py_BuildValue("(iO)", pick, finite ? Py_True : Py_False);
 end:
     free(rows);
-    PyBuffer_Release(&sf);
     PyBuffer_Release(&wb);
     return res;
 }

@@ -1,9 +1,12 @@
-/* router.shared's host-wide in-flight counters: int64[workers, per_worker, fields] in shared memory. */
-#include "fastnet.h"
+/* router.scale._shared: router/scale/shared.py's host-wide in-flight counters, int64[workers, per_worker, fields] in
+ * shared memory, read and written in C (numpy's sum and slice assignment cost tens of microseconds on the cold caches
+ * of a live decision). router/scale/shared.py holds the Python reference and uses it where this is not built. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 #include <stdint.h>
 
 /* sum_rows(counters, workers, per_worker, fields, ncols) -> [[sum over workers] per field] per column < ncols */
-PyObject *py_sum_rows(PyObject *self, PyObject *args)
+static PyObject *py_sum_rows(PyObject *self, PyObject *args)
 {
     Py_buffer b;
     Py_ssize_t workers, per_worker, fields, ncols;
@@ -41,7 +44,7 @@ PyObject *py_sum_rows(PyObject *self, PyObject *args)
 }
 
 /* put_row(counters, offset, values): counters[offset : offset + len(values)] = values (int64, one writer per row) */
-PyObject *py_put_row(PyObject *self, PyObject *args)
+static PyObject *py_put_row(PyObject *self, PyObject *args)
 {
     Py_buffer b;
     Py_ssize_t offset;
@@ -66,3 +69,13 @@ PyObject *py_put_row(PyObject *self, PyObject *args)
     PyBuffer_Release(&b);
     Py_RETURN_NONE;
 }
+
+static PyMethodDef methods[] = {
+    {"sum_rows", py_sum_rows, METH_VARARGS, "sum_rows(counters, workers, per_worker, fields, ncols): the host-wide sums"},
+    {"put_row", py_put_row, METH_VARARGS, "put_row(counters, offset, values): one worker's row"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shared", "router.scale.shared's counters, in C.", -1, methods};
+
+PyMODINIT_FUNC PyInit__shared(void) { return PyModule_Create(&module); }
