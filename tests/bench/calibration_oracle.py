@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from routewise_vllm.fleet import calibrate, calibrate_check, calibrate_fit  # noqa: E402
-from routewise_vllm.fleet.demo import free_port  # noqa: E402
 from routewise_vllm.simulator import costmodel  # noqa: E402
+from tests.fakes.ports import announced_port  # noqa: E402
 
 LINEAR_TRUTH = str(costmodel.PROFILES_DIR / "measured" / "cpu-tiny-linear.yaml")
 
@@ -83,13 +84,18 @@ class Emulator:
     """`fleet emulate` in its own process group (its own event loop: the client's work does not delay its iterations)."""
 
     def __init__(self, family: Family) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "routewise_vllm.fleet", "emulate", "--port", str(self.port), "--profile", family.truth,
+        self.log = tempfile.NamedTemporaryFile(prefix="oracle-emulator-", suffix=".log")
+        self.proc = subprocess.Popen(  # --port 0: it binds a free one and says which
+            [sys.executable, "-m", "routewise_vllm.fleet", "emulate", "--port", "0", "--profile", family.truth,
              "--max-num-seqs", str(family.max_num_seqs), "--speed", str(family.speed)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=self.log, start_new_session=True,
         )
+        try:
+            self.port = announced_port(self.proc, Path(self.log.name), "fleet emulate")
+        except AssertionError as e:
+            self.stop()
+            raise RuntimeError(str(e)) from None
+        self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -97,7 +103,7 @@ class Emulator:
                 return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    err = self.proc.stderr.read().decode(errors="replace")[-500:] if self.proc.stderr else ""
+                    err = Path(self.log.name).read_text(errors="replace")[-500:]
                     self.stop()
                     raise RuntimeError(f"fleet emulate on port {self.port} did not start: {err}")
                 time.sleep(0.1)
@@ -110,6 +116,7 @@ class Emulator:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self.log.close()
 
     def __enter__(self) -> "Emulator":
         return self
@@ -186,7 +193,6 @@ def main() -> int:
     p.add_argument("--json", help="write the figures here too")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
-    import tempfile
 
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILIES]

@@ -11,7 +11,8 @@ Failure switches, so the router's error metrics get samples:
 KV-cache events as vLLM publishes them with `--kv-events-config`: `GET /kv_event_sources` names a ZMQ PUB socket
 this server binds (nothing is stored, so it sends no batch), so the router subscribes and exports its view's gauges.
 
-Run: python tests/deploy/fake_vllm.py --port 8101 --name a [--flaky-metrics] [--fail-all]
+Run: python tests/deploy/fake_vllm.py --port 8101 --name a [--flaky-metrics] [--fail-all]   (--port 0: a free
+one, printed in its serving line)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import time
 import uuid
 
@@ -168,8 +170,9 @@ def main() -> None:
     ap.add_argument("--flaky-metrics", action="store_true", help="fail every second /metrics scrape with 500")
     ap.add_argument("--fail-all", action="store_true", help="answer every generation with 503")
     args = ap.parse_args()
-    web.run_app(FakeVllm(args.name, args.flaky_metrics, args.fail_all).app(), host="127.0.0.1", port=args.port,
-                print=None, access_log=None)
+    sock = socket.create_server(("127.0.0.1", args.port))  # --port 0: a free one, said below
+    print(f"fake vLLM {args.name}: serving on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    web.run_app(FakeVllm(args.name, args.flaky_metrics, args.fail_all).app(), sock=sock, print=None, access_log=None)
 
 
 if __name__ == "__main__":

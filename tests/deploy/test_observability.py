@@ -44,6 +44,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fakes.ports import announced_port, listening_port
+
 from .queries import ALERTS, REPO, Query, alert_queries, alert_rules, dashboard_queries
 from .tools import require_tool
 
@@ -218,15 +220,14 @@ def stack(tmp_path_factory) -> Stack:
     try:
         fakes = []
         for name in ("a", "b", "x", "y"):
-            port = free_port()
-            cmd = [sys.executable, str(Path(__file__).with_name("fake_vllm.py")), "--port", str(port), "--name", name]
+            cmd = [sys.executable, str(Path(__file__).with_name("fake_vllm.py")), "--port", "0", "--name", name]
             if name == "b":
                 cmd.append("--flaky-metrics")
             if name in ("x", "y"):
                 cmd.append("--fail-all")
             log = tmp / f"fake-{name}.log"
             p = procs.start(f"fake-{name}", cmd, log, env)
-            fakes.append(f"http://127.0.0.1:{port}")
+            fakes.append(f"http://127.0.0.1:{announced_port(p, log, f'fake {name}', 30)}")
             wait_for(f"fake {name}", lambda u=fakes[-1]: http_get(f"{u}/health")[0] == 200, 30, p, log)
         dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here
 
@@ -242,19 +243,18 @@ def stack(tmp_path_factory) -> Stack:
             # a model reloaded into the treatment arm is a candidate: its card's prediction error is exported
             "ab_auto_promote": True, "admin_token": ADMIN_TOKEN,
         }))
-        router_port = free_port()
-        router_url = f"http://127.0.0.1:{router_port}"
-        cmd = [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(router_port),
+        cmd = [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", "0",
                *(arg for url in (*fakes, dead) for arg in ("--replica", url)),
                "--policy", "learned", "--config", str(config)]
         # automatic promotion judges learned arms only: the shipped model on both, until the candidate arrives
         cmd += ["--shadow-policy", "round-robin", "--ab-treatment", "learned", "--ab-share", "0.5"]
         router_log = tmp / "router.log"
         router = procs.start("router", cmd, router_log, env)
+        router_port = listening_port(router, "router", 60, router_log)  # --port 0: the one it bound
+        router_url = f"http://127.0.0.1:{router_port}"
         wait_for("router /ready", lambda: http_get(f"{router_url}/ready")[0] == 200, 60, router, router_log)
         load_candidate(router_url, tmp)
 
-        prom_port = free_port()
         prom_config = tmp / "prometheus.yml"
         prom_config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
@@ -265,8 +265,9 @@ def stack(tmp_path_factory) -> Stack:
         prom_log = tmp / "prometheus.log"
         prom_proc = procs.start("prometheus", [
             prometheus_bin, f"--config.file={prom_config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn",
+            "--web.listen-address=127.0.0.1:0", "--log.level=warn",
         ], prom_log, env)
+        prom_port = listening_port(prom_proc, "prometheus", 60, prom_log)
         prom = Prometheus(f"http://127.0.0.1:{prom_port}")
         wait_for("prometheus ready", lambda: http_get(f"{prom.url}/-/ready")[0] == 200, 60, prom_proc, prom_log)
         wait_for("first scrape of the router", lambda: prom.query('up{job="routewise-router"} == 1'), 30,

@@ -33,6 +33,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.ci import skip_or_fail
+from tests.fakes.ports import announced_port
 
 from .queries import REPO
 from .test_observability import Processes, free_port, http_get, wait_for
@@ -149,15 +150,16 @@ def assert_healthy(podman: Podman, container: str) -> None:
 
 def test_router_image_serves_two_emulated_replicas(podman: Podman, tmp_path: Path) -> None:
     image = podman.image("router")
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port()]  # the router's: the image's HEALTHCHECK reads it from ROUTEWISE_PORT; the emulators say theirs
     router_url = f"http://127.0.0.1:{ports[0]}"
     procs = Processes()
     container = f"{NAME}-router"
     try:
-        for i, (port, profile) in enumerate(zip(ports[1:], ("llama3-8b-a100", "llama3-8b-l4"))):
+        for i, profile in enumerate(("llama3-8b-a100", "llama3-8b-l4")):
             log = tmp_path / f"emulator-{i}.log"
-            proc = procs.start(f"emulator-{i}", [sys.executable, "-m", "routewise_vllm.fleet", "emulate", "--port", str(port),
+            proc = procs.start(f"emulator-{i}", [sys.executable, "-m", "routewise_vllm.fleet", "emulate", "--port", "0",
                                                  "--served-model-name", "llama", "--profile", profile], log)
+            ports.append(port := announced_port(proc, log, f"emulator {i}"))
             wait_for(f"emulator {i}", lambda p=port: http_get(f"http://127.0.0.1:{p}/health")[0] == 200, 60, proc, log)
         # the port by environment, so the image's HEALTHCHECK (which reads ROUTEWISE_PORT) probes the right one
         podman("run", "--detach", "--name", container, "--network", "host",
