@@ -21,14 +21,14 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from routewise_vllm.fleet.vllm import REPO_ROOT, free_ports, log_tail
+from routewise_vllm.fleet.vllm import REPO_ROOT, free_ports, listening_ports, log_tail
 
 ADMIN_TOKEN = "fleet-admin-token"
 
 
 @dataclass
 class RouterProcess:
-    port: int
+    port: int  # 0 until wait_ready reads the port a router started on port 0 bound
     process: subprocess.Popen
     log_path: Path
 
@@ -76,6 +76,14 @@ class RouterProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"router exited with rc={self.process.returncode}; log:\n{self.log_tail()}")
+            if self.port == 0:  # started on port 0: the one its process listens on, once it does
+                ports = listening_ports(self.process.pid)
+                if len(ports) > 1:
+                    raise RuntimeError(f"router listens on several ports {sorted(ports)}; log:\n{self.log_tail()}")
+                if not ports:
+                    time.sleep(0.05)
+                    continue
+                self.port = ports.pop()
             try:
                 status, body = self.get("/ready", timeout_s=2.0)
                 last = (status, body)
@@ -107,10 +115,14 @@ def start_router(
     replica_urls: list[str], policy: str, log_dir: Path, scrape_interval_s: float = 0.2,
     env: dict[str, str] | None = None,
 ) -> RouterProcess:
-    """`router serve` on a free loopback port in its own process group; waits until every replica is routable."""
-    (port,) = free_ports(1)
+    """`router serve` on a free loopback port in its own process group; waits until every replica is routable.
+    One router process binds port 0 (the port is read off its socket: none is picked for another program to take
+    first); several workers share one port, picked here."""
+    port = free_ports(1)[0] if int((env or {}).get("ROUTEWISE_WORKERS", "1")) > 1 else 0
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"router-{port}.log"
+    if not port:  # named before the port is known: the first free router-port0-N.log
+        log_path = next(p for i in range(1, 10_000) if not (p := log_dir / f"router-port0-{i}.log").exists())
     args = [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--policy", policy, "--admin-token", ADMIN_TOKEN, "--scrape-interval", str(scrape_interval_s),
             "--log-level", "info"]
