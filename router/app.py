@@ -22,6 +22,7 @@ from routewise_vllm.router.scale import fleet_view
 from routewise_vllm.router.admin import admin_routes
 from routewise_vllm.router.auth import client_key_middleware, client_keys
 from routewise_vllm.router.endpoints import ENDPOINTS
+from routewise_vllm.router.http.connections import ListenerConfig
 from routewise_vllm.router.http.listener import openai_errors
 from routewise_vllm.router.logsafe import safe
 from routewise_vllm.router.models import models_handler
@@ -79,11 +80,8 @@ def replica_rows(replicas: ReplicaSet):
 
 
 def handler_args(settings: RouterSettings) -> dict[str, Any]:
-    # lingering: after refusing a request whose body was not read, drain it for at most 1 s (aiohttp: 10 s),
-    # so that a slow body cannot hold the connection long after its 408.
-    # max_field_size: a header line as long as the whole head may be (router.http.listener answers a longer head 431)
-    return {"max_field_size": settings.max_header_bytes, "keepalive_timeout": settings.keepalive_timeout_s,
-            "lingering_time": 1.0}
+    """aiohttp's connection limits, for an app served without a RouterRunner (which applies them itself)."""
+    return ListenerConfig.of(settings).handler_args()
 
 
 def fleet_sync(config: fleet_view.FleetViewConfig, replicas: ReplicaSet, metrics: RouterMetrics,

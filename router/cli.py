@@ -156,11 +156,13 @@ async def serve(settings: RouterSettings, socks: list[socket.socket] | None = No
     """Serves until SIGTERM/SIGINT, then drains. `socks` (listening, ops) and `shared` (router.scale.shared.SharedLoad,
     slot) make this one worker of `router serve --workers N` (router.scale.workers)."""
     from routewise_vllm.router.app import OPS_APP, PROXY, create_app
+    from routewise_vllm.router.http.connections import ListenerConfig
     from routewise_vllm.router.http.listener import RouterRunner
 
     app = create_app(settings, shared=shared)
     access_log = logging.getLogger("router.access") if settings.access_log else None
-    runner = RouterRunner(app, settings=settings, proxy=app[PROXY], handle_signals=False, access_log=access_log,
+    listener = ListenerConfig.of(settings)
+    runner = RouterRunner(app, config=listener, proxy=app[PROXY], handle_signals=False, access_log=access_log,
                           handler_cancellation=True, shutdown_timeout=settings.drain_timeout_s)
     try:
         await runner.setup()
@@ -176,7 +178,7 @@ async def serve(settings: RouterSettings, socks: list[socket.socket] | None = No
     log.info("routewise router on http://%s:%d, %s", settings.host, settings.port, startup_summary(settings))
     ops_runner = None
     if OPS_APP in app:
-        ops_runner = RouterRunner(app[OPS_APP], settings=settings, handle_signals=False, access_log=None,
+        ops_runner = RouterRunner(app[OPS_APP], config=listener, handle_signals=False, access_log=None,
                                   shutdown_timeout=1.0)
         await ops_runner.setup()
         ops_host = settings.ops_host or settings.host

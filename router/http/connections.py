@@ -19,6 +19,7 @@ import logging
 import resource
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from routewise_vllm.router.errors import BadRequest
@@ -43,6 +44,40 @@ GLOBAL_CAP, PER_CLIENT_CAP = "global_cap", "per_client_cap"  # the refusal reaso
 REFUSAL_REASONS = (GLOBAL_CAP, PER_CLIENT_CAP)
 
 
+@dataclass(frozen=True, slots=True)
+class ListenerConfig:
+    """What the listener (router.http.listener, router.http.server) takes of the settings of the same names
+    (`of` builds it)."""
+
+    header_timeout_s: float
+    body_timeout_s: float
+    keepalive_timeout_s: float
+    max_header_bytes: int
+    max_body_bytes: int
+    lean: bool  # plain generation requests on the lean listener (lean_listener on, access_log off)
+    max_client_connections: int | None
+    max_connections_per_client: int | None
+    upstream_connections: int  # the upstream pool's size (max_connections), 0: unbounded
+    ops_listener: bool  # an ops listener (ops_port) holds file descriptors too
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> ListenerConfig:
+        return cls(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+                   keepalive_timeout_s=settings.keepalive_timeout_s, max_header_bytes=settings.max_header_bytes,
+                   max_body_bytes=settings.max_body_bytes, lean=settings.lean_listener and not settings.access_log,
+                   max_client_connections=settings.max_client_connections,
+                   max_connections_per_client=settings.max_connections_per_client,
+                   upstream_connections=settings.max_connections, ops_listener=settings.ops_port is not None)
+
+    def handler_args(self) -> dict[str, Any]:
+        """aiohttp's connection handler's limits. lingering: after refusing a request whose body was not read, its
+        rest is drained for at most 1 s (aiohttp: 10 s), so a slow body cannot hold the connection long after its
+        408. max_field_size: a header line as long as the whole head may be (a longer head gets a 431). max_headers:
+        aiohttp's own default since 3.10 (3.9's allowed 32,768 header lines in a pipelined head)."""
+        return {"max_field_size": self.max_header_bytes, "max_headers": 128, "keepalive_timeout": self.keepalive_timeout_s,
+                "lingering_time": 1.0}
+
+
 def raise_open_file_limit() -> tuple[int, int]:
     """Raises the soft RLIMIT_NOFILE to the hard limit; returns the soft limit before and after."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -57,21 +92,21 @@ def raise_open_file_limit() -> tuple[int, int]:
     return soft, (now if now != infinite else 1 << 20)
 
 
-def connection_caps(settings: RouterSettings, nofile: int) -> tuple[int, int]:
+def connection_caps(config: ListenerConfig, nofile: int) -> tuple[int, int]:
     """(client connections, connections per client address) of the public listener under an open-file limit of
     `nofile`: what the reserve, the probe slots and the ops listener leave, less the upstream side (the upstream
     pool's size if bounded, else one replica connection per client connection)."""
-    spare = nofile - RESERVED_FDS - PROBE_SLOTS - (OPS_CAP + PROBE_SLOTS if settings.ops_port is not None else 0)
-    upstream = min(settings.max_connections or spare, spare // 2)
+    spare = nofile - RESERVED_FDS - PROBE_SLOTS - (OPS_CAP + PROBE_SLOTS if config.ops_listener else 0)
+    upstream = min(config.upstream_connections or spare, spare // 2)
     allowed = max(1, spare - upstream)
-    cap = settings.max_client_connections
+    cap = config.max_client_connections
     if cap is None:
         cap = min(allowed, MAX_DERIVED_CAP)
     elif cap > allowed:
         log.warning("max_client_connections=%d is more than the open-file limit of %d leaves for client connections: "
                     "using %d", cap, nofile, allowed)
         cap = allowed
-    per_client = settings.max_connections_per_client
+    per_client = config.max_connections_per_client
     return cap, max(1, cap // 2) if per_client is None else min(per_client, cap)
 
 

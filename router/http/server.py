@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 import time
 from http import HTTPStatus
 from email.utils import formatdate
@@ -26,7 +27,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.tcp_helpers import tcp_nodelay
 from multidict import CIMultiDict
 
 from routewise_vllm.router.http.connections import ADMITTED, peer_address
@@ -51,6 +51,15 @@ MAX_HEADERS = 100
 _OWN = frozenset({"content-length", "transfer-encoding", "connection", "date", "server", "keep-alive"})
 # Statuses whose answer has no body, no Content-Length and no Transfer-Encoding (RFC 9110 8.6, 6.4.1; as aiohttp).
 _NO_BODY = frozenset({204, 304, *range(100, 200)})
+
+
+def _nodelay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        except OSError:
+            pass
 
 
 class LeanHead:
@@ -231,12 +240,12 @@ class LeanConnection(asyncio.Protocol):
     """One client connection: plain generation requests served here, one at a time in order; the rest of the
     connection handed to aiohttp (`hand_over`) at the first request that is not plain."""
 
-    def __init__(self, server: Any, generate: Callable[[LeanRequest, bool], Awaitable[web.StreamResponse]],
+    def __init__(self, listener: Any, generate: Callable[[LeanRequest, bool], Awaitable[web.StreamResponse]],
                  limits: tuple[float, float, float], aiohttp_handler: Callable[[str], asyncio.Protocol],
                  max_body: int) -> None:
-        self._server = server  # router.http.listener.GuardedServer: connections are registered there (drain, caps)
-        self._conns = server.conns  # the listener's ClientConnections
-        self._max_head = server.max_header_bytes
+        self._listener = listener  # router.http.listener.Listener: connections are registered there (drain, caps)
+        self._conns = listener.conns  # the listener's ClientConnections
+        self._max_head = listener.max_header_bytes
         self._admission = ADMITTED
         self._generate = generate  # Proxy.generate
         self._header_timeout, self._body_timeout, self._keepalive_timeout = limits
@@ -258,7 +267,6 @@ class LeanConnection(asyncio.Protocol):
         self._paused = False
         self._closing = False  # no further request is read (drain, Connection: close, error)
         self.close_after = False  # the request in progress asked for Connection: close
-        self._task_handler = None  # what aiohttp's Server.connection_lost looks for
 
     # --- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -270,8 +278,8 @@ class LeanConnection(asyncio.Protocol):
             self.hand_over()  # aiohttp's GuardedHandler refuses it with the router's 503, or serves it a probe slot
             return
         self._conns.register(self, self._remote)
-        tcp_nodelay(transport, True)  # streamed events go out as written (as aiohttp's handler sets it)
-        self._server.connection_made(self, transport)
+        _nodelay(transport)  # streamed events go out as written (as aiohttp's handler sets it)
+        self._listener.opened(self)
         self._arm("head", self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -296,7 +304,7 @@ class LeanConnection(asyncio.Protocol):
             # never runs its coroutine, so the cancel waits for that step (FIFO), which is already scheduled
             self._loop.call_soon(self._task.cancel)
         else:
-            self._server.connection_lost(self, exc)
+            self._listener.closed(self)
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
@@ -306,7 +314,7 @@ class LeanConnection(asyncio.Protocol):
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
-    # --- what aiohttp's Server calls on a drain -------------------------------------------------
+    # --- what the listener calls on a drain ---------------------------------------------------------
 
     def close(self) -> None:
         """No further request on this connection; an idle one closes now."""
@@ -418,7 +426,7 @@ class LeanConnection(asyncio.Protocol):
             self.close_after = True
         t = self.transport
         if t is None or t.is_closing():
-            self._server.connection_lost(self, None)
+            self._listener.closed(self)
             return
         if self.close_after or self._closing:
             t.close()
@@ -483,7 +491,7 @@ class LeanConnection(asyncio.Protocol):
         self._closing = True
         if transport is None:
             return
-        self._server.connection_lost(self, None)  # the handler registers itself (a no-op if never registered)
+        self._listener.closed(self)  # the handler registers itself (a no-op if never registered)
         handler = self._aiohttp_handler(self._admission)
         transport.set_protocol(handler)  # type: ignore[attr-defined]
         handler.connection_made(transport)

@@ -20,8 +20,7 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.http import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -244,7 +243,7 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     except TimeoutError:
         raise BadRequest(f"request body not received within {timeout_s:g} s", status=408,
                          code="request_timeout") from None
-    except (HttpProcessingError, RequestPayloadError, ValueError) as exc:  # bad gzip, bad chunking
+    except (HttpProcessingError, web.RequestPayloadError, ValueError) as exc:  # bad gzip, bad chunking
         raise BadRequest(f"request body could not be read: {type(exc).__name__}: {exc}") from None
     if len(raw) > limit:
         raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")

@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from routewise_vllm.router.app import PROXY, create_app
+from routewise_vllm.router.http.connections import ListenerConfig
 from routewise_vllm.router.http.listener import RouterRunner
 from routewise_vllm.router.settings import RouterSettings
 from tests.fakes.fake_vllm import FakeVllm
@@ -46,7 +47,7 @@ class RouterTestServer(TestServer):
         self.settings = settings
 
     async def _make_runner(self, **kwargs: Any) -> RouterRunner:
-        return RouterRunner(self.app, settings=self.settings, proxy=self.app.get(PROXY), **kwargs)
+        return RouterRunner(self.app, config=ListenerConfig.of(self.settings), proxy=self.app.get(PROXY), **kwargs)
 
 
 @asynccontextmanager

@@ -308,12 +308,14 @@ async def test_router_serve_under_a_low_open_file_limit(fakes, tmp_path):
     ({}, 50, (1, 1)),
 ])
 def test_caps_derived_from_the_open_file_limit(fields, nofile, caps):
-    assert router.http.connections.connection_caps(RouterSettings(replicas=REPLICAS, **fields), nofile) == caps
+    config = router.http.connections.ListenerConfig.of(RouterSettings(replicas=REPLICAS, **fields))
+    assert router.http.connections.connection_caps(config, nofile) == caps
 
 
 def test_a_cap_above_the_open_file_limit_is_lowered_with_one_warning(caplog):
     caplog.set_level(logging.WARNING, logger="router.connections")
     settings = RouterSettings(replicas=REPLICAS, max_client_connections=5000)
-    assert router.http.connections.connection_caps(settings, 1024) == (472, 236)
+    config = router.http.connections.ListenerConfig.of(settings)
+    assert router.http.connections.connection_caps(config, 1024) == (472, 236)
     assert [r.getMessage() for r in caplog.records] == [
         "max_client_connections=5000 is more than the open-file limit of 1024 leaves for client connections: using 472"]
