@@ -142,7 +142,9 @@ fail:
     return NULL;
 }
 
-int cross_width(int F, const char *what)
+/* The model input width the bound table makes of rows F wide; -1 with an exception set if none is bound, or F is
+ * another width */
+static int cross_width(int F, const char *what)
 {
     if (!cx.code) {
         PyErr_Format(PyExc_RuntimeError, "%s: bind_inputs() has not bound the cross-replica inputs", what);

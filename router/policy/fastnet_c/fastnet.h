@@ -46,11 +46,9 @@ void pick_best(const float *logit, const float *rows, int R, int width, int col,
 int read_longs(PyObject *seq, long *dst, int n, const char *what);
 int check_f32(Py_buffer *b, Py_ssize_t n, const char *what);
 
-/* cross.c: model_inputs of rows f [R][F] into out [R][C] (0, or -1 with an exception set naming `what`); the width
- * C the bound table makes of rows F wide (-1 with an exception set if none is bound, or for other rows); the mask
- * column, once cross_width or cross_inputs has succeeded */
+/* cross.c: model_inputs of rows f [R][F] into out [R][C] by the bound table (0, or -1 with an exception set naming
+ * `what`: nothing bound, or rows or inputs of other widths); the mask column, once cross_inputs has succeeded */
 int cross_inputs(const float *f, int R, int F, float *out, int C, const char *what);
-int cross_width(int F, const char *what);
 int cross_mask_column(void);
 
 /* views.c: the offset of a plain object slot `name` of cls; -1 (no exception) if it is missing or anything
