@@ -1,6 +1,7 @@
 """Live late binding: a bounded queue of requests held while no replica has room (`router serve --late-binding`).
 
-The rule is router.policy.late_binding's `decide`, the one the simulator runs: a request arriving while no
+The rule is the decision pipeline's room stage (router.policy.pipeline, late binding's `decide`), the one the
+simulator runs: a request arriving while no
 healthy replica is below its concurrency limit waits here, and the head is offered again whenever an event
 can have freed room: a first token or a release (completion, failure, cancel) in this worker, a health probe
 or drain/restore, membership changes, a scrape, and a timer at the head's queue timeout. Nothing polls.
@@ -21,6 +22,10 @@ cancelled); with no healthy replica a held request is answered at once as withou
 shutdown every held request is dispatched (`shutdown`); if the rule itself fails, the queue lets every held
 request go rather than hold it (`error`, logged).
 
+The queue keeps the requests and asks; the router decides (`Router.decide`, the pipeline's stages with this queue's
+`Room`) and dispatches, so a request let go is routed in the instant the queue asks, as without late binding.
+It takes `HoldConfig`, the late-binding flags the router's settings carry, built at the edge (`late_binding_config`).
+
 Limits per replica: `replica_limit(batch limit, scraped KV capacity, late_binding_max_batched_tokens,
 late_binding_tokens_per_request)`; vLLM does not export max_num_seqs, so the batch limit is the operator's
 (late_binding_max_num_seqs for every replica, or per replica: late_binding_replica_max_num_seqs, keyed by
@@ -38,35 +43,61 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from routewise_vllm.router.batch_limit import UNKNOWN_LIMIT
-from routewise_vllm.router.models import no_replica_message
 from routewise_vllm.router.policy.held_queue import HeldQueue
-from routewise_vllm.router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
-from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, RequestInfo
+from routewise_vllm.router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, replica_limit
+from routewise_vllm.router.policy.pipeline import Held, NoneHealthy, Room, forced
+from routewise_vllm.router.policy.types import ClusterView, RequestInfo
 from routewise_vllm.router.replicas import ReplicaSet
 from routewise_vllm.router.settings import RouterSettings
 from routewise_vllm.router.telemetry import RouterMetrics
 
 
 class Dispatched(Protocol):
-    """What the queue needs of a routed request (router.routing.Route): where it records the hold."""
+    """What the queue reads of a routed request (router.routing.Route): why it went."""
 
-    late: str | None
-    held_s: float | None
-    wall_s: float
+    @property
+    def late(self) -> str | None: ...
 
 
 R = TypeVar("R", bound=Dispatched)
+
+
+class Decides(Protocol[R]):
+    """What the queue needs of the router (router.routing.Router): a decision on the view it built (the pipeline's
+    stages with its Room; `started`: the perf_counter reading before the view, for the decision latency metric;
+    `held_s`: the time held, recorded with the route), and the release of a route whose client left as it went."""
+
+    def decide(self, request: RequestInfo, *, view: ClusterView, room: Room, started: float,
+               held_s: float | None = None) -> R | Held | NoneHealthy: ...
+
+    def release(self, route: R) -> None: ...
+
 
 log = logging.getLogger("router.hold_queue")
 
 #: Why a request left the late-binding path: the rule's reasons plus the live-only ones (bounded labels).
 LATE_REASONS: tuple[str, ...] = (*DISPATCH_REASONS, "no_healthy", "shutdown", "error")
 _TIMER_SLACK_S = 0.001  # the loop may run a timer up to its clock resolution early: re-armed if so
+
+
+@dataclass(frozen=True, slots=True)
+class HoldConfig:
+    """The queue's settings: the rule's (router.policy.late_binding) and the per-replica token budget."""
+
+    rule: LateBindingConfig
+    max_batched_tokens: int
+
+
+def late_binding_config(settings: RouterSettings) -> HoldConfig:
+    """The hold queue's config from the router's flags (--late-binding-timeout and the others)."""
+    return HoldConfig(LateBindingConfig(settings.late_binding_timeout_s, settings.late_binding_queue_per_replica,
+                                        settings.late_binding_tokens_per_request, settings.late_binding_room_in_time),
+                      settings.late_binding_max_batched_tokens)
 
 
 @dataclass(slots=True, eq=False)
@@ -78,27 +109,16 @@ class _Held:
     seq: int = 0  # arrival order, the tie-break
 
 
-def late_binding_config(settings: RouterSettings) -> LateBindingConfig:
-    return LateBindingConfig(settings.late_binding_timeout_s, settings.late_binding_queue_per_replica,
-                             settings.late_binding_tokens_per_request, settings.late_binding_room_in_time)
-
-
 class HoldQueue(Generic[R]):
-    """`route(info)` routes now or holds; `wake()` offers the head again; `close()` lets everything go.
-    `dispatch(info, only, view, started)` routes for real (Router.route on `view`, restricted to `only`, None = every
-    healthy replica; `started`: when the view was built, for the decision latency metric); `release(route)` undoes
-    one whose client left in the instant it was routed."""
+    """`route(info)` routes now or holds; `wake()` offers the head again; `close()` lets everything go. The router
+    (`Decides`) routes what the queue lets go."""
 
-    def __init__(
-        self, settings: RouterSettings, replicas: ReplicaSet, metrics: RouterMetrics, clock: Callable[[], float],
-        dispatch: Callable[[RequestInfo, tuple[int, ...] | None, ClusterView | None, float | None], R],
-        release: Callable[[R], None],
-    ) -> None:
-        self.config = late_binding_config(settings)
-        self._max_batched = settings.late_binding_max_batched_tokens
+    def __init__(self, config: HoldConfig, replicas: ReplicaSet, metrics: RouterMetrics, clock: Callable[[], float],
+                 router: Decides[R]) -> None:
+        self.config = config.rule
+        self._max_batched = config.max_batched_tokens
         self.replicas = replicas
-        self._dispatch = dispatch
-        self._release = release
+        self._router = router
         self.metrics = metrics
         self.clock = clock
         self._queues: dict[str | None, HeldQueue[_Held]] = {}  # by model
@@ -114,13 +134,6 @@ class HoldQueue(Generic[R]):
     def __len__(self) -> int:
         return self._held
 
-    def view(self, info: RequestInfo) -> ClusterView:
-        """The view the rule and the policy judge for `info`: its model's replicas only (the others not candidates)."""
-        view = self.replicas.cluster.view(self.clock(), info)
-        members = self.replicas.members(info.model)
-        return view if members is None else restrict(view, members)
-
-
     def limits(self, view: ClusterView) -> list[ReplicaLimit]:
         cache = self._limits
         out = []
@@ -134,26 +147,25 @@ class HoldQueue(Generic[R]):
             out.append(lim)
         return out
 
-    def route_now(self, info: RequestInfo) -> R | None:
-        """The request's Route when the rule lets it go at once, else None (`route` then holds it). Raises
-        NoHealthyReplica. The proxy asks this before the request's task runs, as it decides without late binding."""
+    def route_now(self, info: RequestInfo) -> R | Held | NoneHealthy:
+        """The request's Route when the rule lets it go at once, Held when it must wait (`route` then holds it),
+        NoneHealthy when none of its model's replicas is healthy. The proxy asks this before the request's task
+        runs, as it decides without late binding."""
         started = time.perf_counter()  # the decision latency metric counts the view built here
-        view = self.view(info)
-        if not any(r.healthy for r in view.replicas):
-            self._dispatches["no_healthy"].inc()
-            raise NoHealthyReplica(no_replica_message(info.model))
+        view = self.replicas.cluster.view(self.clock(), info)
         if self.closed:
-            return self._go(info, "shutdown", None, None, view, started)
-        queue = self._queues.get(info.model)
-        d = decide(view, self.limits(view), len(queue) if queue else 0, False, 0.0, self.config)
-        if d.reason != "hold":
-            return self._go(info, d.reason, self._only(d.reason, d.candidates, view), None, view, started)
-        return None
+            room = forced("shutdown")
+        else:
+            queue = self._queues.get(info.model)
+            room = Room(self.limits(view), len(queue) if queue else 0, False, 0.0, self.config)
+        return self._count(self._router.decide(info, view=view, room=room, started=started))
 
-    async def route(self, info: RequestInfo) -> R:
-        """The request's Route (router.routing), now or once the rule lets it go. Raises NoHealthyReplica."""
-        if (route := self.route_now(info)) is not None:
-            return route
+    async def route(self, info: RequestInfo) -> R | NoneHealthy:
+        """The request's Route (router.routing), now or once the rule lets it go; NoneHealthy when none of its
+        model's replicas is healthy."""
+        out = self.route_now(info)
+        if type(out) is not Held:
+            return out  # type: ignore[return-value]
         queue = self._queues.get(info.model)
         now = self.clock()
         target = info.ttft_target_s
@@ -169,8 +181,8 @@ class HoldQueue(Generic[R]):
             return await held.future
         except asyncio.CancelledError:  # the client went away (or the router stops)
             fut = held.future
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._release(fut.result())  # routed in the same instant: release it, nothing stays counted
+            if fut.done() and not fut.cancelled() and fut.exception() is None and type(fut.result()) is not NoneHealthy:
+                self._router.release(fut.result())  # routed in the same instant: release it, nothing stays counted
             else:
                 self._remove(held)
             raise
@@ -188,38 +200,37 @@ class HoldQueue(Generic[R]):
 
     # --- internals ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _only(reason: str, candidates: Sequence[int], view: ClusterView) -> tuple[int, ...] | None:
-        """The replicas the policy may pick from, None for any healthy one (also when every healthy one has room:
-        restricting to all of them would change nothing but the cost)."""
-        if reason in ("idle", "full", "timeout"):
-            return None
-        if len(candidates) == sum(r.healthy for r in view.replicas):
-            return None
-        return tuple(candidates)
+    def _count(self, out: R | Held | NoneHealthy, held_s: float | None = None) -> R | Held | NoneHealthy:
+        """Counts why a request left the late-binding path (and how long it was held)."""
+        if type(out) is NoneHealthy:
+            self._dispatches["no_healthy"].inc()
+        elif type(out) is not Held:
+            self._dispatches[out.late].inc()  # type: ignore[union-attr,index]
+            if held_s is not None:
+                self.metrics.hold_duration.observe(held_s)
+        return out
 
-    def _go(self, info: RequestInfo, reason: str, only: tuple[int, ...] | None, held_s: float | None,
-            view: ClusterView | None, started: float | None = None) -> R:
-        self._dispatches[reason].inc()
-        if held_s is not None:
-            self.metrics.hold_duration.observe(held_s)
-        route = self._dispatch(info, only, view, started)
-        route.late, route.held_s = reason, held_s or 0.0
-        route.wall_s -= route.held_s  # the decision log's `t` stays the arrival (replays read it as such)
-        return route
-
-    def _let_go(self, queue: HeldQueue[_Held], head: _Held, reason: str, only: tuple[int, ...] | None,
-                 view: ClusterView | None, started: float | None = None) -> None:
+    def _let_go(self, queue: HeldQueue[_Held], head: _Held, room: Room | None, started: float | None = None,
+                view: ClusterView | None = None) -> bool:
+        """Offers a held head with `room` (None: the rule failed, it goes with reason "error"); False when the rule
+        holds it still."""
+        held_s = self.clock() - head.arrived_s
+        if view is None:
+            started, view = time.perf_counter(), self.replicas.cluster.view(self.clock(), head.info)
+        try:
+            out = self._router.decide(head.info, view=view, room=room or forced("error"), started=started,  # type: ignore[arg-type]
+                                      held_s=held_s)
+        except Exception as exc:  # noqa: BLE001 - any failure: the handler answers it
+            queue.take(head.seq)
+            self._held -= 1
+            head.future.set_exception(exc)
+            return True
+        if type(out) is Held:
+            return False
         queue.take(head.seq)
         self._held -= 1
-        if reason == "no_healthy":
-            self._dispatches[reason].inc()
-            head.future.set_exception(NoHealthyReplica(no_replica_message(head.info.model)))
-            return
-        try:
-            head.future.set_result(self._go(head.info, reason, only, self.clock() - head.arrived_s, view, started))
-        except Exception as exc:  # noqa: BLE001 - NoHealthyReplica, or any failure: the handler answers it
-            head.future.set_exception(exc)
+        head.future.set_result(self._count(out, held_s))
+        return True
 
     def _pump(self) -> None:
         self._scheduled = False
@@ -235,7 +246,7 @@ class HoldQueue(Generic[R]):
                         queue.take(head.seq)
                         self._held -= 1
                     else:
-                        self._let_go(queue, head, "error", None, None)
+                        self._let_go(queue, head, None)
         finally:
             for model in [m for m, q in self._queues.items() if not q]:
                 del self._queues[model]
@@ -243,8 +254,8 @@ class HoldQueue(Generic[R]):
             self._arm()
 
     def _pump_queue(self, queue: HeldQueue[_Held]) -> None:
-        """Offers one model's head until the rule holds it (the view: that model's replicas). The head is the
-        earliest deadline, or the oldest request once it has waited the queue timeout (HeldQueue.head)."""
+        """Offers one model's head until the rule holds it. The head is the earliest deadline, or the oldest request
+        once it has waited the queue timeout (HeldQueue.head)."""
         while True:
             now = self.clock()
             head = queue.head(now, self.config.timeout_s)
@@ -255,17 +266,11 @@ class HoldQueue(Generic[R]):
                 self._held -= 1
                 continue
             started = time.perf_counter()
-            view = self.view(head.info)
-            if not any(r.healthy for r in view.replicas):
-                self._let_go(queue, head, "no_healthy", None, view)
-                continue
-            if self.closed:
-                self._let_go(queue, head, "shutdown", None, view, started)
-                continue
-            d = decide(view, self.limits(view), len(queue) - 1, True, now - head.arrived_s, self.config)
-            if d.reason == "hold":
+            view = self.replicas.cluster.view(self.clock(), head.info)
+            room = forced("shutdown") if self.closed else Room(
+                self.limits(view), len(queue) - 1, True, now - head.arrived_s, self.config)
+            if not self._let_go(queue, head, room, started, view):
                 break
-            self._let_go(queue, head, d.reason, self._only(d.reason, d.candidates, view), view, started)
 
     def _arm(self) -> None:
         """One timer, at the earliest head's queue timeout (a head that is not due yet holds its model's later ones

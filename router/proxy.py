@@ -31,7 +31,8 @@ from routewise_vllm.router.models import names_unknown_model, no_replica_respons
 from routewise_vllm.router.openai import decode, validate
 from routewise_vllm.router.observe.outlier import Inflight
 from routewise_vllm.router.paths import GENERATION_PATHS
-from routewise_vllm.router.policy.types import NoHealthyReplica, Outcome, RequestInfo
+from routewise_vllm.router.policy.pipeline import Held, NoneHealthy
+from routewise_vllm.router.policy.types import Outcome, RequestInfo
 from routewise_vllm.router.replicas import Replica, ReplicaSet
 from routewise_vllm.router.routing import Route, Router
 from routewise_vllm.router.settings import RouterSettings
@@ -43,10 +44,10 @@ log = logging.getLogger("router.proxy")
 
 # What a generation request gets: aiohttp's response to send, or the lean listener's already sent.
 Answer = web.StreamResponse | LeanStream | LeanSent
-# The first attempt started before the request's task ran: its route and, when sent, the upstream response due.
+# The first attempt decided before the request's task ran: its route and, when sent, the upstream response due; or
+# late binding holds it; or no replica of its model is healthy.
 _Started = tuple[Route, Awaitable[UpstreamResponse] | None]
-_HELD: Any = object()  # _start_now's answers behind late binding: the request is held, or no replica is healthy
-_NONE_HEALTHY: Any = object()
+_First = _Started | Held | NoneHealthy
 
 
 async def _ready(answer: Answer) -> Answer:
@@ -138,17 +139,12 @@ class Proxy:
         except BadRequest as exc:
             return request.refuse(exc.response())
 
-    def _start_now(self, info: RequestInfo, raw: bytes, headers, path: str) -> _Started | None:
+    def _start_now(self, info: RequestInfo, raw: bytes, headers, path: str) -> _First:
         """The first attempt's decision and, on an idle kept-alive connection with room under the limit, its
-        send; _HELD when late binding holds the request (the task queues it), None or _NONE_HEALTHY when no
-        replica is healthy (the task answers)."""
-        holds = self.router.holds
-        try:
-            route = self.router.route(info) if holds is None else holds.route_now(info)
-        except NoHealthyReplica:
-            return None if holds is None else _NONE_HEALTHY  # the hold queue has counted it: not asked again
-        if route is None:
-            return _HELD
+        send; or Held (the task waits for room) or NoneHealthy (the task answers)."""
+        route = self.router.first(info)
+        if type(route) is not Route:
+            return route  # type: ignore[return-value]
         try:
             url = route.replica.url
             return route, self._upstreams[url.scheme].send_now(url, path, raw, headers)
@@ -157,30 +153,25 @@ class Proxy:
             raise
 
     async def _run(self, request: Downstream, raw: bytes, info: RequestInfo, headers, stream: bool,
-                   t0: float, path: str, first: _Started | None) -> Answer:
+                   t0: float, path: str, first: _First) -> Answer:
         try:
             return await self._forward(request, raw, info, headers, stream, t0, path, first)
         finally:
             self.inflight -= 1
 
     async def _forward(self, request: Downstream, raw: bytes, info: RequestInfo, headers,
-                       stream: bool, t0: float, path: str, first: _Started | None) -> Answer:
+                       stream: bool, t0: float, path: str, first: _First) -> Answer:
         tried: set[str] = set()
         last: UpstreamError | None = None
         suspects: list[tuple[Replica, str]] = []  # failed before the first byte; blamed if another replica serves
         for attempt in range(self.settings.max_retries + 1):
-            sent = None
-            try:
-                if attempt == 0 and first is _NONE_HEALTHY:
-                    break
-                if attempt == 0 and first is not None and first is not _HELD:
-                    route, sent = first
-                elif attempt == 0 and self.router.holds is not None:  # late binding: may wait for a replica with room
-                    route = await self.router.holds.route(info)  # asked again: room may have come since the start
-                else:
-                    route = self.router.route(info, tried)
-            except NoHealthyReplica:
+            if attempt:
+                got = self.router.decide(info, tried)
+            else:  # late binding holds it: asked again, room may have come since the start
+                got = await self.router.when_room(info) if type(first) is Held else first
+            if type(got) is NoneHealthy:
                 break
+            route, sent = got if type(got) is tuple else (got, None)
             rep = route.replica
             retry = tried if attempt < self.settings.max_retries else None  # None: the last try
             try:
@@ -193,7 +184,7 @@ class Proxy:
                     self.replicas.record_failure(rep, stream)
                 elif exc.kind != "stale_model":  # a list read again, not the replica's health
                     suspects.append((rep, exc.kind))
-                if retry is None or not self._can_retry(rep, tried, info.model):
+                if retry is None or not self.router.can_retry(rep, tried, info.model):
                     break
                 self.metrics.retries.labels(exc.kind).inc()
             else:
@@ -205,12 +196,6 @@ class Proxy:
         if last is None:
             return no_replica_response(self.replicas, info.model)
         return error_response(last.status, f"upstream failed: {last}", "server_error", code=f"upstream_{last.kind}")
-
-    def _can_retry(self, rep: Replica, tried: set[str], model: str | None) -> bool:
-        """Another routable replica of the request's model, not tried yet: asked only when an attempt failed."""
-        members = self.replicas.members(model)
-        return any(r.routable and r is not rep and r.id not in tried and (members is None or i in members)
-                   for i, r in enumerate(self.replicas.ordered))
 
     def _settle(self, suspects: list[tuple[Replica, str]], served: bool, stream: bool) -> None:
         """Failures before the first byte count against a replica only if another replica then served the same
@@ -273,10 +258,10 @@ class Proxy:
             if names_unknown_model(status, first, route.request.model):  # its list is stale: read it again
                 self.replicas.refresh_models_of(rep)
                 # and try a replica that serves the model, before the first byte as for a 5xx
-                if retry is not None and self._can_retry(rep, retry, route.request.model):
+                if retry is not None and self.router.can_retry(rep, retry, route.request.model):
                     route.outcome = Outcome(False, None, None)
                     raise UpstreamError("stale_model", f"{rep.id}: does not serve `{route.request.model}`")
-            if status >= 500 and retry is not None and self._can_retry(rep, retry, route.request.model):
+            if status >= 500 and retry is not None and self.router.can_retry(rep, retry, route.request.model):
                 route.outcome = Outcome(False, None, None)
                 raise UpstreamError("http_5xx", f"{rep.id}: HTTP {status}")
             if not stream or status >= 300:
@@ -422,12 +407,8 @@ class Proxy:
             return refuse(exc.response(), request)
         info = self.router.endpoint_info(parsed, request.headers)
         headers = request_headers(request.headers, request.remote)
-        first: _Started | None = None
-        if not ep.engine or self.router.holds is None:  # the tokenizer is no engine work: never held
-            try:
-                first = self.router.route(info), None
-            except NoHealthyReplica:
-                pass
+        out = self.router.first(info) if ep.engine else self.router.decide(info)  # the tokenizer is never held
+        first = (out, None) if type(out) is Route else out
         self.inflight += 1
         return await self._run(AiohttpRequest(request, raw), raw, info, headers, parsed.stream, t0, ep.path, first)
 

@@ -1,8 +1,10 @@
 """Turn a parsed OpenAI request into a routing decision.
 
 `PolicyRunner` owns one policy (wrapped in FallbackPolicy with LOR) and its telemetry for one
-arm. `Router` owns the runners, builds the RequestInfo and the ClusterView, and feeds outcomes
-back into the tracker. Shadow evaluation and A/B splits extend `Router.select_runner` and
+arm. `Router` owns the runners, builds the RequestInfo and the ClusterView, runs the decision pipeline
+(router.policy.pipeline: filters, health, late binding's room, the policy and its guards) and dispatches its pick
+into the tracker, and feeds outcomes back. Every decision returns a typed outcome: a `Route`, `Held` (late binding
+queues it: `when_room` waits) or `NoneHealthy`. Shadow evaluation and A/B splits extend `Router.select_runner` and
 `Router.arms`; everything else stays as is.
 """
 
@@ -12,21 +14,21 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from routewise_vllm.router.endpoints import Parsed
-from routewise_vllm.router.hold_queue import HoldQueue
+from routewise_vllm.router.hold_queue import HoldQueue, late_binding_config
 from routewise_vllm.router.models import no_replica_message
 from routewise_vllm.router.openai import decode_budget, prompt_text, user_of
 from routewise_vllm.router.policy import FEATURE_SPEC_HASH, FallbackPolicy, TokenEstimator, text_prefix_blocks
 from routewise_vllm.router.policy.fallback import BUDGET_COOLDOWN, FALLBACK_REASONS, Decision
-from routewise_vllm.router.policy.late_binding import restrict
 from routewise_vllm.router.policy.model_routing import ModelLabels
+from routewise_vllm.router.policy.pipeline import Held, NoneHealthy, Pipeline, Room, Routed, make_ask
 from routewise_vllm.router.policy.served import GUARD_FIELDS, served_policy
-from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info, make_view, unhealthy
+from routewise_vllm.router.policy.types import ClusterView, NoHealthyReplica, Outcome, RequestInfo, make_request_info
 from routewise_vllm.router.kv.prompt_tokens import PromptBlocks
 from routewise_vllm.router.replicas import Replica, ReplicaSet
 from routewise_vllm.router.serving.arms import routing_key
@@ -143,6 +145,12 @@ class PolicyRunner:
 
 @dataclass(slots=True)
 class Route:
+    """One attempt of a request. What the decision made is set once, where it was made (`Router.decide`, late binding's
+    reason and hold time included; the shadow's pick by the serving layer within that call); what the attempt
+    measured (status, stream, outcome, tpot_s) the proxy writes as it measures it, and the decision log reads it all
+    at release. Mutable for those results only: they are measured across awaits of one attempt, and a record passed
+    along each would cost an allocation per attempt on the hot path for nothing the log needs earlier."""
+
     replica: Replica
     decision: Decision
     runner: PolicyRunner
@@ -195,11 +203,11 @@ class Router:
         self.targets = Targets(settings, metrics, self.model_label)  # latency targets: headers, defaults, attainment
         self._model_decisions: dict[str, Any] = {}  # metric children by model label
         self._model_ttft: dict[str | None, Any] = {}
+        # the decision's stages; live, the policy is asked even for a lone candidate (its decision is logged)
+        self.pipeline = Pipeline()
         self.holds: HoldQueue[Route] | None = None  # late binding: the first attempt of a request goes through it
         if settings.late_binding:
-            self.holds = HoldQueue(settings, replicas, metrics, clock,
-                                   lambda info, only, view, started: self.route(info, only=only, view=view, started=started),
-                                   self.release)
+            self.holds = HoldQueue(late_binding_config(settings), replicas, metrics, clock, self)
             replicas.listeners.append(self.holds.wake)
 
     def request_info(self, body: dict[str, Any], chat: bool, headers: Any = None) -> RequestInfo:
@@ -233,32 +241,45 @@ class Router:
         arm = self.serving.arm_for(request.key or request.request_id)
         return self.main if arm is None else self.arms[arm]
 
-    def route(self, request: RequestInfo, exclude: set[str] | None = None, only: tuple[int, ...] | None = None,
-              view: ClusterView | None = None, started: float | None = None) -> Route:
-        """Pick a replica and dispatch the request to it in the tracker. Raises NoHealthyReplica.
-        Late binding passes `only`, the view indices the policy may pick from (None = any healthy replica),
-        `view`, the one it judged, built in the same instant (None = build it), and `started`, the perf_counter
-        reading before it built that view (the decision latency metric counts view + rule + policy)."""
+    def first(self, request: RequestInfo) -> Route | Held | NoneHealthy:
+        """A request's first attempt: routed now, or behind late binding the hold queue's answer (Held: `when_room`
+        waits for a replica with room)."""
+        return self.decide(request) if self.holds is None else self.holds.route_now(request)
+
+    async def when_room(self, request: RequestInfo) -> Route | NoneHealthy:
+        """Late binding: the request's route once a replica of its model has room (asked again first)."""
+        assert self.holds is not None, "a request is held only behind late binding"
+        return await self.holds.route(request)
+
+    def route(self, request: RequestInfo, exclude: Set[str] | None = None) -> Route:
+        """`decide` without late binding's queue; raises NoHealthyReplica."""
+        out = self.decide(request, exclude or frozenset())
+        if type(out) is NoneHealthy:
+            raise NoHealthyReplica(no_replica_message(request.model))
+        return out  # type: ignore[return-value]
+
+    def decide(self, request: RequestInfo, exclude: Set[str] = frozenset(), *, view: ClusterView | None = None,
+               room: Room | None = None, started: float | None = None, held_s: float | None = None,
+               ) -> Route | Held | NoneHealthy:
+        """Runs the pipeline on the request (`exclude`: replica ids tried already) and dispatches its pick in the
+        tracker. The hold queue passes `view`, the one it built in the same instant (None = build it), `room`, its
+        question to late binding's stage, `started`, the perf_counter reading before it built that view (the
+        decision latency metric counts view + rule + policy), and `held_s`, the time held."""
         t0 = time.perf_counter() if started is None else started
         runner = self.select_runner(request)
         if view is None:
             view = self.replicas.cluster.view(self.clock(), request)
-        members = self.replicas.members(request.model)
-        if members is not None:  # only the model's replicas are candidates (a held request's view already is so)
-            view = restrict(view, members)
-        if exclude:
-            view = make_view(tuple(unhealthy(r) if r.replica_id in exclude else r for r in view.replicas))
-        context = None
-        if only is not None:
-            context, view = view, restrict(view, only)
-        if not any(r.healthy for r in view.replicas):
-            raise NoHealthyReplica(no_replica_message(request.model))
-        decision = runner.decide(view, request, context)
-        replica = self.replicas.ordered[decision.index]
-        self.replicas.cluster.dispatch(decision.index, request)
+        out = self.pipeline.decide(view, request, runner, make_ask(self.replicas.members(request.model), exclude), room)
+        if type(out) is not Routed:
+            return out  # type: ignore[return-value]
+        decision = out.decision
+        replica = self.replicas.ordered[out.index]
+        self.replicas.cluster.dispatch(out.index, request)
         runner._latency.observe(time.perf_counter() - t0)  # applied in a batch, off the request's path
         label = self.model_label(request.model, self.replicas.known_models)
-        route = Route(replica, decision, runner, request, view=view, wall_s=time.time(), attempt=len(exclude or ()),
+        held = 0.0 if held_s is None else held_s  # the decision log's `t` stays the arrival (replays read it as such)
+        route = Route(replica, decision, runner, request, view=out.view, wall_s=time.time() - held,  # type: ignore[arg-type]
+                      attempt=len(exclude), late=out.late, held_s=None if out.late is None else held,
                       prefix_block_tokens=getattr(request.prefix_blocks, "block_tokens",
                                                   self.replicas.cluster.prefix_block_tokens), model=label)
         counter = self._model_decisions.get(label)
@@ -266,8 +287,14 @@ class Router:
             counter = self._model_decisions[label] = self.metrics.batch.count(
                 self.metrics.model_decisions.labels(label))
         counter.inc()
-        self.serving.after_decision(route, view)
+        self.serving.after_decision(route, out.view)
         return route
+
+    def can_retry(self, rep: Replica, tried: Set[str], model: str | None) -> bool:
+        """Another routable replica of the request's model, not tried yet: asked only when an attempt failed."""
+        members = self.replicas.members(model)
+        return any(r.routable and r is not rep and r.id not in tried and (members is None or i in members)
+                   for i, r in enumerate(self.replicas.ordered))
 
     def on_first_token(self, route: Route, ttft_s: float) -> None:
         route.replica.tracker.on_first_token(route.request.request_id, ttft_s)

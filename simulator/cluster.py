@@ -1,5 +1,11 @@
 """The simulated cluster: replicas, the router-side state the live router keeps, one event order.
 
+One long module because it is one event loop (arrivals, replica events, scrapes, faults, retries, late binding's
+offers) whose order is the determinism contract: split apart, that order would be scattered across modules. What
+needs no event order is apart: the replica (replica.py), the KV feed (kv_feed.py), shared state (shared_state.py),
+late binding's driver (late_binding.py), and the decision itself (router.policy.pipeline: the filters run here, in
+`next_decision`; the room, policy and pick in the caller).
+
 Router-side state lives only in `router.policy.tracking.ClusterTracker`, fed by the same hooks
 the live router calls (dispatch, first token, completion, scrape), at the simulated times they
 happen. The policy never reads replica internals: scraped values reach the tracker only at
@@ -44,9 +50,6 @@ leave it out of latency percentiles and count it as a miss in goodput; the route
 with a failed `Outcome`. A shorter prompt whose output would cross the limit is served and its
 generation stops at the limit (`finish_reason: length`); its record's `output_tokens` is what
 was generated.
-
-Over 400 lines on purpose: one event loop (arrivals, replica events, scrapes, faults, retries) whose order is
-the determinism contract; splitting it would scatter that order across modules.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ from routewise_vllm.router.policy.base import Policy
 from routewise_vllm.router.policy.estimate import TokenEstimator, chain_hash
 from routewise_vllm.router.policy.held_queue import HeldQueue
 from routewise_vllm.router.policy.kv_view import TokenBlocks
-from routewise_vllm.router.policy.late_binding import restrict
 from routewise_vllm.router.policy.model_routing import members
+from routewise_vllm.router.policy.pipeline import Ask, Pipeline, make_choice
 from routewise_vllm.router.policy.tracking import ClusterTracker
 from routewise_vllm.router.policy.types import ClusterView, LoraState, Outcome, RequestInfo, make_request_info
 from routewise_vllm.simulator.config import ClusterConfig
@@ -90,8 +93,11 @@ class ClusterSim:
         seed: int | None = None,
         *,
         closed_form: bool = True,  # False: one iteration at a time (reference for tests)
+        pipeline: Pipeline | None = None,
     ) -> None:
         self.config = config
+        # the decision's stages (router.policy.pipeline): its filters run here, the rest in the caller
+        self.pipeline = pipeline or sim_pipeline()
         self.rng = np.random.default_rng(seed)
         self.replicas: list[Replica] = []
         profiles: dict[str, object] = {}
@@ -116,6 +122,7 @@ class ClusterSim:
         for model in {r.model for r in self.requests}:
             if self._members.setdefault(model, members(model, self._served)) == ():
                 raise ValueError(f"no replica serves model {model!r} (replica groups' `models`)")
+        self._asks = {model: Ask(m) for model, m in self._members.items()}  # the filters' question, by model
         block_tokens = self.requests[0].block_tokens if self.requests else 512
         self.routers = [ClusterTracker(list(self.replica_ids), prefix_block_tokens=block_tokens) for _ in range(config.routers)]
         self.tracker = self.routers[0]
@@ -226,7 +233,15 @@ class ClusterSim:
                             self._pending = (x, info, t)  # type: ignore[assignment]
                             if self._fleet is not None:
                                 self._fleet.before_view(x % n_routers, t)
-                            return routers[x % n_routers].view(t, info), info  # type: ignore[arg-type,return-value]
+                            d = self._filtered(x, info, routers[x % n_routers].view(t, info), t)  # type: ignore[arg-type]
+                            if d is not None:
+                                return d
+                            break
+                    else:
+                        d = self._decide(x, t)
+                        if d is not None:
+                            return d
+                    continue
                 d = self._decide(x, t)
                 if d is not None:
                     return d
@@ -588,8 +603,22 @@ class ClusterSim:
         self._pending = (idx, info, t)  # type: ignore[assignment]
         if self._fleet is not None:
             self._fleet.before_view(idx % len(self.routers), t)
-        view = self._router_of(idx).view(t, info)
-        return (view if m is None else restrict(view, m)), info  # type: ignore[return-value]
+        return self._filtered(idx, info, self._router_of(idx).view(t, info), t)  # type: ignore[arg-type]
+
+    def _filtered(self, idx: int, info: RequestInfo, view: ClusterView, t: float) -> tuple[ClusterView, RequestInfo] | None:
+        """The pipeline's filters on the pending request's view (the model's replicas; any added filter stage's
+        rule); a filter that leaves no healthy replica sends it back as no healthy replica would (None)."""
+        out = self.pipeline.filter(view, info, self._asks[info.model])
+        if out is not view and not any(r.healthy for r in out.replicas):
+            self._pending = None
+            later = [e[0] for e in self._heap if e[3] == E_HEALTH and e[5]]
+            if not later:
+                raise RuntimeError(f"request {info.request_id} at {t:.3f}s: the filters "
+                                   f"({', '.join(f.name for f in self.pipeline.filters)}) leave no healthy replica")
+            self._decisions_queued += 1
+            self._push(min(later), P_DECISION, E_RETRY, idx)
+            return None
+        return out, info
 
     # ---- scrapes -------------------------------------------------------------------------------
 
@@ -658,6 +687,12 @@ class ClusterSim:
             self._int_t = t
 
 
+def sim_pipeline() -> Pipeline:
+    """The simulator's pipeline: every filter stage; a lone candidate goes without the policy, and a scoring policy
+    behind late binding always scores the whole fleet (router.policy.pipeline)."""
+    return Pipeline(lone_goes=True, context_always=True)
+
+
 def simulate(
     config: ClusterConfig,
     requests: Sequence[SimRequest],
@@ -675,9 +710,10 @@ def simulate(
         from tqdm import tqdm
 
         bar = tqdm(total=len(sim.requests), desc="simulate", unit="req")
+    pipeline = sim.pipeline
     while (d := sim.next_decision()) is not None:
         view, info = d
-        sim.dispatch(policy.choose(view, info))
+        sim.dispatch(pipeline.pick(make_choice(view), info, policy).index)
         if bar is not None:
             bar.update(1)
     records = sim.finish()

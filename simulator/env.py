@@ -21,9 +21,9 @@ the requests goodput misses, each charged once, when its wait passes the TTFT SL
 (both off by default).
 
 With `late_binding` (a LateBindingConfig) the cluster runs behind the router's late-binding rule
-(router.policy.late_binding.decide, as simulator.late_binding.simulate_late and the live hold queue run it):
-requests the rule holds are held, and a request it lets go to a single replica is dispatched there, without
-a step. A step is a dispatch with a choice: the observation is still the whole fleet (a scoring policy behind
+(the decision pipeline's room stage, router.policy.pipeline, as simulator.late_binding.simulate_late and the live
+hold queue run it): requests the rule holds are held, and a request it lets go to a single replica is dispatched
+there, without a step. A step is a dispatch with a choice: the observation is still the whole fleet (a scoring policy behind
 late binding scores the fleet, router.policy.fallback), the mask only the replicas the rule allows, and
 `decision()` gives the view restricted to them, which is what a heuristic decides on behind late binding.
 Holding time counts in TTFT, so the reward is the same integral.
@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from routewise_vllm.router.policy.features import N_FEATURES, action_mask, build_features
-from routewise_vllm.router.policy.late_binding import LateBindingConfig, restrict
+from routewise_vllm.router.policy.late_binding import LateBindingConfig
 from routewise_vllm.router.policy.types import ClusterView, RequestInfo
 from routewise_vllm.simulator.cluster import ClusterSim
 from routewise_vllm.simulator.config import ClusterConfig
@@ -54,6 +54,7 @@ class DecisionEnv:
         self.late_binding = late_binding
         self._limits: list = []
         self._candidates: tuple[int, ...] | None = None  # behind late binding: the replicas the rule allows now
+        self._allowed: ClusterView | None = None  # behind late binding: the view restricted to them
         self.ttft_slo_s = 0.0
         self.sim: ClusterSim | None = None
         self._decision: tuple[ClusterView, RequestInfo] | None = None
@@ -90,8 +91,9 @@ class DecisionEnv:
         d = next_choice(self.sim, self._limits, self.late_binding)
         if d is None:
             return None
-        view, request, self._candidates = d
-        return view, request
+        choice, request = d  # the pipeline's health and room stages ran (router.policy.pipeline); the agent picks
+        self._candidates, self._allowed = choice.candidates, choice.view
+        return choice.context, request  # type: ignore[return-value]
 
     def reset(
         self, cluster: ClusterConfig, requests: list[SimRequest], seed: int, ttft_slo_s: float, name: str = "scenario",
@@ -110,7 +112,7 @@ class DecisionEnv:
         self.tpot_slo_s = tpot_slo_s
         self.sim = ClusterSim(cluster, requests, seed=seed)
         self._records = None
-        self._candidates = None
+        self._candidates = self._allowed = None
         if self.late_binding is not None:
             self._limits = sim_limits(self.sim, self.late_binding)
         self._decision = self._next_decision()
@@ -156,9 +158,8 @@ class DecisionEnv:
         """The pending decision's cluster view and request; behind late binding the view is restricted to the
         replicas the rule allows (a heuristic picks among them)."""
         assert self._decision is not None
-        if self._candidates is not None:
-            view, request = self._decision
-            return restrict(view, self._candidates), request
+        if self._allowed is not None:
+            return self._allowed, self._decision[1]
         return self._decision
 
     def records(self) -> list[RequestRecord] | None:

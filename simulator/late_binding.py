@@ -1,14 +1,15 @@
-"""Heuristic late binding in the simulator: `simulate_late` drives `ClusterSim.hold()` with the rule of
-router/policy/late_binding.py (the same `decide` the live router's hold queue calls), wrapping any
-per-request policy: the policy still picks the replica, but only among those with room.
+"""Heuristic late binding in the simulator: `simulate_late` drives `ClusterSim.hold()` with the room stage of the
+decision pipeline (router.policy.pipeline, late binding's rule: the same stages the live router's hold queue runs),
+wrapping any per-request policy: the policy still picks the replica, but only among those with room.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from routewise_vllm.router.policy.fallback import FallbackPolicy
-from routewise_vllm.router.policy.late_binding import LateBindingConfig, ReplicaLimit, decide, replica_limit, restrict
+from routewise_vllm.router.policy.late_binding import LateBindingConfig, ReplicaLimit, replica_limit
+from routewise_vllm.router.policy.pipeline import Choice, Held, Room
+from routewise_vllm.router.policy.types import RequestInfo
 
 
 #: `<policy>+late`: the policy behind late binding (simulator compare rows, fleet fidelity and router_bench targets)
@@ -28,23 +29,28 @@ def sim_limits(sim, config: LateBindingConfig) -> list[ReplicaLimit]:
     ]
 
 
-def next_choice(sim, limits: list[ReplicaLimit], late: LateBindingConfig, reasons: Counter[str] | None = None):
-    """Runs `sim` up to its next decision with a choice behind late binding: requests the rule holds are held, one
-    it lets go to a single replica is dispatched there. Returns (view, request, the replicas the rule allows), or
-    None when the run is over; counts each decision's reason in `reasons`."""
+def next_choice(sim, limits: list[ReplicaLimit], late: LateBindingConfig,
+                reasons: Counter[str] | None = None) -> tuple[Choice, RequestInfo] | None:
+    """Runs `sim` up to its next decision with a choice behind late binding, through its pipeline's health and room
+    stages (router.policy.pipeline): requests the rule holds are held, one it lets go to a single replica is
+    dispatched there. Returns the policy's Choice (its view restricted to the replicas the rule allows, the whole
+    fleet as context) and the request, or None when the run is over; counts each decision's reason in `reasons`."""
+    narrow = sim.pipeline.narrow
     while (d := sim.next_decision()) is not None:
         view, info = d
         idx = sim._pending[0]
-        dec = decide(view, limits, sim.held_besides(idx), sim.is_offered(idx), sim.now_s - sim.requests[idx].arrival_s,
-                     late)
-        if reasons is not None:
-            reasons[dec.reason] += 1
-        if dec.reason == "hold":
+        out = narrow(view, info, Room(limits, sim.held_besides(idx), sim.is_offered(idx),
+                                      sim.now_s - sim.requests[idx].arrival_s, late))
+        if type(out) is Held:
+            if reasons is not None:
+                reasons["hold"] += 1
             sim.hold()
-        elif len(dec.candidates) == 1:
-            sim.dispatch(dec.candidates[0])
-        else:
-            return view, info, dec.candidates
+            continue
+        if reasons is not None:
+            reasons[out.late] += 1  # type: ignore[union-attr]
+        if type(out) is Choice:
+            return out, info  # type: ignore[return-value]
+        sim.dispatch(out.index)  # type: ignore[union-attr]  # Routed: the lone candidate
     return None
 
 
@@ -65,12 +71,9 @@ def simulate_late(config, requests, policy, seed: int | None = None, late: LateB
         sim.on_complete_hook = policy.on_complete
     limits = sim_limits(sim, late)
     reasons: Counter[str] = Counter()
+    pick = sim.pipeline.pick
     while (d := next_choice(sim, limits, late, reasons)) is not None:
-        view, info, candidates = d
-        if isinstance(policy, FallbackPolicy):  # as the router: a learned primary scores the whole fleet
-            sim.dispatch(policy.decide(restrict(view, candidates), info, view).index)
-        else:
-            sim.dispatch(policy.choose(restrict(view, candidates), info))
+        sim.dispatch(pick(d[0], d[1], policy).index)
     records = sim.finish()
     reasons["held_requests"] = sim.n_holds
     return records, reasons

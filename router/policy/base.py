@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -19,7 +20,20 @@ class PolicyUnavailable(RuntimeError):
         self.reason = reason
 
 
+@dataclass(frozen=True, slots=True)
+class Decision:
+    index: int
+    primary_index: int | None  # what the primary said (None if it said nothing usable)
+    fallback_reason: str | None  # None when the primary's pick was used
+    elapsed_s: float | None = None  # primary decision time when a clock was given
+    error: str | None = None  # the exception text, for logs and the admin API
+
+
 class Policy(ABC):
+    """`choose` picks a replica. A scoring policy (learned) also overrides `scores`, and `best` when it has a faster
+    way to best_of(scores): FallbackPolicy then checks the scores (finite, confident) before it trusts the pick.
+    `decide` is the pipeline's policy stage (router.policy.pipeline): FallbackPolicy adds the guards."""
+
     name: ClassVar[str]
 
     def __init__(self, seed: int | None = None) -> None:
@@ -28,6 +42,20 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
         """Index into `view.replicas` of a healthy replica."""
+
+    def scores(self, view: ClusterView, request: RequestInfo) -> np.ndarray | None:
+        """One logit per replica of `view` (the largest healthy one is the pick), or None: this policy does not score."""
+        return None
+
+    def best(self, view: ClusterView, request: RequestInfo) -> tuple[int, bool] | None:
+        """best_of(scores(view, request), healthy) in fewer steps, or None: no faster way than the scores."""
+        return None
+
+    def decide(self, view: ClusterView, request: RequestInfo, context: ClusterView | None = None) -> Decision:
+        """The pipeline's policy stage: `choose` on `view` (a heuristic decides on the candidates; `context`, the
+        whole fleet when late binding restricted `view`, is for the scoring policies behind FallbackPolicy)."""
+        i = self.choose(view, request)
+        return Decision(i, i, None)
 
     def on_complete(self, replica_id: str, request: RequestInfo, outcome: Outcome) -> None:
         return None

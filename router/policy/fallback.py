@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from routewise_vllm.router.policy.base import Policy, PolicyUnavailable, best_of
+from routewise_vllm.router.policy.base import Decision, Policy, PolicyUnavailable, best_of
 from routewise_vllm.router.policy.types import ClusterView, Outcome, ReplicaSnapshot, RequestInfo
 
 # The bounded set of labels `Decision.fallback_reason` can take (used as a metric label).
@@ -25,15 +25,6 @@ FALLBACK_REASONS = (
     "low_confidence",
     "overload_guard",
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    index: int
-    primary_index: int | None  # what the primary said (None if it said nothing usable)
-    fallback_reason: str | None  # None when the primary's pick was used
-    elapsed_s: float | None = None  # primary decision time when a clock was given
-    error: str | None = None  # the exception text, for logs and the admin API
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +72,8 @@ class FallbackPolicy(Policy):
     max(the least-loaded other healthy replica, `overload_ratio` x the other healthy replicas'
     mean). Then the fallback decides.
 
-    Primaries that expose `scores(view, request) -> np.ndarray` (one logit per replica) get the
-    NaN and confidence checks; others are asked `choose`.
+    Primaries whose `scores(view, request)` gives one logit per replica (router.policy.base.Policy declares it,
+    and `best`) get the NaN and confidence checks; others are asked `choose`.
     """
 
     name = "fallback"
@@ -128,16 +119,15 @@ class FallbackPolicy(Policy):
         """(pick, fallback_reason, error). With `context` a scoring primary scores it and picks among `view`'s
         healthy replicas."""
         primary = self.primary
-        scores_fn = getattr(primary, "scores", None)
-        # a primary's own best() is best_of(scores) in fewer steps; the confidence guard needs the scores
-        best_fn = getattr(primary, "best", None) if self.min_confidence is None and context is None else None
         try:
-            if best_fn is not None:
-                pick, finite = best_fn(view, request)
+            # a primary's own best() is best_of(scores) in fewer steps; the confidence guard needs the scores
+            if self.min_confidence is None and context is None and (best := primary.best(view, request)) is not None:
+                pick, finite = best
                 return (pick, None, None) if finite else (None, "nan", "scores not finite")
-            if scores_fn is None:
+            raw = primary.scores(view if context is None else context, request)
+            if raw is None:  # not a scoring policy: it chooses
                 return int(primary.choose(view, request)), None, None
-            scores = np.asarray(scores_fn(view if context is None else context, request), dtype=np.float64)
+            scores = np.asarray(raw, dtype=np.float64)
         except PolicyUnavailable as exc:
             return None, exc.reason, str(exc)
         except Exception as exc:  # noqa: BLE001 - any primary failure must fall back, never fail a request

@@ -76,13 +76,13 @@ def check_policy(policy: Policy) -> tuple[str, str] | None:
     err = getattr(policy, "load_error", None)
     if err is not None:
         return getattr(err, "reason", "unavailable"), str(err)
-    scores_fn = getattr(policy, "scores", None)
     for view, request in probe_views():
         try:
-            if scores_fn is None:
+            raw = policy.scores(view, request)
+            if raw is None:  # not a scoring policy (router.policy.base.Policy.scores)
                 policy.choose(view, request)
                 continue
-            s = np.asarray(scores_fn(view, request), dtype=np.float64)
+            s = np.asarray(raw, dtype=np.float64)
         except PolicyUnavailable as exc:
             return exc.reason, str(exc)
         except Exception as exc:  # noqa: BLE001 - any failure refuses the file

@@ -19,7 +19,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from routewise_vllm.router.hold_queue import HoldQueue  # noqa: E402
+from routewise_vllm.router.hold_queue import HoldQueue, late_binding_config  # noqa: E402
+from routewise_vllm.router.policy.pipeline import Pipeline, Routed  # noqa: E402
 from routewise_vllm.router.policy import FallbackPolicy, LeastOutstanding  # noqa: E402
 from routewise_vllm.router.replicas import ReplicaSet  # noqa: E402
 from routewise_vllm.router.settings import RouterSettings  # noqa: E402
@@ -28,8 +29,8 @@ from tests.bench.decision_latency import cluster, requests  # noqa: E402
 
 
 class _Route:
-    late = held_s = None
-    wall_s = 0.0
+    def __init__(self, late: str | None) -> None:
+        self.late = late
 
 
 def run_now(coro):
@@ -49,11 +50,18 @@ def bench(n: int, iters: int) -> tuple[list[float], list[float]]:
     replicas.cluster = ct
     pol = FallbackPolicy(LeastOutstanding(seed=0), LeastOutstanding(seed=1), budget_s=None, clock=time.perf_counter)
 
-    def route(info, only=None, view=None, started=None):  # Router.route's view + decision
-        pol.decide(ct.view(1.0, info) if view is None else view, info)
-        return _Route()
+    pipeline = Pipeline()
 
-    q = HoldQueue(settings, replicas, RouterMetrics(), lambda: 1.0, route, lambda r: None)
+    class _Router:  # Router.decide's view + pipeline, without the dispatch
+        def decide(self, info, *, view=None, room=None, started=None, held_s=None):
+            out = pipeline.decide(ct.view(1.0, info) if view is None else view, info, pol, room=room)
+            return _Route(out.late) if type(out) is Routed else out
+
+        def release(self, route) -> None:
+            return None
+
+    route = _Router().decide
+    q = HoldQueue(late_binding_config(settings), replicas, RouterMetrics(), lambda: 1.0, _Router())
     reqs = requests(rng)
     plain, late = [], []
     for i in range(iters + 200):

@@ -14,7 +14,9 @@ import aiohttp
 import pytest
 
 from routewise_vllm.router.app import METRICS, PROXY, REPLICAS, ROUTER
-from routewise_vllm.router.hold_queue import HoldQueue
+from routewise_vllm.router.hold_queue import HoldQueue, late_binding_config
+from routewise_vllm.router.policy import LeastOutstanding
+from routewise_vllm.router.policy.pipeline import Pipeline, Routed
 from routewise_vllm.router.policy.late_binding import DISPATCH_REASONS
 from routewise_vllm.router.policy.types import RequestInfo
 from routewise_vllm.router.replicas import ReplicaSet
@@ -269,19 +271,23 @@ async def test_a_request_routed_as_its_client_leaves_is_released():
     routed, released = [], []
 
     class FakeRoute:
-        late = held_s = None
-        wall_s = 0.0
+        def __init__(self, late):
+            self.late = late
 
-    def dispatch(info, only, view, started):
-        replicas.cluster.dispatch(0, info)
-        routed.append(info.request_id)
-        return FakeRoute()
+    class FakeRouter:  # router.routing.Router's part the queue uses: the pipeline's decision, dispatched
+        def decide(self, info, *, view, room, started, held_s=None):
+            out = Pipeline().decide(view, info, LeastOutstanding(), room=room)
+            if type(out) is not Routed:
+                return out
+            replicas.cluster.dispatch(out.index, info)
+            routed.append(info.request_id)
+            return FakeRoute(out.late)
 
-    def release(route):
-        released.append(route)
-        rep.tracker.on_complete("r2")
+        def release(self, route):
+            released.append(route)
+            rep.tracker.on_complete("r2")
 
-    q = HoldQueue(settings, replicas, RouterMetrics(), replicas.clock, dispatch, release)
+    q = HoldQueue(late_binding_config(settings), replicas, RouterMetrics(), replicas.clock, FakeRouter())
     await q.route(RequestInfo("r1", 10))  # idle fleet: goes at once, and now fills the replica
     task = asyncio.create_task(q.route(RequestInfo("r2", 10)))
     await wait_for(lambda: len(q) == 1)
@@ -395,7 +401,7 @@ async def test_per_replica_caps_from_flags_or_environment_and_bad_ones_named(mon
 
 async def test_decision_latency_counts_the_view_the_hold_queue_built(fakes, router_client):
     """With late binding the hold queue builds the view the policy decides on; the decision latency metric
-    (view + rule + policy) starts when that view was built (Router.route's `started`), not after it."""
+    (view + rule + policy) starts when that view was built (Router.decide's `started`), not after it."""
     (a,) = await fakes(1)
     client = await router_client([a.url], **{**LATE, **QUIET})
 
@@ -404,7 +410,7 @@ async def test_decision_latency_counts_the_view_the_hold_queue_built(fakes, rout
                    if s.name == "llm_router_decision_latency_seconds_sum")
 
     before, earlier = total(), 10.0  # a view built 10 s before the decision
-    route = client.app[ROUTER].route(RequestInfo("x", 10), started=time.perf_counter() - earlier)
+    route = client.app[ROUTER].decide(RequestInfo("x", 10), started=time.perf_counter() - earlier)
     await asyncio.sleep(0)  # observed by a callback once the request is on its way
     assert total() - before >= earlier
     client.app[ROUTER].release(route)
