@@ -10,9 +10,11 @@
     .venv/bin/python tests/bench/router_bench.py --policy learned --python-floor --no-wrk
     # streamed time to first token too; every proxy on core 1, the load and backend on core 0 (steadier on 2 cores)
     .venv/bin/python tests/bench/router_bench.py --policy learned --stream-latency --no-wrk --proxy-cpus 1 --load-cpus 0
-    # this checkout beside an older commit, in one run
-    git worktree add /tmp/before <commit> && cp router/policy/_fastnet*.so /tmp/before/router/policy/
+    # this checkout beside an older commit, in one run (each router imports routewise_vllm from its own tree)
+    V=$PWD/.venv/bin/python; git worktree add /tmp/before <commit> && (cd /tmp/before && $V setup.py build_ext --inplace)
     .venv/bin/python tests/bench/router_bench.py --policy learned --baseline-tree /tmp/before
+    # a fixed amount of work through one router from a given checkout (for a whole-process timer, two trees in turn)
+    .venv/bin/python tests/bench/router_bench.py --closed-loop 20000 --tree /tmp/before --proxy-cpus 1
     # what the shared fleet view's 10 ms sync costs the requests: each router beside itself with --shared-state
     .venv/bin/python tests/bench/router_bench.py --policy learned --shared-state --no-wrk
 
@@ -56,6 +58,20 @@ from routewise_vllm.simulator.late_binding import split_late
 REPO = Path(__file__).resolve().parents[2]
 BODY = {"model": "tiny", "prompt": "Hello, how are you today? " * 4, "max_tokens": 16}
 STREAM_EVENTS = 16
+
+
+
+def tree_env(tree: Path, tmp: Path) -> dict[str, str]:
+    """The environment in which `routewise_vllm` imports from `tree` (the editable install maps it to the checkout it
+    was installed from, whichever tree a router starts in): a PYTHONPATH folder whose routewise_vllm links tree's
+    folders. The tree's C extensions must be built there (`python setup.py build_ext --inplace`)."""
+    shim = tmp / f"tree-{len(list(tmp.glob('tree-*')))}" / "routewise_vllm"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("")
+    for folder in ("router", "simulator", "trainer", "fleet"):
+        (shim / folder).symlink_to(tree / folder)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim.parent), os.environ.get("PYTHONPATH")]))}
+
 
 # ----------------------------------------------------------------------------- the backend
 
@@ -368,6 +384,60 @@ async def open_loop(url: str, rate: float, duration: float, stream: bool = False
     return lat
 
 
+async def closed_loop(port: int, n: int, conns: int) -> float:
+    """Seconds for `n` non-streamed completions on `conns` kept-alive connections, each sending its next request once
+    its answer is whole (a raw client: little of the host's CPU goes to the load)."""
+    payload = json.dumps(BODY).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(payload)) + payload
+    left = n
+
+    async def one() -> None:
+        nonlocal left
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while left > 0:
+            left -= 1
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head[:100]
+            await reader.readexactly(_content_length(head))
+        writer.close()
+
+    t = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(conns)))
+    return time.perf_counter() - t
+
+
+def run_closed_loop(args: argparse.Namespace) -> int:
+    """--closed-loop N: the backend and one router (from --tree), N requests as fast as the router answers them, one
+    line of figures; a fixed amount of work per run, so that a whole-process timer can set runs of two trees side by
+    side (A B A B)."""
+    tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
+    tree = Path(args.tree).resolve()
+    pin = ["taskset", "-c", args.proxy_cpus] if args.proxy_cpus else []
+    procs: list[subprocess.Popen] = []
+    try:
+        bport, rport = free_port(), free_port()
+        procs.append(subprocess.Popen([sys.executable, __file__, "--backend-only", str(bport)], start_new_session=True))
+        wait_port(bport)
+        procs.append(subprocess.Popen(
+            [*pin, sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(rport),
+             "--replica", f"http://127.0.0.1:{bport}", "--policy", args.policy, "--log-level", "warning"],
+            cwd=tree, start_new_session=True, env={**os.environ, **tree_env(tree, tmp)}))
+        wait_port(rport, "/ready")
+        asyncio.run(closed_loop(rport, WARMUP * 10, args.connections))
+        before = group_cpu_s(procs[-1].pid)
+        seconds = asyncio.run(closed_loop(rport, args.closed_loop, args.connections))
+        cpu = group_cpu_s(procs[-1].pid) - before
+        print(f"closed loop, {tree.name}: {args.closed_loop} requests on {args.connections} connections in {seconds:.2f} s: "
+              f"{args.closed_loop / seconds:.0f} req/s, router CPU {cpu / args.closed_loop * 1e6:.1f} us/request")
+    finally:
+        for p in reversed(procs):
+            stop(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=1000)[int(q * 1000) - 1]
 
@@ -464,6 +534,11 @@ def main() -> int:
     ap.add_argument("--proxy-cpus", help="pin nginx, vllm-router and the routers to these CPUs (taskset list, e.g. 0-3)")
     ap.add_argument("--load-cpus", help="pin the backend, wrk and this script to these CPUs (e.g. 8-15)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--closed-loop", type=int, metavar="N",
+                    help="only this: N requests on --connections connections through one router (from --tree), as fast "
+                    "as it answers, and one line of figures (req/s, the router's CPU per request)")
+    ap.add_argument("--tree", default=str(REPO), help="with --closed-loop: the checkout the router runs from (its C "
+                    "extensions built there)")
     ap.add_argument("--backend-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--floor-only", type=int, nargs=2, metavar=("PORT", "BACKEND_PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -476,6 +551,8 @@ def main() -> int:
     if args.floor_only:
         run_python_floor(*args.floor_only)
         return 0
+    if args.closed_loop:
+        return run_closed_loop(args)
     if not 1 <= args.replicas <= 250:
         sys.exit(f"--replicas {args.replicas}: must be 1..250")
     policies = args.policy.split(",")
@@ -534,18 +611,20 @@ def main() -> int:
             groups["python-floor"] = procs[-1].pid
             wait_port(fport)
         replicas = [a for i in range(1, args.replicas + 1) for a in ("--replica", f"http://127.0.0.{i}:{bport}")]
-        variants = {"": ({}, REPO)}
+        here = tree_env(REPO, tmp)
+        variants = {"": (here, REPO)}
         if args.aiohttp_listener:
-            variants["-aiohttp"] = ({"ROUTEWISE_LEAN_LISTENER": "0"}, REPO)
+            variants["-aiohttp"] = ({**here, "ROUTEWISE_LEAN_LISTENER": "0"}, REPO)
         if args.baseline_tree:
-            variants["-baseline"] = ({}, Path(args.baseline_tree).resolve())
+            baseline = Path(args.baseline_tree).resolve()
+            variants["-baseline"] = (tree_env(baseline, tmp), baseline)
         if args.shared_state:  # a redis-server of its own, and an idle peer router, so there is a share to read
             redis_port = free_port()
             procs.append(subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                            "--appendonly", "no"], stdout=subprocess.DEVNULL, start_new_session=True))
             wait_tcp(redis_port)
             shared = {"ROUTEWISE_SHARED_STATE": f"redis://127.0.0.1:{redis_port}/0"}
-            variants["-shared"] = (shared, REPO)
+            variants["-shared"] = ({**here, **shared}, REPO)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "routewise_vllm.router", "serve", "--host", "127.0.0.1", "--port", str(free_port()), *replicas,
                  "--policy", "least-outstanding", "--log-level", "warning"], cwd=REPO, start_new_session=True,
