@@ -128,16 +128,15 @@ class GuardedHandler(web.RequestHandler):
         return True
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
-                              start_time: float | None) -> Any:
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
         if self._probe:
             resp.force_close()
-        done = await super().finish_response(request, resp, start_time)
+        resp, reset = await super().finish_response(request, resp, start_time)
         framing = self._framing
         framing.answered += 1
-        reset = done[1] if isinstance(done, tuple) else done
         if not reset and resp.keep_alive and framing.between:
             self._conns.idle(self)  # waits for the next request: closable to make room
-        return done
+        return resp, reset
 
     def _arm(self) -> None:
         if self._head_timer is None:
