@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from routewise_vllm.router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, LEARNED, policy_names
+from routewise_vllm.router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, GATED, LEARNED, policy_names
 from routewise_vllm.router.policy.served import served_policy
 from routewise_vllm.router.policy.late_binding import LateBindingConfig
 from routewise_vllm.simulator.cluster import ClusterSim, simulate
@@ -69,7 +69,7 @@ def resolve_policies(text: str) -> list[str]:
             if not Path(name).is_file():
                 raise ExperimentError(f"policy model file {name!r} not found")
             continue
-        if name != LEARNED:
+        if name not in (LEARNED, GATED):
             raise ExperimentError(f"unknown policy {name!r}; known: {', '.join(policy_names())} or a path to an .onnx file")
     return names
 

@@ -1,7 +1,8 @@
 """Policy names to policies. Unknown names raise, listing the known ones.
 
 A policy is a baseline by name, a shipped model by name (the stem of a file in router/policy/models/:
-`any-fleet`, `late-fleet`, `suite-fleet`), `learned` (the recommended shipped model, RECOMMENDED_MODEL), or a
+`any-fleet`, `late-fleet`, `suite-fleet`), `learned` (the recommended shipped model, RECOMMENDED_MODEL), `gated`
+(`learned` gated by the fleet's measured speed spread, router/policy/gated.py), or a
 path to an `.onnx` file. Shipped models are found next to this module, so names work from an installed
 package or image as from a checkout.
 """
@@ -27,6 +28,8 @@ MODELS_DIR = Path(__file__).parent / "models"
 # The best measured configuration (docs/model-card-default.md): any-fleet.onnx behind late binding.
 RECOMMENDED_MODEL = "any-fleet"
 DEFAULT_MODEL_PATH = MODELS_DIR / f"{RECOMMENDED_MODEL}.onnx"  # what `learned` loads, live and simulated
+# `learned` where the measured speed spread says replicas differ, a heuristic on uniform pools (router/policy/gated.py)
+GATED = "gated"
 
 
 def shipped_models() -> dict[str, Path]:
@@ -35,13 +38,13 @@ def shipped_models() -> dict[str, Path]:
 
 
 def policy_names(include_learned: bool = True) -> list[str]:
-    return list(BASELINES) + ([LEARNED, *shipped_models()] if include_learned else [])
+    return list(BASELINES) + ([LEARNED, GATED, *shipped_models()] if include_learned else [])
 
 
 def model_path(name: str) -> Path | None:
     """The model file a learned policy name loads (`learned`, a shipped model's name or an .onnx path); None for
     anything else (a baseline, an unknown name)."""
-    if name == LEARNED:
+    if name in (LEARNED, GATED):
         return DEFAULT_MODEL_PATH
     if name.endswith(".onnx"):
         return Path(name)
@@ -56,6 +59,12 @@ def make_policy(name: str, seed: int | None = None, **kwargs) -> Policy:
     """A baseline by name, `learned` (the recommended shipped model), a shipped model's name, or an `.onnx` path."""
     if name in BASELINES:
         return BASELINES[name](seed=seed, **kwargs)
+    if name == GATED:
+        from routewise_vllm.router.policy.gated import GATE_HEURISTIC, GatedPolicy
+        from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
+
+        return GatedPolicy(OnnxPolicy(DEFAULT_MODEL_PATH, seed=seed), BASELINES[GATE_HEURISTIC](seed=seed), seed=seed,
+                           **kwargs)
     path = model_path(name)
     if path is not None:
         from routewise_vllm.router.policy.onnx_policy import OnnxPolicy  # onnxruntime only when asked for
@@ -66,7 +75,7 @@ def make_policy(name: str, seed: int | None = None, **kwargs) -> Policy:
 
 def check_policy_name(value: str, field: str) -> str:
     """A baseline name, `learned`, a shipped model's name, or the path of an existing `.onnx` file."""
-    if value in BASELINES or value == LEARNED or value in shipped_models():
+    if value in BASELINES or value in (LEARNED, GATED) or value in shipped_models():
         return value
     if value.endswith(".onnx"):
         if not Path(value).is_file():
