@@ -180,7 +180,7 @@ class Pipeline:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The stages, in order (docs, the admin API, tests)."""
+        """The stages, in order."""
         return (*(f.name for f in self.filters), "health", "room", "policy", "pick")
 
     def filter(self, view: ClusterView, request: RequestInfo, ask: Ask = NO_ASK) -> ClusterView:
