@@ -30,7 +30,7 @@ static const struct {
 #define MAX_DEPTH 16
 
 typedef struct {
-    int op, col;
+    int op, col, slot; /* slot: an unlogged column's row in the block cross_inputs unlogs once per call */
     float x;
 } instr_t;
 
@@ -40,11 +40,14 @@ static struct {
     int *start;     /* derived input i: code[start[i] .. start[i + 1]) */
     int *of;        /* excess input k: (raw of derived input of[k] - its minimum) / (its mean + offset[k]) */
     float *offset;
+    int n_unlog;    /* the distinct (column, scale) pairs the programs read unlogged */
+    instr_t *unlog; /* one T_UNLOGGED instruction per pair */
 } cx;
 
 /* One program (a tuple of (op, column, x)) appended to code at *n_code; its deepest stack into *depth. 0, or -1 with
  * an exception set */
-static int parse_program(PyObject *prog, int i, int F, instr_t *code, int *n_code, int cap, int *depth)
+static int parse_program(PyObject *prog, int i, int F, instr_t *code, int *n_code, int cap, int *depth, instr_t *unlog,
+                         int *n_unlog)
 {
     if (!PyTuple_Check(prog) || PyTuple_GET_SIZE(prog) < 1 || *n_code + PyTuple_GET_SIZE(prog) > cap) {
         PyErr_Format(PyExc_TypeError, "bind_inputs: derived input %d: a program is a non-empty tuple of (op, column, x)", i);
@@ -70,6 +73,14 @@ static int parse_program(PyObject *prog, int i, int F, instr_t *code, int *n_cod
         if ((in->op == T_FEATURE || in->op == T_UNLOGGED) && (in->col < 0 || in->col >= F)) {
             PyErr_Format(PyExc_ValueError, "bind_inputs: derived input %d reads column %d of rows %d wide", i, in->col, F);
             return -1;
+        }
+        if (in->op == T_UNLOGGED) {
+            in->slot = *n_unlog;
+            for (int u = 0; u < *n_unlog; u++)
+                if (unlog[u].col == in->col && unlog[u].x == in->x)
+                    in->slot = u;
+            if (in->slot == *n_unlog)
+                unlog[(*n_unlog)++] = *in;
         }
         if (sp < TERM_OPS[in->op].pops) {
             PyErr_Format(PyExc_ValueError, "bind_inputs: derived input %d: %s without its operands", i, op);
@@ -101,19 +112,20 @@ PyObject *py_bind_inputs(PyObject *self, PyObject *args)
         return NULL;
     }
     const int d = (int)PyTuple_GET_SIZE(programs), e = (int)PyTuple_GET_SIZE(excess);
-    int cap = 0, n_code = 0, depth = 1;
+    int cap = 0, n_code = 0, depth = 1, n_unlog = 0;
     for (int i = 0; i < d; i++)
         cap += PyTuple_Check(PyTuple_GET_ITEM(programs, i)) ? (int)PyTuple_GET_SIZE(PyTuple_GET_ITEM(programs, i)) : 0;
     instr_t *code = PyMem_Calloc(cap + 1, sizeof(instr_t));
     int *start = PyMem_Calloc(d + 1, sizeof(int)), *of = PyMem_Calloc(e + 1, sizeof(int));
     float *offset = PyMem_Calloc(e + 1, sizeof(float));
-    if (!code || !start || !of || !offset) {
+    instr_t *unlog = PyMem_Calloc(cap + 1, sizeof(instr_t));
+    if (!code || !start || !of || !offset || !unlog) {
         PyErr_NoMemory();
         goto fail;
     }
     for (int i = 0; i < d; i++) {
         start[i] = n_code;
-        if (parse_program(PyTuple_GET_ITEM(programs, i), i, F, code, &n_code, cap, &depth))
+        if (parse_program(PyTuple_GET_ITEM(programs, i), i, F, code, &n_code, cap, &depth, unlog, &n_unlog))
             goto fail;
     }
     start[d] = n_code;
@@ -131,14 +143,16 @@ PyObject *py_bind_inputs(PyObject *self, PyObject *args)
     PyMem_Free(cx.start);
     PyMem_Free(cx.of);
     PyMem_Free(cx.offset);
+    PyMem_Free(cx.unlog);
     cx.n_features = F, cx.n_rep = n, cx.mask_col = mask, cx.n_derived = d, cx.n_excess = e, cx.depth = depth;
-    cx.code = code, cx.start = start, cx.of = of, cx.offset = offset;
+    cx.code = code, cx.start = start, cx.of = of, cx.offset = offset, cx.n_unlog = n_unlog, cx.unlog = unlog;
     Py_RETURN_NONE;
 fail:
     PyMem_Free(code);
     PyMem_Free(start);
     PyMem_Free(of);
     PyMem_Free(offset);
+    PyMem_Free(unlog);
     return NULL;
 }
 
@@ -160,8 +174,9 @@ static int cross_width(int F, const char *what)
 
 int cross_mask_column(void) { return cx.mask_col; }
 
-/* Derived input i of every replica into s[0 .. R) (stack: room for cx.depth arrays of R, s the first) */
-static void run_program(int i, const float *f, int R, int F, const float *valid, float *s)
+/* Derived input i of every replica into s[0 .. R) (stack: room for cx.depth arrays of R, s the first; u: the
+ * unlogged columns, [cx.n_unlog][R]) */
+static void run_program(int i, const float *f, int R, int F, const float *valid, const float *u, float *s)
 {
     int sp = 0;
     for (const instr_t *in = cx.code + cx.start[i]; in < cx.code + cx.start[i + 1]; in++) {
@@ -173,8 +188,7 @@ static void run_program(int i, const float *f, int R, int F, const float *valid,
                 top[r] = f[(size_t)r * F + in->col];
             break;
         case T_UNLOGGED:
-            for (int r = 0; r < R; r++)
-                top[r] = expf(f[(size_t)r * F + in->col] * in->x) - 1.0f;
+            memcpy(top, u + (size_t)in->slot * R, sizeof(float) * R);
             break;
         case T_CONST:
             for (int r = 0; r < R; r++)
@@ -226,12 +240,16 @@ int cross_inputs(const float *f, int R, int F, float *out, int C, const char *wh
         return -1;
     }
     const int n = cx.n_rep, d = cx.n_derived, e = cx.n_excess, nx = n + d + e, k_ind = 3 * n + 2 * d;
-    float *x = malloc(sizeof(float) * ((size_t)R * nx + 3 * (size_t)nx + (size_t)(cx.depth + 1) * R));
+    float *x = malloc(sizeof(float) * ((size_t)R * nx + 3 * (size_t)nx + (size_t)(cx.depth + 1 + cx.n_unlog) * R));
     if (!x) {
         PyErr_NoMemory();
         return -1;
     }
-    float *lo = x + (size_t)R * nx, *hi = lo + nx, *mean = hi + nx, *valid = mean + nx, *s = valid + R;
+    float *lo = x + (size_t)R * nx, *hi = lo + nx, *mean = hi + nx, *valid = mean + nx, *u = valid + R;
+    float *s = u + (size_t)cx.n_unlog * R;
+    for (int k = 0; k < cx.n_unlog; k++) /* each once, however many programs read it */
+        for (int r = 0; r < R; r++)
+            u[(size_t)k * R + r] = expf(f[(size_t)r * F + cx.unlog[k].col] * cx.unlog[k].x) - 1.0f;
     int n_valid = 0;
     for (int r = 0; r < R; r++) {
         const float *row = f + (size_t)r * F;
@@ -240,7 +258,7 @@ int cross_inputs(const float *f, int R, int F, float *out, int C, const char *wh
         memcpy(x + (size_t)r * nx, row, sizeof(float) * n);
     }
     for (int i = 0; i < d; i++) {
-        run_program(i, f, R, F, valid, s);
+        run_program(i, f, R, F, valid, u, s);
         for (int r = 0; r < R; r++) {
             float *xr = x + (size_t)r * nx;
             xr[n + i] = logf(s[r] + 1.0f) / 10.0f;
