@@ -160,7 +160,7 @@ MASK_COLUMN = "healthy"  # the rows' own copy of action_mask: the compiled model
 class Term:
     """A float32 expression over one replica's build_features row, for every replica of a decision at once.
     Leaves: `feature`, `unlogged`, constants (any Python number); operators + - * /; `relative`, the one fleet
-    statistic. Both evaluators (cross_inputs.py in numpy, network.c in C) apply the operations in the tree's order."""
+    statistic. Both evaluators (cross_inputs.py in numpy, fastnet_c/cross.c in C) apply the operations in the tree's order."""
 
     op: str
     args: tuple[Term, ...] = ()
