@@ -29,11 +29,11 @@ from routewise_vllm.router.policy.types import ReplicaSnapshot, RequestInfo
 FEATURE_VERSION = 3  # 3: cross-replica inputs moved from the network into `model_inputs`
 STATS_AGE_CAP_S = 3600.0  # an "infinite" age (never scraped) is written as this
 
-# The expected-wait score, one definition for the feature, the expected-wait heuristic (baselines.ExpectedWait)
-# and the network's in-graph copy (trainer/network.py CrossReplicaInputs, which the shipped model was trained
-# with; tests/trainer/test_latency.py checks they rank alike): work ahead x the replica's TPOT EMA relative to
-# the MEAN TPOT EMA of the measured (tpot > 0) healthy replicas; unmeasured replicas count at relative speed 1.
-# Part of the feature spec (its hash): changing it changes what every model was trained on.
+# The expected-wait score, one definition for the cross-replica input `expected_wait` (DERIVED_INPUTS below) and
+# the expected-wait heuristic (baselines.ExpectedWait; tests/trainer/test_latency.py checks they rank alike): work
+# ahead x the replica's TPOT EMA relative to the MEAN TPOT EMA of the measured (tpot > 0) healthy replicas;
+# unmeasured replicas count at relative speed 1. Part of the feature spec (its hash): changing it changes what
+# every model was trained on.
 EXPECTED_WAIT_DECODE_WEIGHT = 0.1
 
 
