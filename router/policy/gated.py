@@ -117,7 +117,8 @@ class GatedPolicy(Policy):
     def __init__(self, learned: Policy, heuristic: Policy, seed: int | None = None, *,
                  mixed_min_spread: float = MIXED_MIN_SPREAD, evidence: int = MIXED_EVIDENCE,
                  dwell: int = DWELL_DECISIONS, cache_on: float = CACHE_ON, cache_off: float = CACHE_OFF,
-                 cache_window: int = CACHE_WINDOW, min_measured: int = MIN_MEASURED, min_measured_share: float = MIN_MEASURED_SHARE) -> None:
+                 cache_window: int = CACHE_WINDOW, min_measured: int = MIN_MEASURED,
+                 min_measured_share: float = MIN_MEASURED_SHARE) -> None:
         super().__init__(seed)
         if not mixed_min_spread >= 1.0:
             raise ValueError(f"mixed_min_spread must be >= 1 (a ratio of speeds), got {mixed_min_spread}")
