@@ -3,7 +3,8 @@ mode made, behind late binding as the gate is served (router/policy/gated.py). A
 `learned` was routed exactly as `learned` routes it (the gate hands every decision to the same model).
 
     python tests/bench/gate_modes.py --scenario uniform,all,shapes --seeds 1
-    python tests/bench/gate_modes.py --random-fleets 20 --scenario prefix-heavy,prefix-synthetic   # the random fleets' instances
+    # the random fleets' instances (tests/bench/random_fleets.py) of two scenarios:
+    python tests/bench/gate_modes.py --random-fleets 20 --scenario prefix-heavy,prefix-synthetic
 """
 
 from __future__ import annotations
