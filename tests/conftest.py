@@ -5,6 +5,7 @@ on one worker; and, under CI, a skip not listed in tests/README.md ("Skips allow
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from functools import cache
@@ -17,6 +18,13 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tests.ci import in_ci  # noqa: E402
+
+# One OpenMP/BLAS thread per pytest-xdist worker (and the processes its tests start), unless set: two workers of
+# torch's default two threads each on 2 cores spin against each other (the fine-tuning tests took 78 s so, 18 s with
+# one thread each). Set here, before any test module imports torch or numpy.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 
 # Fixtures of tests/e2e/conftest.py that start real vLLM servers, or need the venv that runs them
 VLLM_FIXTURES = frozenset({"vllm_python_path", "tiny_model_dir", "vllm_fleet", "vllm_servers"})
