@@ -12,7 +12,8 @@ calibrations (the predictions stayed within 4 % at p50). It is held to 20 %, not
 
 CI's one linear calibration runs beside the other tests on 2 cores, where its TTFT p50 error moved 4-12 % between
 runs of the same code (10.5 % and 11.8 % seen): one calibration on a shared host is a noisy sample, so CI holds it
-to twice the limits (`CI_SLACK`: a fit a fifth off at p50 still fails), and the bench tier holds the median of three to the limits themselves."""
+to twice the limits (`CI_SLACK`: a fit a fifth off at p50 still fails), and the bench tier holds the median of
+three to the limits themselves."""
 
 from __future__ import annotations
 
