@@ -351,10 +351,7 @@ class KVView:
                 continue  # reported twice: keep the first
             blocks[h] = (parent, lora)
             own[parent] = own.get(parent, 0) + 1
-        while len(blocks) > self.max_blocks:
-            h, _ = next(iter(blocks.items()))
-            self._forget(r, h)
-            r.dropped += 1
+        self._drop_oldest(r)
 
     def _store_keyed(self, r: ReplicaKV, ev: KeyedBlocksStored, now_s: float) -> None:
         r.events["BlockStored"] += 1
@@ -371,9 +368,13 @@ class KVView:
                 continue  # reported twice: keep the first
             blocks[key] = (key, lora)
             own[key] = own.get(key, 0) + 1
+        self._drop_oldest(r)
+
+    def _drop_oldest(self, r: ReplicaKV) -> None:
+        """Forget the oldest blocks past `max_blocks`, counted as dropped."""
+        blocks = r.blocks
         while len(blocks) > self.max_blocks:
-            h, _ = next(iter(blocks.items()))
-            self._forget(r, h)
+            self._forget(r, next(iter(blocks)))
             r.dropped += 1
 
     def _bad(self, r: ReplicaKV, reason: str, now_s: float) -> None:
