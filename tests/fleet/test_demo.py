@@ -106,25 +106,6 @@ def test_late_binding_counts_come_from_the_routers_own_metrics():
 
 
 @end_to_end
-def test_short_demo_prints_percentiles_per_arm_and_stops_everything():
-    code, out, err = _run_demo("--duration", "10")
-    assert code == 0, err[-3000:]
-    lines = out.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("metric"))
-    arms = lines[head].split()[1:]
-    assert arms in (["control", "treatment"], ["all"]), lines[head]
-    rows = {line.split("  ")[0].strip(): line.split()[-len(arms):] for line in lines[head + 2 : head + 12]}
-    for metric in ("TTFT p50 (ms)", "TTFT p99 (ms)", "E2E p50 (ms)", "E2E p99 (ms)"):
-        values = [float(v) for v in rows[metric]]  # "-" (no sample) fails here
-        assert all(v > 0 for v in values), (metric, values)
-    ok_err = [tuple(map(int, v.split("/"))) for v in rows["requests ok/err"]]
-    assert sum(ok for ok, _ in ok_err) > 50 and all(err == 0 for _, err in ok_err)
-    ports = {int(p) for p in URL.findall(err)}
-    assert len(ports) >= 5  # 4 emulated replicas + the router
-    assert all(_closed(p) for p in ports), "a process of the demo is still listening"
-
-
-@end_to_end
 @pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint-as-pytest", "sigint-ignored"])
 def test_ctrl_c_stops_the_fleet(sigint_ignored: bool):
     proc = _demo("--duration", "60", sigint_ignored=sigint_ignored)
@@ -145,6 +126,24 @@ def test_ctrl_c_stops_the_fleet(sigint_ignored: bool):
     assert all(_closed(p) for p in ports), "a process of the demo is still listening"
 
 
+def assert_percentiles_per_arm_and_everything_stopped(out: str, err: str) -> None:
+    """The demo's table: TTFT and E2E percentiles per arm, requests without errors; and no process of it left
+    listening (4 emulated replicas and the router named on stderr)."""
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("metric"))
+    arms = lines[head].split()[1:]
+    assert arms in (["control", "treatment"], ["all"]), lines[head]
+    rows = {line.split("  ")[0].strip(): line.split()[-len(arms):] for line in lines[head + 2 : head + 12]}
+    for metric in ("TTFT p50 (ms)", "TTFT p99 (ms)", "E2E p50 (ms)", "E2E p99 (ms)"):
+        values = [float(v) for v in rows[metric]]  # "-" (no sample) fails here
+        assert all(v > 0 for v in values), (metric, values)
+    ok_err = [tuple(map(int, v.split("/"))) for v in rows["requests ok/err"]]
+    assert sum(ok for ok, _ in ok_err) > 50 and all(err == 0 for _, err in ok_err)
+    ports = {int(p) for p in URL.findall(err)}
+    assert len(ports) >= 5  # 4 emulated replicas + the router
+    assert all(_closed(p) for p in ports), "a process of the demo is still listening"
+
+
 # Fallback reasons that mean the model or its inputs are broken (the others are guards doing their job)
 BROKEN_REASONS = ("exception", "nan", "masked_pick", "unavailable", "spec_mismatch", "stale_stats")
 
@@ -158,7 +157,7 @@ def model_decided(arm: dict) -> tuple[int, int]:
 
 @end_to_end
 def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
-    """The router with the shipped model in front of emulated replicas (the demo's A/B, treatment = learned) lets
+    """The demo prints its percentiles per arm and stops everything it started. The router with the shipped model in front of emulated replicas (the demo's A/B, treatment = learned) lets
     the model decide: most decisions it is asked for are its own, every other decision is a fallback counted under
     a known reason, none under a reason that means the model or its inputs are broken. Most of all its decisions
     are its own, so a model over the CPU-time budget fails it (the rule's stalls: tests/policy/test_budget_rule.py;
@@ -169,6 +168,7 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
 
     code, out, err = _run_demo("--duration", "30", "--json", str(tmp_path / "demo.json"))
     assert code == 0, err[-3000:]
+    assert_percentiles_per_arm_and_everything_stopped(out, err)
     assert "routing decisions per arm" in out, out[-2000:]
     doc = json.loads((tmp_path / "demo.json").read_text())
     assert doc["treatment"] == "learned" and doc["ab"], doc.get("treatment")

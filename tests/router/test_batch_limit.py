@@ -89,6 +89,7 @@ async def batch_limit_samples(client) -> dict[tuple[str, str], float]:
 
 
 @pytest.mark.parametrize("max_num_seqs", [4, 8])
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 async def test_the_default_configuration_infers_the_emulated_servers_max_num_seqs(router_client, max_num_seqs):
     """No --policy, no limit given: the learned policy behind late binding sends everything while the limit is
     unknown, the emulator queues past its --max-num-seqs, the router infers exactly that, exports it, and from then

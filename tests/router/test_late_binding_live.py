@@ -419,6 +419,7 @@ async def test_decision_latency_counts_the_view_the_hold_queue_built(fakes, rout
 
 
 @pytest.mark.parametrize("room_in_time", [True, False])
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 async def test_a_replica_measured_faster_takes_more_awaiting_prefill_when_room_is_time(fakes, router_client, monkeypatch,
                                                                                       room_in_time):
     """Room in time (late_binding_room_in_time, the rule's speed_scales): the router measures a far faster TPOT on

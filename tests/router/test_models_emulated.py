@@ -45,6 +45,7 @@ async def _emulators() -> list[TestServer]:
     return servers
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 async def test_a_thousand_mixed_requests_land_on_replicas_of_their_model(router_client):
     servers = await _emulators()
     urls = [str(s.make_url("")).rstrip("/") for s in servers]

@@ -1,4 +1,5 @@
-"""The soak's test runs (tests/bench/soak.py): 20 s of load in CI, 60 s in the `bench` tier. A real router process with late binding and the decision
+"""The soak's test runs (tests/bench/soak.py), both in the `bench` tier: 20 s and 60 s of load (CI runs the chaos
+run, tests/router/test_chaos.py, per change). A real router process with late binding and the decision
 log on, in front of emulated replicas of which one is killed and restarted twice, one is broken and one slow.
 Outcomes only (no RSS or timing figures, which depend on the host): no request hangs, in-flight and held requests
 return to 0, the decision log's count equals its lines on disk with nothing dropped, the router exits 0."""
@@ -25,7 +26,7 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("length", [pytest.param("20s"), pytest.param("60s", marks=pytest.mark.bench)])
+@pytest.mark.parametrize("length", [pytest.param("20s", marks=pytest.mark.bench), pytest.param("60s", marks=pytest.mark.bench)])
 def test_soak(length: str, tmp_path: Path) -> None:
     duration, kill_every, down_for, least_sent = RUNS[length]
     args = parser().parse_args(["--duration", str(duration), "--rate", "5", "--kill-every", str(kill_every),

@@ -172,6 +172,7 @@ async def run_corpus(start, url: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 async def test_every_path_answers_the_corpus_the_same():
     replica = ScriptedReplica({name: steps for name, (_, steps) in CORPUS.items()})
     url = await replica.start()

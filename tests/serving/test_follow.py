@@ -8,6 +8,8 @@ import asyncio
 import json
 import shutil
 
+import pytest
+
 from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH
 from routewise_vllm.router.serving.decision_log import log_files
 from routewise_vllm.trainer.finetune import FinetuneConfig
@@ -26,6 +28,7 @@ async def wait_for_records(directory, n: int) -> None:
     raise AssertionError(f"decision log {directory} did not reach {n} records")
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 async def test_follow_hands_a_candidate_to_the_live_router(tmp_path, fakes, router_client):
     fast, slow = await fakes(2)
     slow.token_delay_s = 0.05

@@ -183,6 +183,7 @@ async def run_ab(tmp_path, fakes, router_client, treatment_index: int, control_i
     return client, [r.headers["x-routewise-arm"] for r in responses]
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 async def test_rollback_guard_trips_when_treatment_is_slower(tmp_path, fakes, router_client):
     client, arms = await run_ab(tmp_path, fakes, router_client, treatment_index=1)
     state = await (await client.get("/admin/ab", headers=AUTH)).json()
@@ -199,6 +200,7 @@ async def test_rollback_guard_trips_when_treatment_is_slower(tmp_path, fakes, ro
     assert "treatment" in again
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 async def test_rollback_guard_stays_off_when_arms_are_equal(tmp_path, fakes, router_client):
     # both arms on the slow replica: the 100 ms delay dominates the test machine's scheduling jitter
     client, arms = await run_ab(tmp_path, fakes, router_client, treatment_index=1, control_index=1)

@@ -114,6 +114,7 @@ def test_cli_bad_traces_setting_is_one_line(tmp_path, how):
     assert "missing" in res.stderr
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 def test_wheel_ships_the_traces_and_an_installed_copy_replays_from_anywhere(tmp_path):
     wheels, source = tmp_path / "wheels", tmp_path / "source"  # build from a copy: setuptools writes build/ in-tree
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "runs", "__pycache__", "*.egg-info"))

@@ -134,6 +134,7 @@ def test_model_that_does_not_load(small_log, tmp_path):
     assert not (tmp_path / "out.onnx").exists()
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 def test_cli_reports_errors_without_traceback(small_log, tmp_path, capsys):
     rc = main(["finetune", "--decision-log", str(tmp_path / "nowhere"), "--init", str(DEFAULT_MODEL_PATH), "-o", str(tmp_path / "o.onnx")])
     err = capsys.readouterr().err
@@ -236,6 +237,7 @@ def test_a_small_log_gets_epochs_enough_for_min_steps_and_a_large_one_its_epochs
     assert len(history) == 10  # 3 batches an epoch: 10 epochs make the 30 steps
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 def test_a_quantile_fit_routes_by_the_tail_where_the_middle_misleads():
     """Half the replicas (feature 0 = 2) are fast alone but queue in bursts: log TTFT -3.5, or -1.5 one time in
     five; the others a steady -3.0. The median says the bursty ones are faster, the 0.9 quantile the opposite.

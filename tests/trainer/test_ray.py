@@ -82,7 +82,9 @@ def runs(ray_instance, tmp_path_factory) -> tuple[Path, Path]:
     return local, on_ray
 
 
-@pytest.mark.slow  # a Ray instance and two trainings, shared with the other test below: 20-25 s on 2 cores
+# the bench tier: a Ray instance and two trainings, shared with the test below (60-70 s on 2 cores beside the other
+# tests); the errors above and the node-local copy below run per change
+@pytest.mark.bench
 def test_training_on_ray_is_bit_identical_to_local_workers(runs):
     local, on_ray = runs
     for name in ("warm_start.pt", "best.pt", "last.pt"):
@@ -97,7 +99,7 @@ def test_training_on_ray_is_bit_identical_to_local_workers(runs):
     assert json.loads((on_ray / "summary.json").read_text())["ray"] == "auto"
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_evaluation_on_ray_matches_local_processes(runs, tmp_path, capsys):
     """`trainer evaluate --ray`: compare's (scenario, seed) tasks as Ray tasks, the exported ONNX shipped with them."""
     _local, on_ray = runs

@@ -96,6 +96,7 @@ def test_a_run_from_before_the_rename_resumes_with_its_bc_checkpoint_as_kl_refer
     assert _reference_net(SimpleNamespace(cfg=cfg, run_dir=old)) is None
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 def test_export_parity_and_router_loads_it(run: Path, tmp_path: Path):
     net, cfg, _ = load_network(run / "best.pt")
     out = export_onnx(net, tmp_path / "p.onnx", "test", cfg.model_dump(mode="json"))

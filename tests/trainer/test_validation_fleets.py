@@ -41,6 +41,7 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
 def test_each_evaluation_scores_the_random_fleets_and_selects_on_them(runs):
     plain, validated = runs
     history = read_checkpoint(validated / "last.pt")["progress"]["history"]
