@@ -59,18 +59,23 @@ def make_policy(name: str, seed: int | None = None, **kwargs) -> Policy:
     """A baseline by name, `learned` (the recommended shipped model), a shipped model's name, or an `.onnx` path."""
     if name in BASELINES:
         return BASELINES[name](seed=seed, **kwargs)
-    if name == GATED:
-        from routewise_vllm.router.policy.gated import GATE_HEURISTIC, GatedPolicy
-        from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
-
-        return GatedPolicy(OnnxPolicy(DEFAULT_MODEL_PATH, seed=seed), BASELINES[GATE_HEURISTIC](seed=seed), seed=seed,
-                           **kwargs)
     path = model_path(name)
     if path is not None:
-        from routewise_vllm.router.policy.onnx_policy import OnnxPolicy  # onnxruntime only when asked for
-
-        return OnnxPolicy(path, seed=seed, **kwargs)
+        return model_policy(name, path, seed=seed, **kwargs)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())} or a path to an .onnx file")
+
+
+def model_policy(name: str, path: Path, seed: int | None = None, **kwargs) -> Policy:
+    """The learned policy `name` names, its model read from `path`: for `gated`, the gate around it; otherwise the
+    model alone. A hot reload (router.serving.reload) builds the same kind from the new file, so a gated router stays
+    gated."""
+    from routewise_vllm.router.policy.onnx_policy import OnnxPolicy  # onnxruntime only when asked for
+
+    if name == GATED:
+        from routewise_vllm.router.policy.gated import GATE_HEURISTIC, GatedPolicy
+
+        return GatedPolicy(OnnxPolicy(path, seed=seed), BASELINES[GATE_HEURISTIC](seed=seed), seed=seed, **kwargs)
+    return OnnxPolicy(path, seed=seed, **kwargs)
 
 
 def check_policy_name(value: str, field: str) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from routewise_vllm.router.policy.base import Policy, PolicyUnavailable
-from routewise_vllm.router.policy.registry import is_learned, make_policy
+from routewise_vllm.router.policy.registry import is_learned, model_policy
 from routewise_vllm.router.policy.registry import model_path as registry_model_path
 from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
 
@@ -94,7 +94,8 @@ def check_policy(policy: Policy) -> tuple[str, str] | None:
 
 
 class PolicyReloader:
-    """Reloads one learned policy (`spec`: `learned` or a path) and hands it to `install`."""
+    """Reloads one learned policy (`spec`: `learned`, `gated`, a shipped model's name or a path) from a model file and
+    hands it to `install`, built as `spec` builds it (registry.model_policy)."""
 
     def __init__(
         self,
@@ -119,7 +120,7 @@ class PolicyReloader:
     def build(self, path: Path) -> tuple[Policy | None, str, str]:
         """(policy or None, result, message). Blocking: run it off the event loop."""
         try:
-            policy = make_policy(str(path), seed=self.seed)
+            policy = model_policy(self.spec, path, seed=self.seed)  # `gated` stays gated
         except Exception as exc:  # noqa: BLE001
             return None, "exception", f"{path}: {type(exc).__name__}: {exc}"
         problem = check_policy(policy)

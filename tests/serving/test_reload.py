@@ -124,3 +124,19 @@ async def test_watch_picks_up_a_model_that_appears_later(tmp_path):
     replace_atomically(prefer_replica_model(tmp_path / "a.onnx", 3), live)
     res = await watcher.check_once()
     assert res.ok and fb.decide(VIEW, make_request()).index == 3
+
+
+async def test_a_gated_router_stays_gated_across_a_reload(tmp_path):
+    """`--policy gated`: the reloaded file is the model behind the gate, not a bare model in the gate's place."""
+    from routewise_vllm.router.policy.gated import GatedPolicy
+    from routewise_vllm.router.policy.registry import make_policy
+
+    b = prefer_replica_model(tmp_path / "b.onnx", 2, version="b")
+    fb = guarded(make_policy("gated"), budget_s=0.05)
+    assert isinstance(fb.primary, GatedPolicy)
+    reloader = PolicyReloader("gated", lambda p: setattr(fb, "primary", p), current=lambda: fb.primary.describe())
+    res = await reloader.reload(b)
+    assert res.ok, res
+    assert isinstance(fb.primary, GatedPolicy) and res.policy["name"] == "gated", res.policy
+    assert res.policy["learned"]["version"] == "b"
+    assert fb.decide(VIEW, make_request()).index == 2  # no cache share: the gate serves its model, the new one
