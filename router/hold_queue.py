@@ -50,7 +50,7 @@ from typing import Generic, Protocol, TypeVar
 from routewise_vllm.router.batch_limit import UNKNOWN_LIMIT
 from routewise_vllm.router.policy.held_queue import HeldQueue
 from routewise_vllm.router.policy.late_binding import DISPATCH_REASONS, LateBindingConfig, ReplicaLimit, replica_limit
-from routewise_vllm.router.policy.pipeline import Held, NoneHealthy, Room, forced
+from routewise_vllm.router.policy.pipeline import POLICY_ROUTES, Held, NoneHealthy, Room, forced
 from routewise_vllm.router.policy.types import ClusterView, RequestInfo
 from routewise_vllm.router.replicas import ReplicaSet
 from routewise_vllm.router.settings import RouterSettings
@@ -81,7 +81,7 @@ class Decides(Protocol[R]):
 log = logging.getLogger("router.hold_queue")
 
 #: Why a request left the late-binding path: the rule's reasons plus the live-only ones (bounded labels).
-LATE_REASONS: tuple[str, ...] = (*DISPATCH_REASONS, "no_healthy", "shutdown", "error")
+LATE_REASONS: tuple[str, ...] = (*DISPATCH_REASONS, POLICY_ROUTES, "no_healthy", "shutdown", "error")
 _TIMER_SLACK_S = 0.001  # the loop may run a timer up to its clock resolution early: re-armed if so
 
 

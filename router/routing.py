@@ -109,6 +109,9 @@ class PolicyRunner:
         self._set_info(info)
         self.last_error = None
 
+    def binds_late(self, view: ClusterView, request: RequestInfo) -> bool:
+        return self.policy.binds_late(view, request)
+
     def decide(self, view: ClusterView, request: RequestInfo, context: ClusterView | None = None) -> Decision:
         policy = self.policy
         trips = policy.trips

@@ -30,17 +30,18 @@ def sim_limits(sim, config: LateBindingConfig) -> list[ReplicaLimit]:
 
 
 def next_choice(sim, limits: list[ReplicaLimit], late: LateBindingConfig,
-                reasons: Counter[str] | None = None) -> tuple[Choice, RequestInfo] | None:
+                reasons: Counter[str] | None = None, policy=None) -> tuple[Choice, RequestInfo] | None:
     """Runs `sim` up to its next decision with a choice behind late binding, through its pipeline's health and room
     stages (router.policy.pipeline): requests the rule holds are held, one it lets go to a single replica is
     dispatched there. Returns the policy's Choice (its view restricted to the replicas the rule allows, the whole
-    fleet as context) and the request, or None when the run is over; counts each decision's reason in `reasons`."""
+    fleet as context) and the request, or None when the run is over; counts each decision's reason in `reasons`.
+    `policy`: asked whether the rule applies to each request (the pipeline's room stage, as live)."""
     narrow = sim.pipeline.narrow
     while (d := sim.next_decision()) is not None:
         view, info = d
         idx = sim._pending[0]
         out = narrow(view, info, Room(limits, sim.held_besides(idx), sim.is_offered(idx),
-                                      sim.now_s - sim.requests[idx].arrival_s, late))
+                                      sim.now_s - sim.requests[idx].arrival_s, late), policy)
         if type(out) is Held:
             if reasons is not None:
                 reasons["hold"] += 1
@@ -72,7 +73,7 @@ def simulate_late(config, requests, policy, seed: int | None = None, late: LateB
     limits = sim_limits(sim, late)
     reasons: Counter[str] = Counter()
     pick = sim.pipeline.pick
-    while (d := next_choice(sim, limits, late, reasons)) is not None:
+    while (d := next_choice(sim, limits, late, reasons, policy)) is not None:
         sim.dispatch(pick(d[0], d[1], policy).index)
     records = sim.finish()
     reasons["held_requests"] = sim.n_holds

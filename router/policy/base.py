@@ -51,6 +51,12 @@ class Policy(ABC):
         """best_of(scores(view, request), healthy) in fewer steps, or None: no faster way than the scores."""
         return None
 
+    def binds_late(self, view: ClusterView, request: RequestInfo) -> bool:
+        """Whether late binding's rule applies to this request (the pipeline's room stage asks first); False: the
+        policy picks over every candidate at once (the gate while a heuristic routes a uniform pool where the cache
+        decides, router.policy.gated)."""
+        return True
+
     def decide(self, view: ClusterView, request: RequestInfo, context: ClusterView | None = None) -> Decision:
         """The pipeline's policy stage: `choose` on `view` (a heuristic decides on the candidates; `context`, the
         whole fleet when late binding restricted `view`, is for the scoring policies behind FallbackPolicy)."""

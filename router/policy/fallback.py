@@ -220,6 +220,13 @@ class FallbackPolicy(Policy):
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
         return self.decide(view, request).index
 
+    def binds_late(self, view: ClusterView, request: RequestInfo) -> bool:
+        """The primary's answer; late binding's rule (True) when the primary cannot answer."""
+        try:
+            return self.primary.binds_late(view, request) is not False
+        except Exception:  # noqa: BLE001 - a broken primary must not stop the room stage; its pick falls back anyway
+            return True
+
     @property
     def fallback_share(self) -> float:
         """Share of decisions since the last reset that the fallback made."""

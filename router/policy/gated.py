@@ -201,6 +201,12 @@ class GatedPolicy(Policy):
         """The learned policy's last model input (the decision log reuses it when its view is the decision's)."""
         return getattr(self.learned, "last_input", None)
 
+    def binds_late(self, view: ClusterView, request: RequestInfo) -> bool:
+        """Not while the heuristic routes: behind late binding a held request goes to whichever replica frees first,
+        which undoes what a cache-aware pick wins (docs/peers.md, "The gate"). The mode of the last decision: the
+        rule itself runs once per request, at the pick."""
+        return self.mode != "heuristic"
+
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
         mode = self._update(view, request)
         self.decisions[mode] += 1

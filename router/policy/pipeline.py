@@ -116,6 +116,8 @@ class Choice:
 
 
 HELD = Held()
+#: The reason a request skipped late binding's rule: the policy asked to pick over every candidate at once
+POLICY_ROUTES = "policy"
 make_routed = slot_builder(Routed)
 make_choice = slot_builder(Choice)
 
@@ -125,6 +127,8 @@ class Decider(Protocol):
     router.policy.base.Policy (its `decide` asks `choose`)."""
 
     def decide(self, view: ClusterView, request: RequestInfo, context: ClusterView | None = None) -> Decision: ...
+
+    def binds_late(self, view: ClusterView, request: RequestInfo) -> bool: ...
 
 
 # ---- filters --------------------------------------------------------------------------------------------------------
@@ -188,8 +192,11 @@ class Pipeline:
             view = f(view, request, ask)
         return view
 
-    def narrow(self, view: ClusterView, request: RequestInfo, room: Room | None = None) -> Choice | Routed | Held | NoneHealthy:
-        """Health and room on a filtered view: the policy's Choice, or Held / NoneHealthy, or (`lone_goes`) Routed."""
+    def narrow(self, view: ClusterView, request: RequestInfo, room: Room | None = None,
+               policy: Decider | None = None) -> Choice | Routed | Held | NoneHealthy:
+        """Health and room on a filtered view: the policy's Choice, or Held / NoneHealthy, or (`lone_goes`) Routed.
+        `policy`: asked whether late binding's rule applies to the request (`binds_late`); when it says no, the
+        request goes at once with reason POLICY_ROUTES."""
         for r in view.replicas:
             if r.healthy:
                 break
@@ -199,6 +206,8 @@ class Pipeline:
             return make_choice(view, None, None, None)
         if room.force is not None:
             return make_choice(view, None, room.force, None)
+        if policy is not None and not policy.binds_late(view, request):
+            return make_choice(view, None, POLICY_ROUTES, None)
         d = late_binding.decide(view, room.limits, room.queued, room.is_head, room.waited_s, room.config)
         if d.reason == "hold":
             return HELD
@@ -225,7 +234,7 @@ class Pipeline:
                     d = policy.decide(view, request, None)
                     return make_routed(d.index, d, view, None)
             return NoneHealthy(request.model)
-        out = self.narrow(view, request, room)
+        out = self.narrow(view, request, room, policy)
         if type(out) is Choice:
             return self.pick(out, request, policy)
         return out  # type: ignore[return-value]

@@ -174,6 +174,25 @@ def test_behind_late_binding_learned_scores_the_fleet_and_the_heuristic_sees_the
     assert (d.index, d.fallback_reason, gate.mode) == (1, None, "heuristic")
 
 
+def test_late_binding_holds_for_the_learned_policy_not_while_the_heuristic_routes():
+    """The room stage asks the gate first (router.policy.pipeline): in learned mode late binding's rule applies; once
+    the heuristic routes, requests go at once to its pick over every candidate (held, a request would go to
+    whichever replica frees first, undoing the cache-aware pick)."""
+    from routewise_vllm.router.policy.late_binding import LateBindingConfig, ReplicaLimit
+    from routewise_vllm.router.policy.pipeline import HELD, POLICY_ROUTES, Pipeline, Room
+
+    gate = GatedPolicy(Scorer(), Lowest(), cache_window=2)
+    pol = served(gate)
+    full = Room([ReplicaLimit(max_outstanding=1, max_prefill_tokens=10_000)] * 3, 0, False, 0.0, LateBindingConfig())
+    busy = ClusterView(tuple(ReplicaSnapshot(f"r{i}", True, 1, 0, tpot_floor_s=0.010, prefix_match_blocks=m)
+                             for i, m in enumerate((0, 2, 0))))
+    assert gate.binds_late(busy, req(0)) and Pipeline().decide(busy, req(0), pol, room=full) is HELD
+    pol.decide(view(0.010, 0.011, 0.010), req(1))  # the cache share turns on: the heuristic routes
+    assert gate.mode == "heuristic" and not pol.binds_late(busy, req(2))
+    out = Pipeline().decide(busy, req(2), pol, room=full)
+    assert (out.index, out.late) == (0, POLICY_ROUTES)  # Lowest's pick over all three, none of which has room
+
+
 def test_reset_starts_over_in_learned_mode():
     gate = GatedPolicy(Scorer(), Lowest())
     served(gate).decide(view(0.010, 0.010), req(0))

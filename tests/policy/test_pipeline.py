@@ -10,9 +10,10 @@ import pytest
 
 from routewise_vllm.router.policy import LeastOutstanding, stages
 from routewise_vllm.router.policy.base import Decision, Policy
+from routewise_vllm.router.policy.fallback import FallbackPolicy
 from routewise_vllm.router.policy.late_binding import LateBindingConfig, ReplicaLimit
 from routewise_vllm.router.policy.pipeline import (
-    HELD, Ask, Choice, Held, NoneHealthy, Pipeline, Room, Routed, default_filters, forced,
+    HELD, POLICY_ROUTES, Ask, Choice, Held, NoneHealthy, Pipeline, Room, Routed, default_filters, forced,
 )
 from routewise_vllm.router.policy.registry import make_policy
 from routewise_vllm.router.policy.types import ClusterView, ReplicaSnapshot, RequestInfo
@@ -113,6 +114,27 @@ def test_a_lone_candidate_goes_unasked_only_where_the_pipeline_says():
 def test_a_forced_room_goes_at_once_with_its_reason():
     out = Pipeline().decide(view(1, 1, 1), REQ, Spy(), room=forced("shutdown"))
     assert type(out) is Routed and out.late == "shutdown"
+
+
+class PerRequest(Spy):
+    """A policy that asks to pick every request over every candidate at once (late binding's rule not asked)."""
+
+    def binds_late(self, view: ClusterView, request: RequestInfo) -> bool:
+        return False
+
+
+def test_a_policy_that_does_not_bind_late_picks_at_once_over_every_candidate():
+    # no replica has room: the rule would hold it; the policy asked not to be held, so it picks over all three
+    spy = PerRequest()
+    out = Pipeline().decide(view(1, 1, 1), REQ, spy, room=room())
+    assert type(out) is Routed and out.index == 0 and out.late == POLICY_ROUTES
+    assert spy.seen[0][1] is None and all(r.healthy for r in spy.seen[0][0].replicas)
+    # a forced room keeps its reason; no room stage at all (late binding off) never asks
+    assert Pipeline().decide(view(1, 1, 1), REQ, PerRequest(), room=forced("shutdown")).late == "shutdown"
+    assert Pipeline().decide(view(1, 1, 1), REQ, PerRequest()).late is None
+    # behind its guards the primary's answer is the served policy's
+    assert FallbackPolicy(PerRequest(), LeastOutstanding()).binds_late(view(1), REQ) is False
+    assert FallbackPolicy(Spy(), LeastOutstanding()).binds_late(view(1), REQ) is True
 
 
 def test_narrow_and_pick_are_decide_in_two_steps():
