@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,10 +37,12 @@ import pytest
 from routewise_vllm.fleet.vllm import (
     FLEET_ARGS,
     SERVED_MODEL_NAME,
+    TINY_MODEL_MAX_POSITIONS,
     VLLM_PYTHON_ENV,
     VllmServer,
     ensure_tiny_model,
     free_ports,
+    launch_server,
     start_servers,
     stop_servers,
     vllm_python,
@@ -138,3 +141,48 @@ def _sigterm_as_keyboard_interrupt():
 def vllm_servers(vllm_fleet: list[VllmServer]) -> list[str]:
     """Base URLs (no /v1) of the two session servers; index 0 is the small one, 1 the roomy one."""
     return [s.base_url for s in vllm_fleet]
+
+
+FAILOVER_TEST = "test_failover_when_a_replica_is_killed_mid_load"
+# The failover test's long streams must still be open upstream at the kill. On a quiet machine the tiny model decodes
+# 4 streams at 500-700 tokens/s each, so 1,948-token streams (a 2,048 context) ended upstream 3-4 s after they
+# started, before the kill (which came ~10 s after the router started while the test's client parsed one event per
+# token). 16k-token streams last 25+ s even then; the kill cuts them, so their length costs no test time.
+EXTRA_MAX_MODEL_LEN = TINY_MODEL_MAX_POSITIONS
+EXTRA_KV_CACHE = "96M"  # 4 x 16k tokens at ~1 KiB per token, plus the short and held requests
+# Tokens per SSE event of the long streams (vLLM's per-request `stream_interval`; the first token is sent alone):
+# one event per token floods vLLM's API server, the router and the test's own client with thousands of events/s.
+LONG_STREAM_INTERVAL = 32
+EXTRA_STARTUP_TIMEOUT_S = float(os.environ.get("ROUTEWISE_VLLM_STARTUP_TIMEOUT_S", "300"))
+
+
+@dataclass
+class ExtraServer:
+    server: VllmServer
+    launched_at: float
+
+
+@pytest.fixture(scope="session", autouse=True)
+def extra_server(request, vllm_python_path, tiny_model_dir, vllm_work_dir) -> Iterator[ExtraServer | None]:
+    """One more vLLM server for the failover test to kill, launched (not awaited) only if that test was collected.
+
+    Session-scoped and autouse here, so it is set up before the shared fleet at the session's first test and boots
+    beside it (the shared pair's start takes longer, the failover test then finds it healthy: launched from the test
+    module, it booted behind the earlier tests and the failover test waited 40-90 s for it); the failover test
+    kills it; stopped here in any case.
+    """
+    if not any(getattr(item, "originalname", item.name) == FAILOVER_TEST for item in request.session.items):
+        yield None
+        return
+    work = vllm_work_dir / "extra"
+    work.mkdir(parents=True, exist_ok=True)
+    launched_at = time.monotonic()
+    # a long context, so the failover test's long streams outlast the run-up to the kill; port 0: it binds a free
+    # one, read once it is healthy
+    server = launch_server(vllm_python_path, tiny_model_dir, 0, work, core=0,
+                           extra_args=["--max-model-len", str(EXTRA_MAX_MODEL_LEN),
+                                       "--kv-cache-memory-bytes", EXTRA_KV_CACHE])
+    try:
+        yield ExtraServer(server, launched_at)
+    finally:
+        server.stop()

@@ -24,7 +24,7 @@ POLICIES = ("least-outstanding", "expected-wait")
 
 # name: (policies, calibration sweeps after the warming one, seconds of replay, calibration budget, warm-up s)
 RUNS = {
-    "short": (POLICIES[:1], 0, 5, 45, 3),
+    "short": (POLICIES[:1], 0, 5, 25, 2),
     "full": (POLICIES, 3, 8, 90, 4),
 }
 

@@ -8,7 +8,8 @@
 - The learned policy serves real traffic without falling back for bad reasons (skipped until a model ships).
 
 Servers come from conftest.py (index 0 = SMALL: 4 sequences, 2 MiB KV; 1 = ROOMY). The failover test boots one
-extra server of its own (started while the earlier tests run) so the shared ones stay up.
+extra server of its own (tests/e2e/conftest.py launches it at the session's start, beside the shared pair) so the
+shared ones stay up.
 """
 
 from __future__ import annotations
@@ -35,28 +36,13 @@ from routewise_vllm.fleet.vllm import (
     ROOMY,
     SERVED_MODEL_NAME,
     SMALL,
-    TINY_MODEL_MAX_POSITIONS,
-    VllmServer,
     _group_alive,
-    launch_server,
 )
 
-from tests.e2e.conftest import OWN_MODELS
+from tests.e2e.conftest import EXTRA_MAX_MODEL_LEN, EXTRA_STARTUP_TIMEOUT_S, LONG_STREAM_INTERVAL, OWN_MODELS
 
 PROMPT = "Route the request to the replica with the shortest queue and the warmest prefix cache."
 SMALL_MAX_NUM_SEQS = int(FLEET_ARGS[SMALL][FLEET_ARGS[SMALL].index("--max-num-seqs") + 1])
-FAILOVER_TEST = "test_failover_when_a_replica_is_killed_mid_load"
-# The failover test's long streams must still be open upstream at the kill. On a quiet machine the tiny model decodes
-# 4 streams at 500-700 tokens/s each, so 1,948-token streams (a 2,048 context) ended upstream 3-4 s after they
-# started, before the kill (which came ~10 s after the router started while the test's client parsed one event per
-# token). 16k-token streams last 25+ s even then; the kill cuts them, so their length costs no test time.
-EXTRA_MAX_MODEL_LEN = TINY_MODEL_MAX_POSITIONS
-EXTRA_KV_CACHE = "96M"  # 4 x 16k tokens at ~1 KiB per token, plus the short and held requests
-# Tokens per SSE event of the long streams (vLLM's per-request `stream_interval`; the first token is sent alone):
-# one event per token floods vLLM's API server, the router and the test's own client with thousands of events/s.
-LONG_STREAM_INTERVAL = 32
-EXTRA_STARTUP_TIMEOUT_S = float(os.environ.get("ROUTEWISE_VLLM_STARTUP_TIMEOUT_S", "300"))
-
 # A vLLM server decoding 16-24 sequences on a shared 2-core machine can take longer than 0.2 s to answer /metrics;
 # the timeout equals the interval, so 0.5 s keeps scrapes succeeding and still gives 10+ per load.
 FLEET_SCRAPE_INTERVAL_S = 0.5
@@ -100,36 +86,6 @@ def vllm_counters(base_url: str) -> VllmCounters:
 @pytest.fixture(scope="module")
 def log_dir(vllm_work_dir: Path) -> Path:
     return vllm_work_dir / "router-e2e"
-
-
-@dataclass
-class ExtraServer:
-    server: VllmServer
-    launched_at: float
-
-
-@pytest.fixture(scope="session", autouse=True)
-def extra_server(request, vllm_python_path, tiny_model_dir, vllm_work_dir) -> Iterator[ExtraServer | None]:
-    """One more vLLM server for the failover test to kill, launched (not awaited) only if that test was collected.
-
-    Session-scoped and autouse so it is set up before the shared fleet (conftest.py) and boots together with it;
-    the failover test waits for it and kills it; stopped here in any case.
-    """
-    if not any(getattr(item, "originalname", item.name) == FAILOVER_TEST for item in request.session.items):
-        yield None
-        return
-    work = vllm_work_dir / "extra"
-    work.mkdir(parents=True, exist_ok=True)
-    launched_at = time.monotonic()
-    # a long context, so the failover test's long streams outlast the run-up to the kill; port 0: it binds a free
-    # one, read once it is healthy
-    server = launch_server(vllm_python_path, tiny_model_dir, 0, work, core=0,
-                           extra_args=["--max-model-len", str(EXTRA_MAX_MODEL_LEN),
-                                       "--kv-cache-memory-bytes", EXTRA_KV_CACHE])
-    try:
-        yield ExtraServer(server, launched_at)
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
