@@ -72,10 +72,20 @@ def model_policy(name: str, path: Path, seed: int | None = None, **kwargs) -> Po
     from routewise_vllm.router.policy.onnx_policy import OnnxPolicy  # onnxruntime only when asked for
 
     if name == GATED:
-        from routewise_vllm.router.policy.gated import GATE_HEURISTIC, GatedPolicy
-
-        return GatedPolicy(OnnxPolicy(path, seed=seed), BASELINES[GATE_HEURISTIC](seed=seed), seed=seed, **kwargs)
+        return served_as(name, OnnxPolicy(path, seed=seed), seed=seed, **kwargs)
     return OnnxPolicy(path, seed=seed, **kwargs)
+
+
+def served_as(name: str, model: Policy, seed: int | None = None, **kwargs) -> Policy:
+    """A learned policy already built (`model`; a gate's own model when it is a gate) served as `name` serves its
+    model: inside a new gate for `gated`, alone otherwise. An A/B promotion hands the treatment's model to the
+    control arm this way, so a gated control stays gated."""
+    from routewise_vllm.router.policy.gated import GATE_HEURISTIC, GatedPolicy
+
+    learned = model.learned if isinstance(model, GatedPolicy) else model
+    if name == GATED:
+        return GatedPolicy(learned, BASELINES[GATE_HEURISTIC](seed=seed), seed=seed, **kwargs)
+    return learned
 
 
 def check_policy_name(value: str, field: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from routewise_vllm.router.policy.fallback import FallbackPolicy
+from routewise_vllm.router.policy.registry import served_as
 from routewise_vllm.router.policy.types import ClusterView, Outcome
 from routewise_vllm.router.serving.arms import ABSplit, GuardConfig, RollbackGuard
 from routewise_vllm.router.serving.decision_log import DecisionLogWriter, PendingRecord
@@ -92,7 +93,8 @@ class ServingLayer:
 
         def promote() -> str | None:
             primary = self.runners["treatment"].policy.primary
-            self.runners["control"].swap_primary(primary.inner if isinstance(primary, ExploringPolicy) else primary)
+            model = primary.inner if isinstance(primary, ExploringPolicy) else primary
+            self.runners["control"].swap_primary(served_as(ctrl.spec, model, seed=settings.seed))
             ctrl.path = treat.path  # later reloads/watching of control follow the promoted file
             return None if treat.path is None else str(treat.path)
 

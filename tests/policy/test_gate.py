@@ -227,3 +227,15 @@ def test_the_simulator_takes_the_gated_name():
     from routewise_vllm.simulator.experiments import resolve_policies
 
     assert resolve_policies("gated,learned") == ["gated", "learned"]
+
+
+def test_a_model_served_as_gated_is_put_behind_a_new_gate_and_a_gate_hands_its_model_on():
+    """registry.served_as: how an A/B promotion hands the treatment's model to the control arm."""
+    from routewise_vllm.router.policy.registry import served_as
+
+    model = Scorer()
+    gate = served_as(GATED, model)
+    assert isinstance(gate, GatedPolicy) and gate.learned is model and gate.heuristic.name == "llm-d"
+    again = served_as(GATED, gate)  # a gated treatment promoted into a gated control: one gate, the same model
+    assert isinstance(again, GatedPolicy) and again is not gate and again.learned is model
+    assert served_as("learned", gate) is model and served_as("/models/x.onnx", model) is model
