@@ -1,4 +1,4 @@
-"""The docs name the default the code serves: `learned`, which loads RECOMMENDED_MODEL, behind late binding. A doc
+"""The docs name the default the code serves: `gated`, which serves RECOMMENDED_MODEL behind its gate and late binding. A doc
 that names another model as the default, or a file or name the code no longer has, fails here."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from routewise_vllm.router.policy.registry import LEARNED, RECOMMENDED_MODEL, shipped_models
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH, GATED, RECOMMENDED_MODEL, model_path, shipped_models
 from routewise_vllm.router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +20,8 @@ def _docs() -> dict[str, str]:
 
 
 def test_the_default_policy_is_the_recommended_model():
-    assert RouterSettings.model_fields["policy"].default == LEARNED
+    assert RouterSettings.model_fields["policy"].default == GATED
+    assert model_path(GATED) == DEFAULT_MODEL_PATH  # the gate serves the recommended model
     assert RECOMMENDED_MODEL in shipped_models()
 
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from routewise_vllm.router.policy import FallbackPolicy, LeastOutstanding, build_features  # noqa: E402
 from routewise_vllm.router.policy.features import model_inputs  # noqa: E402
 from routewise_vllm.router.policy.onnx_policy import OnnxPolicy  # noqa: E402
+from routewise_vllm.router.policy.registry import GATED, served_as  # noqa: E402
 from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH  # noqa: E402
 from routewise_vllm.router.policy.tracking import ClusterTracker  # noqa: E402
 from routewise_vllm.router.policy.types import RequestInfo  # noqa: E402
@@ -83,24 +84,28 @@ def percentiles(samples_ns: list[int]) -> tuple[float, float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99)), float(a.mean())
 
 
-def bench(model: Path, n: int, iters: int, budget_s: float, seed: int, fast: bool | None, idle_s: float = 0.0) -> dict:
+def bench(model: Path, n: int, iters: int, budget_s: float, seed: int, fast: bool | None, idle_s: float = 0.0,
+          gated: bool = False) -> dict:
     """fast: the learned policy on fastnet (True) or onnxruntime (False), or least-outstanding (None, no breakdown)."""
     rng = np.random.default_rng(seed)
     cluster = busy_cluster(n, rng)
     # no budget here, so every decision is the model's: the share over `budget_s` is counted instead
     # (the router stops asking a model whose rolling median is over budget: docs/decision-budget.md)
     primary = LeastOutstanding(seed=2) if fast is None else OnnxPolicy(model, fast=fast)
+    model_policy = primary
+    if gated and fast is not None:  # the default policy: the model behind its gate (router/policy/gated.py)
+        primary = served_as(GATED, primary)
     policy = FallbackPolicy(primary, LeastOutstanding(seed=1), clock=time.perf_counter,
                             max_stats_age_s=10.0, overload_margin=32)
     if fast is None:
         executor = "least-outstanding"
     else:
-        if primary.load_error is not None:
-            raise SystemExit(f"model did not load: {primary.load_error}")
-        executor = primary.describe()["executor"]
-        if fast and executor != "fastnet":
-            return {"skipped": primary.executor_note}
-        session = primary._session
+        if model_policy.load_error is not None:
+            raise SystemExit(f"model did not load: {model_policy.load_error}")
+        executor = model_policy.describe()["executor"] + ("+gate" if gated else "")
+        if fast and not executor.startswith("fastnet"):
+            return {"skipped": model_policy.executor_note}
+        session = model_policy._session
     requests = [RequestInfo(f"q{i}", int(rng.integers(50, 4000)), int(rng.integers(16, 512)),
                             tuple(int(x) for x in rng.integers(0, 50, int(rng.integers(0, 12))))) for i in range(256)]
     views = [cluster.view(1.0, r) for r in requests]
@@ -126,7 +131,7 @@ def bench(model: Path, n: int, iters: int, budget_s: float, seed: int, fast: boo
         t3 = clock()
         if fast:  # the executor's whole part (cross-replica inputs + network) in one call
             t4 = t3
-            primary._fast.logits(feats)
+            model_policy._fast.logits(feats)
             t5 = clock()
         else:
             mask = np.ascontiguousarray(feats[None, :, 1])  # the `healthy` column, as OnnxPolicy takes it
@@ -175,6 +180,8 @@ def main() -> int:
                    help="sleep this long before each decision, untimed: a live router at 50 req/s idles ~20 ms "
                         "between requests, and on a shared host its caches go cold meanwhile (try --idle-ms 20 "
                         "--iters 500); adds a least-outstanding row, the same decision path without the model")
+    p.add_argument("--gated", action="store_true",
+                   help="also time each executor behind the gate (`gated`, the default policy), side by side")
     args = p.parse_args()
     executors: tuple[bool | None, ...] = {"both": (True, False), "fastnet": (True,), "onnxruntime": (False,)}[args.executor]
     if args.idle_ms:
@@ -190,8 +197,8 @@ def main() -> int:
               "fallbacks / over budget")
         gc.collect()
         for n in (int(x) for x in args.replicas.split(",")):
-            for fast in executors:
-                r = bench(model, n, args.iters, args.budget_us / 1e6, args.seed, fast, args.idle_ms / 1e3)
+            for fast, gated in [(f, g) for f in executors for g in ((False, True) if args.gated and f is not None else (False,))]:
+                r = bench(model, n, args.iters, args.budget_us / 1e6, args.seed, fast, args.idle_ms / 1e3, gated)
                 if "skipped" in r:
                     print(f"{n:>8} {'fastnet':>11} | not timed: {r['skipped']}")
                     continue

@@ -13,8 +13,9 @@ does not pay the servers' first requests. The TTFT is the client's (requests str
 with text); p50, p90 and p99 (nearest rank) are printed per arm, with the requests, the failures and the wall time.
 
 Arms (every one on KV events, the default, unless it says `--kv-events off`):
-    default        `router serve` with no --policy: exactly what an operator gets (`learned` behind late binding)
-    gated          --policy gated --no-late-binding (the README's advice for uniform pools sharing system prompts)
+    default        `router serve` with no --policy: exactly what an operator gets (`gated` behind late binding)
+    learned        `--policy learned`: the model alone, behind late binding (the default before the gate)
+    gated          --policy gated --no-late-binding (the gate, routing every request at once)
     lo             --policy least-outstanding --kv-events off
     prefix-aware   --policy prefix-aware (after SGLang's cache-aware router); `events` is the same arm
     guess          --policy prefix-aware --kv-events off
@@ -54,11 +55,13 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from routewise_vllm.router.settings import RouterSettings  # noqa: E402
 from routewise_vllm.fleet.vllm import ensure_tiny_model, free_ports, start_servers, stop_servers, vllm_python  # noqa: E402
 
 # arm -> (the policy the router runs, `router serve` flags); NO_POLICY_FLAG arms pass no --policy at all
 ARMS = {
-    "default": ("learned", []),
+    "default": (RouterSettings.model_fields["policy"].default, []),  # no --policy: what an operator gets
+    "learned": ("learned", []),
     "gated": ("gated", ["--no-late-binding"]),
     "lo": ("least-outstanding", ["--kv-events", "off"]),
     "prefix-aware": ("prefix-aware", []),

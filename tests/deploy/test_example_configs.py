@@ -38,7 +38,7 @@ def test_the_file_loads_and_agrees_with_the_defaults(path, tmp_path, monkeypatch
     assert fleet_problem(settings) is None
     differs = {k for k, v in data.items() if RouterSettings.model_fields[k].default != v}
     assert differs == CHOSEN[path], f"{path.name} sets {sorted(differs - CHOSEN[path])} away from the default"
-    assert settings.policy == "learned" and settings.late_binding is True  # the recommended configuration
+    assert settings.policy == "gated" and settings.late_binding is True  # the recommended configuration
 
 
 def test_the_docs_point_at_the_example():

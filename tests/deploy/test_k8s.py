@@ -161,7 +161,7 @@ def test_base_applies_on_a_plain_cluster() -> None:
         assert "storageClassName" not in claim["spec"]  # the cluster's default
     (workload, router), = router_containers(BASE_OBJECTS)
     config, _ = config_for(workload, router, BASE_OBJECTS)
-    assert effective_policy(router, config) == "learned"
+    assert effective_policy(router, config) == "gated"
     assert not [v for w in workloads(BASE_OBJECTS) for v in pod_spec(w).get("volumes", []) if "persistentVolumeClaim" in v]
 
 

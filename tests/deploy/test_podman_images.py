@@ -131,13 +131,14 @@ def send_completions(base_url: str, n: int) -> None:
     assert all(t.strip() for t in texts)
 
 
-def assert_learned_policy_decides(metrics: dict, requests: int) -> None:
-    decisions = sum(v for labels, v in metrics["llm_router_decision_latency_seconds_count"] if labels["policy"] == "learned")
-    fallbacks = {labels["reason"]: v for labels, v in metrics["llm_router_fallbacks_total"] if labels["policy"] == "learned"}
+def assert_learned_policy_decides(metrics: dict, requests: int, policy: str = "gated") -> None:
+    """The default policy (the shipped model behind its gate) decides most of the decisions itself."""
+    decisions = sum(v for labels, v in metrics["llm_router_decision_latency_seconds_count"] if labels["policy"] == policy)
+    fallbacks = {labels["reason"]: v for labels, v in metrics["llm_router_fallbacks_total"] if labels["policy"] == policy}
     assert decisions >= requests, (decisions, requests)
     assert sum(fallbacks.values()) * 2 < decisions, f"most of {decisions:.0f} decisions fell back: {fallbacks}"
     info = [labels for labels, v in metrics["llm_router_policy_info"] if v == 1]
-    assert [i["name"] for i in info] == ["learned"], info
+    assert [i["name"] for i in info] == [policy], info
     print(f"decisions {decisions:.0f}, fallbacks by reason {fallbacks}")
 
 
@@ -173,7 +174,7 @@ def test_router_image_serves_two_emulated_replicas(podman: Podman, tmp_path: Pat
             return json.loads(body) if status == 200 else None
 
         state = wait_for("the router container's /ready", ready, 120)
-        assert state["healthy_replicas"] == 2 and state["policies"]["main"] == {"serving": "learned", "error": None}
+        assert state["healthy_replicas"] == 2 and state["policies"]["main"] == {"serving": "gated", "error": None}
         assert http_get(router_url + "/health") == (200, b'{"status": "ok"}')
 
         send_completions(router_url, 24)
@@ -263,7 +264,7 @@ def test_cpu_compose_stack_under_podman_compose(podman: Podman) -> None:
             return json.loads(body) if status == 200 else None
 
         state = wait_for("the compose router's /ready", ready, 120)
-        assert state["healthy_replicas"] == 2 and state["policies"]["main"]["serving"] == "learned", state
+        assert state["healthy_replicas"] == 2 and state["policies"]["main"]["serving"] == "gated", state
         send_completions(url, 8)
         # podman runs no health check on its own without systemd; each service's check, run once, passes
         for service in ("vllm-0", "vllm-1", "router"):

@@ -41,7 +41,7 @@ def test_compose_override_runs_two_routers_on_one_redis() -> None:
     router2 = override["router-2"]
     assert router2["environment"]["ROUTEWISE_SHARED_STATE"] == url
     assert router2["image"] == base["router"]["image"]
-    argv = [a.replace("${ROUTEWISE_POLICY:-learned}", "learned") for a in router2["command"]]
+    argv = [a.replace("${ROUTEWISE_POLICY:-gated}", "gated") for a in router2["command"]]
     args = _parser().parse_args(["serve", *argv])
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     settings = build_settings(None, **{**overrides, "shared_state": url})

@@ -97,7 +97,7 @@ def test_the_commands_run_from_outside_the_checkout(installed, tmp_path):
         out = _run([installed / command, "--version"], cwd=tmp_path)
         assert out.stdout.strip() == f"{command} (routewise-vllm) 0.1.0"
     config = _run([installed / "router", "serve", "--print-config"], cwd=tmp_path)
-    assert '"replicas": []' in config.stdout and '"policy": "learned"' in config.stdout
+    assert '"replicas": []' in config.stdout and '"policy": "gated"' in config.stdout
     where = _run([installed / "python", "-c", "import routewise_vllm.router as r; print(r.__file__)"], cwd=tmp_path)
     assert str(installed.parent) in where.stdout and str(ROOT) not in where.stdout
 

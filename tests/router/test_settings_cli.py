@@ -67,7 +67,7 @@ def test_sources_priority(tmp_path, monkeypatch):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("replicas: [http://10.0.0.1:8000]\nport: 9001\nscrape_interval_s: 2.0\n")
     s = build_settings(cfg)
-    assert s.replicas == ["http://10.0.0.1:8000"] and s.port == 9001 and s.policy == "learned"
+    assert s.replicas == ["http://10.0.0.1:8000"] and s.port == 9001 and s.policy == "gated"
     assert s.max_stats_age_s is None and s.overload_margin is None  # unset: each arm's kind decides (router.policy.served)
     monkeypatch.setenv("ROUTEWISE_PORT", "9002")
     monkeypatch.setenv("ROUTEWISE_REPLICAS", "http://10.0.0.2:8000,http://10.0.0.3:8000")

@@ -126,9 +126,9 @@ def test_print_config_prints_the_effective_settings_with_the_token_redacted(tmp_
     data = json.loads(p.stdout)
     assert data["admin_token"] == "<redacted>"
     assert (data["scrape_interval_s"], data["workers"], data["max_retries"]) == (0.5, 2, 5)  # file, flag over file, env
-    # the recommended configuration: learned behind late binding, batch limits inferred, no fallback start
+    # the recommended configuration: the gated model behind late binding, batch limits inferred, no fallback start
     assert (data["policy"], data["late_binding"], data["late_binding_max_num_seqs"], data["allow_fallback_start"]) == (
-        "learned", True, None, False)
+        "gated", True, None, False)
     assert set(data) == set(RouterSettings.model_fields)
     del data["admin_token"]
     again = tmp_path / "printed.json"  # what it prints is a config file that gives the same settings back
