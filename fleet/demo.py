@@ -6,7 +6,8 @@
    port) with a heterogeneous mix: 2 x Llama-3-8B on A100, 1 x on H100, 1 x on A100 slowed 3x (a degraded
    node). `--replica URL` (repeatable) uses real vLLM servers instead and starts no emulator.
 2. Starts the router (`router serve`) in front of them: control arm least-outstanding (the
-   fallback), treatment arm the learned policy, traffic split 50/50 by a stable hash of the request
+   fallback), treatment arm the router's default policy (`gated`: the shipped model behind its gate), traffic split
+   50/50 by a stable hash of the request
    (`--ab-treatment/--ab-share`). A router without those flags gets `--policy <treatment>` alone, and a
    checkout without a shipped learned model gets a stated stand-in treatment.
 3. Waits until every replica is routable, then replays a train-window slice of the Azure conversation
@@ -170,6 +171,13 @@ def router_flags(python: str) -> set[str]:
     if out.returncode != 0:
         raise RuntimeError(f"`router serve --help` failed:\n{out.stderr[-2000:]}")
     return {tok.rstrip(",") for tok in out.stdout.split() if tok.startswith("--")}
+
+
+def default_policy() -> str:
+    """The policy `router serve` serves when given none: the demo's treatment."""
+    from routewise_vllm.router.settings import RouterSettings
+
+    return RouterSettings.model_fields["policy"].default
 
 
 def learned_available() -> bool:
@@ -343,7 +351,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated replicas: emulated seconds per wall second (default 0.5: half-speed GPUs, so a "
                         "2-core machine can stream the tokens of a loaded fleet)")
     p.add_argument("--control", default="least-outstanding", help="control arm policy (default least-outstanding)")
-    p.add_argument("--treatment", default="learned", help="treatment arm policy (default learned)")
+    default = default_policy()
+    p.add_argument("--treatment", default=default, help=f"treatment arm policy (default {default}, the router's)")
     p.add_argument("--ab-share", type=share, default=0.5, help="share of traffic in the treatment arm")
     p.add_argument("--model", default="tiny", help="served model name (for --replica servers)")
     p.add_argument("--timeout", type=positive(), default=60.0, help="per-request timeout, seconds")
@@ -399,7 +408,9 @@ def main(args: argparse.Namespace) -> int:
     procs = Processes(log_root)
     treatment = args.treatment
     note = ""
-    if treatment == "learned" and not learned_available():
+    from routewise_vllm.router.policy.registry import model_path
+
+    if model_path(treatment) is not None and not learned_available():
         treatment, note = "speed-aware", "no shipped learned model (router/policy/models/): treatment = speed-aware"
     plan, info = build_plan(PlanSpec(
         trace=args.trace, window="train", start_s=args.start, time_scale=args.time_scale, duration_s=args.duration,

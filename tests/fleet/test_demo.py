@@ -157,8 +157,8 @@ def model_decided(arm: dict) -> tuple[int, int]:
 
 @end_to_end
 def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
-    """The demo prints its percentiles per arm and stops everything it started. The router with the shipped model in front of emulated replicas (the demo's A/B, treatment = learned) lets
-    the model decide: most decisions it is asked for are its own, every other decision is a fallback counted under
+    """The demo prints its percentiles per arm and stops everything it started. The router with the shipped model in front of emulated replicas (the demo's A/B, treatment = the default,
+    `gated`, whose gate hands nothing over on this mixed-speed fleet) lets the model decide: most decisions it is asked for are its own, every other decision is a fallback counted under
     a known reason, none under a reason that means the model or its inputs are broken. Most of all its decisions
     are its own, so a model over the CPU-time budget fails it (the rule's stalls: tests/policy/test_budget_rule.py;
     the shipped model never tripping it over 1,000 real-clock decisions: test_budget_real_clock.py there)."""
@@ -171,7 +171,7 @@ def test_shipped_learned_policy_decides_live_in_the_demo(tmp_path):
     assert_percentiles_per_arm_and_everything_stopped(out, err)
     assert "routing decisions per arm" in out, out[-2000:]
     doc = json.loads((tmp_path / "demo.json").read_text())
-    assert doc["treatment"] == "learned" and doc["ab"], doc.get("treatment")
+    assert doc["treatment"] == "gated" and doc["ab"], doc.get("treatment")
     learned = doc["decisions"]["treatment"]
     assert learned["decisions"] >= 100, learned  # ~230 in 30 s on a shared 2-core machine
     assert set(learned["fallbacks"]) <= set(FALLBACK_REASONS), learned
