@@ -175,9 +175,9 @@ def router_flags(python: str) -> set[str]:
 
 def default_policy() -> str:
     """The policy `router serve` serves when given none: the demo's treatment."""
-    from routewise_vllm.router.settings import RouterSettings
+    from routewise_vllm.router.policy.registry import DEFAULT_POLICY
 
-    return RouterSettings.model_fields["policy"].default
+    return DEFAULT_POLICY
 
 
 def learned_available() -> bool:

@@ -28,7 +28,7 @@ from yarl import URL
 from routewise_vllm.router.observe.outlier import EjectionConfig
 from routewise_vllm.router.observe.scraper import ScrapeConfig
 from routewise_vllm.router.policy.late_binding import LateBindingConfig
-from routewise_vllm.router.policy.registry import GATED, check_policy_name, is_learned
+from routewise_vllm.router.policy.registry import DEFAULT_POLICY, check_policy_name, is_learned
 from routewise_vllm.router.paths import DEFAULT_PASSTHROUGH_PATHS, PassthroughConfig, normalise_path
 from routewise_vllm.router.replicas import ReplicaConfig, replica_id  # replica_id: importable here too
 from routewise_vllm.router.scale.fleet_view import FleetViewConfig, redact_url  # redact_url: here too
@@ -156,7 +156,7 @@ class RouterSettings(BaseSettings):
     scrape_timeout_s: float = Field(0.8, gt=0, description="default: min(0.8, scrape_interval_s)")
 
     # routing
-    policy: str = Field(GATED, description="a baseline, `gated` (the recommended shipped model, any-fleet, handing "
+    policy: str = Field(DEFAULT_POLICY, description="a baseline, `gated` (the recommended shipped model, any-fleet, handing "
                         "uniform pools where the cache decides to llm-d's algorithm), `learned` (the model alone), a "
                         "shipped model's name (any-fleet, late-fleet, default) or an .onnx path")
     allow_fallback_start: bool = Field(

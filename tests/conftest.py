@@ -38,6 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests share one worker, in order (one pair of servers), and a module whose tests share a fixture wider than one
     test (a server, a stack) stays on one worker, so that fixture starts once."""
     for item in items:
+        if item.get_closest_marker("bench"):
+            item.add_marker(pytest.mark.slow)  # a bench run is never part of the fast loop
         if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.vllm)
             item.add_marker(pytest.mark.slow)

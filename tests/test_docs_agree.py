@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH, GATED, RECOMMENDED_MODEL, model_path, shipped_models
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH, DEFAULT_POLICY, GATED, RECOMMENDED_MODEL, model_path, shipped_models
 from routewise_vllm.router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ def _docs() -> dict[str, str]:
 
 
 def test_the_default_policy_is_the_recommended_model():
-    assert RouterSettings.model_fields["policy"].default == GATED
+    assert RouterSettings.model_fields["policy"].default == DEFAULT_POLICY == GATED
     assert model_path(GATED) == DEFAULT_MODEL_PATH  # the gate serves the recommended model
     assert RECOMMENDED_MODEL in shipped_models()
 

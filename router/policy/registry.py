@@ -30,6 +30,8 @@ RECOMMENDED_MODEL = "any-fleet"
 DEFAULT_MODEL_PATH = MODELS_DIR / f"{RECOMMENDED_MODEL}.onnx"  # what `learned` loads, live and simulated
 # `learned` where the measured speed spread says replicas differ, a heuristic on uniform pools (router/policy/gated.py)
 GATED = "gated"
+#: What `router serve` serves when given no policy (docs/model-card-default.md, docs/peers.md "The gate")
+DEFAULT_POLICY = GATED
 
 
 def shipped_models() -> dict[str, Path]:

@@ -55,12 +55,12 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from routewise_vllm.router.settings import RouterSettings  # noqa: E402
+from routewise_vllm.router.policy.registry import DEFAULT_POLICY  # noqa: E402
 from routewise_vllm.fleet.vllm import ensure_tiny_model, free_ports, start_servers, stop_servers, vllm_python  # noqa: E402
 
 # arm -> (the policy the router runs, `router serve` flags); NO_POLICY_FLAG arms pass no --policy at all
 ARMS = {
-    "default": (RouterSettings.model_fields["policy"].default, []),  # no --policy: what an operator gets
+    "default": (DEFAULT_POLICY, []),  # no --policy: what an operator gets
     "learned": ("learned", []),
     "gated": ("gated", ["--no-late-binding"]),
     "lo": ("least-outstanding", ["--kv-events", "off"]),
