@@ -32,6 +32,10 @@ README = Path(__file__).with_name("README.md")
 ALLOWED_SKIPS_HEADING = "## Skips allowed in CI"
 
 
+#: The xdist group of every test that builds a wheel from this checkout (one at a time: they share build/)
+WHEEL_BUILDS = "wheel-builds"
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (tests/test_xdist_groups.py)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that starts real vLLM (through these fixtures, however indirectly) is marked `vllm`, and `slow` too:
     the servers take 40-150 s to start on a 2-core machine. Under pytest-xdist (`--dist loadgroup`) the real-vLLM
@@ -44,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("vllm"))
-        elif _shares_a_fixture(item):
+        elif _shares_a_fixture(item) and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
         items[:] = slow_units_first(items)

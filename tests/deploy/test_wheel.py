@@ -22,10 +22,13 @@ from pathlib import Path
 import pytest
 
 from tests.ci import skip_or_fail
+from tests.conftest import WHEEL_BUILDS
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("router", "simulator", "trainer", "fleet")
-pytestmark = pytest.mark.slow
+# every test that builds a wheel from this checkout on one xdist worker: setuptools builds in the tree's build/
+# folder, which two builds at once corrupt
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(WHEEL_BUILDS)]
 
 
 def _run(args: list, cwd: Path, timeout: float = 300, **kw) -> subprocess.CompletedProcess:

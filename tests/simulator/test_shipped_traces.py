@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from routewise_vllm.simulator.traces import KNOWN_TRACES, SHIPPED_TRACES_DIR, TRACES_DIR_ENV, TraceError, TraceLibrary, trace_path
+from tests.conftest import WHEEL_BUILDS
 
 ROOT = Path(__file__).resolve().parents[2]
 LICENSES = {
@@ -115,6 +116,7 @@ def test_cli_bad_traces_setting_is_one_line(tmp_path, how):
 
 
 @pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
+@pytest.mark.xdist_group(WHEEL_BUILDS)  # builds a wheel in the tree's build/ folder, as tests/deploy/test_wheel.py
 def test_wheel_ships_the_traces_and_an_installed_copy_replays_from_anywhere(tmp_path):
     wheels, source = tmp_path / "wheels", tmp_path / "source"  # build from a copy: setuptools writes build/ in-tree
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "runs", "__pycache__", "*.egg-info"))
