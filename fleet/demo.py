@@ -408,9 +408,9 @@ def main(args: argparse.Namespace) -> int:
     procs = Processes(log_root)
     treatment = args.treatment
     note = ""
-    from routewise_vllm.router.policy.registry import model_path
+    from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH, model_path
 
-    if model_path(treatment) is not None and not learned_available():
+    if model_path(treatment) == DEFAULT_MODEL_PATH and not learned_available():  # `learned`, `gated`: the shipped model
         treatment, note = "speed-aware", "no shipped learned model (router/policy/models/): treatment = speed-aware"
     plan, info = build_plan(PlanSpec(
         trace=args.trace, window="train", start_s=args.start, time_scale=args.time_scale, duration_s=args.duration,

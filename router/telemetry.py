@@ -140,7 +140,7 @@ class RouterMetrics:
         )
         self.late_dispatches = Counter(
             "llm_router_late_dispatches", "Requests the late-binding queue let go, by reason: room, idle, full, "
-            "timeout, no_healthy, shutdown, error.", ["reason"], registry=r,
+            "timeout, policy (the policy routed it at once), no_healthy, shutdown, error.", ["reason"], registry=r,
         )
         self.model_list_errors = Counter(
             "llm_router_model_list_errors", "Answers to /v1/models that were not a model list, by replica (it serves "
