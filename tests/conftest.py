@@ -40,7 +40,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """A test that starts real vLLM (through these fixtures, however indirectly) is marked `vllm`, and `slow` too:
     the servers take 40-150 s to start on a 2-core machine. Under pytest-xdist (`--dist loadgroup`) the real-vLLM
     tests share one worker, in order (one pair of servers), and a module whose tests share a fixture wider than one
-    test (a server, a stack) stays on one worker, so that fixture starts once."""
+    test (a server, a stack) stays on one worker, as do the modules sharing a session fixture of a conftest (a
+    training run), so that fixture starts once."""
     for item in items:
         if item.get_closest_marker("bench"):
             item.add_marker(pytest.mark.slow)  # a bench run is never part of the fast loop
@@ -48,8 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("vllm"))
-        elif _shares_a_fixture(item) and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        elif (group := _shared_fixture_group(item)) and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
     if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
         items[:] = slow_units_first(items)
 
@@ -66,12 +67,18 @@ def slow_units_first(items: list[pytest.Item]) -> list[pytest.Item]:
     return [item for unit in ordered for item in unit]
 
 
-def _shares_a_fixture(item: pytest.Item) -> bool:
-    """A fixture of the suite's own (not a plugin's) that lives longer than one test."""
+def _shared_fixture_group(item: pytest.Item) -> str | None:
+    """The xdist group of a test that uses a fixture of the suite's own (not a plugin's) living longer than one test:
+    the fixture's own name for a session fixture of a conftest (the modules that use it then share one worker, so
+    it is set up once), else the test's module."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
-        return False
-    return any(d.scope != "function" and d.baseid for defs in info.name2fixturedefs.values() for d in defs)
+        return None
+    shared = [(name, d) for name, defs in info.name2fixturedefs.items() for d in defs if d.scope != "function" and d.baseid]
+    for name, d in sorted(shared, key=lambda nd: nd[0]):
+        if d.scope == "session" and not item.nodeid.startswith(f"{d.baseid}::"):
+            return f"{d.baseid}::{name}"
+    return item.nodeid.split("::")[0] if shared else None
 
 
 @cache

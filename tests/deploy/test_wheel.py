@@ -9,6 +9,7 @@ The fresh environment takes its third-party dependencies from the test's own env
 from __future__ import annotations
 
 import email
+import json
 import os
 import signal
 import subprocess
@@ -142,3 +143,30 @@ def test_the_emulator_serves_from_the_installed_package(installed, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_the_wheel_ships_the_traces_and_the_installed_copy_replays_them_from_anywhere(wheel, installed, tmp_path):
+    from routewise_vllm.simulator.traces import KNOWN_TRACES, TRACES_DIR_ENV
+
+    names = set(_names_in_wheel(wheel))
+    for source in KNOWN_TRACES.values():
+        assert f"routewise_vllm/simulator/data/traces/{source.relative_path}.gz" in names
+    for license_file in ("azure_llm_2023/LICENSE_CC-BY-4.0.txt", "mooncake_fast25/LICENSE-APACHE",
+                         "arxiv_summarization_lengths/LICENSE-MIT"):
+        assert f"routewise_vllm/simulator/data/traces/{license_file}" in names
+    env = os.environ | {TRACES_DIR_ENV: ""}
+    probe = _run([installed / "python", "-c", "import routewise_vllm.simulator.traces as t; print(t.trace_path('azure-conv'))"],
+                 cwd=tmp_path, env=env)
+    assert Path(probe.stdout.strip()).is_relative_to(installed.parent)
+    scenario = tmp_path / "short-conv.yaml"
+    scenario.write_text(
+        "name: short-conv\n"
+        "description: 150 requests of the Azure conversation trace on two replicas.\n"
+        "workload: {kind: trace, trace: azure-conv, max_requests: 150, target_rps: 10}\n"
+        "cluster: {replicas: [{profile: llama3-8b-h100, count: 2}]}\n"
+        "slo: {ttft_s: 1.0, tpot_s: 0.1}\n"
+    )
+    run = _run([installed / "simulator", "run", "--scenario", scenario, "--policy", "least-outstanding", "--split", "train",
+                "--json"], cwd=tmp_path, env=env)
+    summary = json.loads(run.stdout)
+    assert summary["requests"] == 150 and summary["completed_fraction"] == 1.0, summary

@@ -1,22 +1,18 @@
-"""The traces ship with the project: same bytes as the published files, inside the wheel, found from any
-working directory, and bad copies or settings give one line naming what to fix."""
+"""The traces ship with the project: same bytes as the published files, found from any working directory (inside
+the wheel: tests/deploy/test_wheel.py), and bad copies or settings give one line naming what to fix."""
 
 from __future__ import annotations
 
 import gzip
 import hashlib
-import json
 import os
-import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from routewise_vllm.simulator.traces import KNOWN_TRACES, SHIPPED_TRACES_DIR, TRACES_DIR_ENV, TraceError, TraceLibrary, trace_path
-from tests.conftest import WHEEL_BUILDS
 
 ROOT = Path(__file__).resolve().parents[2]
 LICENSES = {
@@ -113,46 +109,3 @@ def test_cli_bad_traces_setting_is_one_line(tmp_path, how):
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "missing" in res.stderr
-
-
-@pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
-@pytest.mark.xdist_group(WHEEL_BUILDS)  # builds a wheel in the tree's build/ folder, as tests/deploy/test_wheel.py
-def test_wheel_ships_the_traces_and_an_installed_copy_replays_from_anywhere(tmp_path):
-    wheels, source = tmp_path / "wheels", tmp_path / "source"  # build from a copy: setuptools writes build/ in-tree
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "runs", "__pycache__", "*.egg-info"))
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
-    assert build.returncode == 0, build.stderr
-    (wheel,) = wheels.glob("routewise_vllm-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    for source in KNOWN_TRACES.values():
-        assert f"routewise_vllm/simulator/data/traces/{source.relative_path}.gz" in names
-    for folder, license_file in LICENSES.items():
-        assert f"routewise_vllm/simulator/data/traces/{folder}/{license_file}" in names
-
-    site = tmp_path / "site"
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert install.returncode == 0, install.stderr
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    env = {"PYTHONPATH": str(site), TRACES_DIR_ENV: ""}
-    probe = subprocess.run(
-        [sys.executable, "-c", "import routewise_vllm.simulator.traces as t; print(t.trace_path('azure-conv'))"],
-        cwd=elsewhere, capture_output=True, text=True, timeout=60, env={**os.environ, **env},
-    )
-    assert probe.returncode == 0, probe.stderr
-    assert Path(probe.stdout.strip()).is_relative_to(site)
-    run = _cli(
-        ["routewise_vllm.simulator", "run", "--scenario", str(_scenario(tmp_path)), "--policy", "least-outstanding",
-         "--split", "train",
-         "--json"],
-        cwd=elsewhere, **env,
-    )
-    assert run.returncode == 0, run.stderr
-    summary = json.loads(run.stdout)
-    assert summary["requests"] == 150 and summary["completed_fraction"] == 1.0, summary

@@ -23,13 +23,9 @@ from routewise_vllm.trainer.ppo import train
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(ROOT / "trainer/configs/smoke.yaml", [f"run.run_dir={run_dir}"])
-    summary = train(cfg, progress=False)
-    assert summary["updates"] == cfg.ppo.updates
-    return run_dir
+@pytest.fixture
+def run(smoke_run: Path) -> Path:
+    return smoke_run
 
 
 def test_train_writes_checkpoints_logs_and_summary(run: Path):

@@ -31,14 +31,13 @@ def test_validation_specs_are_random_fleets_on_their_own_seeds():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, Path]:
-    out = []
-    for fleets in (0, 1):
-        run_dir = tmp_path_factory.mktemp(f"fleets{fleets}")
-        train(load_config(ROOT / "trainer/configs/smoke.yaml", [f"run.run_dir={run_dir}", f"run.validation_fleets={fleets}"]),
-              progress=False)  # fmt: skip
-        out.append(run_dir)
-    return out[0], out[1]
+def runs(smoke_run: Path, tmp_path_factory) -> tuple[Path, Path]:
+    """The smoke run as shipped (no validation fleets, tests/trainer/conftest.py) and the same with one."""
+    assert load_config(ROOT / "trainer/configs/smoke.yaml").run.validation_fleets == 0
+    run_dir = tmp_path_factory.mktemp("fleets1")
+    train(load_config(ROOT / "trainer/configs/smoke.yaml", [f"run.run_dir={run_dir}", "run.validation_fleets=1"]),
+          progress=False)
+    return smoke_run, run_dir
 
 
 @pytest.mark.slow  # over 5 s on 2 cores: outside the fast loop
