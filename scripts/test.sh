@@ -11,6 +11,10 @@
 #   ./scripts/test.sh --one PYTEST ARGS   one plain pytest run, e.g. --one -m "not vllm" -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Bytecode written once and read by every later process: with PYTHONDONTWRITEBYTECODE set (as on this project's
+# machines) each of the suite's processes compiled every module it imported from source (routewise's own, the test
+# venv's, and pytest's assertion rewriting once per xdist worker).
+unset PYTHONDONTWRITEBYTECODE
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # .venv through uv (scripts/uv-install.sh says why), pip if uv cannot

@@ -4,8 +4,8 @@
 # wheel again (real vLLM's venv: 13 s against 234 s). --compile-bytecode compiles every module at install, as pip
 # does: real vLLM's venv needs it (without it the first three vLLM servers, started at once, compiled vLLM's and
 # torch's modules each on its own and took 210 s to start instead of 46 s); the test venv does not (30 s idle, about
-# 57 s beside a busy core, for modules the tests mostly never import; Python writes the bytecode of those they do
-# on first import). Returns non-zero when uv cannot install; the callers then use pip.
+# 57 s beside a busy core, for modules the tests mostly never import; scripts/test.sh lets Python write the bytecode
+# of those they do, once, on first import). Returns non-zero when uv cannot install; the callers then use pip.
 uv_install() {
   local compile=() args=() link constraint venv
   if [ "${1:-}" = --compile-bytecode ]; then compile=(--compile-bytecode); shift; fi
