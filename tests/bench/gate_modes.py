@@ -7,6 +7,10 @@ mode made, behind late binding as the gate is served (router/policy/gated.py). A
     python tests/bench/gate_modes.py --random-fleets 20 --scenario prefix-heavy,prefix-synthetic
     # and, where the heuristic made decisions, p99 TTFT of `gated` and `learned`, both behind late binding:
     python tests/bench/gate_modes.py --random-fleets 20 --scenario prefix-heavy,prefix-synthetic --vs-learned
+    # the gate with other settings against the shipped one (p99 TTFT per instance, mean per scenario, geomean):
+    python tests/bench/gate_modes.py --scenario uniform --seeds 3 --set mixed_min_spread=inf --vs-default
+    python tests/bench/gate_modes.py --scenario uniform --seeds 3 --set mixed_min_spread=inf --set cache_on=0 \
+        --set cache_off=0 --vs-default          # the heuristic on every decision, routed at once
 """
 
 from __future__ import annotations
@@ -27,8 +31,22 @@ from routewise_vllm.simulator.metrics import summarize  # noqa: E402
 from routewise_vllm.simulator.scenario import load_scenario  # noqa: E402
 
 
-def report(label: str, cluster, requests, seed: int, slo=None, vs_learned: bool = False) -> None:
+# --set NAME=VALUE: GatedPolicy's keyword arguments, as the attribute each one sets
+SETTINGS = {"mixed_min_spread": "mixed_min_spread", "evidence": "max_evidence", "dwell": "dwell",
+            "cache_on": "cache_on", "cache_off": "cache_off", "cache_window": "cache_window"}
+
+
+def gate(seed: int, settings: dict[str, float]):
     policy = served_policy("gated", seed=seed)
+    for name, value in settings.items():
+        setattr(policy.primary, SETTINGS[name], int(value) if name in ("evidence", "dwell", "cache_window") else value)
+    return policy
+
+
+def report(label: str, cluster, requests, seed: int, slo=None, vs_learned: bool = False,
+           settings: dict[str, float] | None = None, ratios: list[float] | None = None,
+           p99s: dict[str, list[float]] | None = None) -> None:
+    policy = gate(seed, settings or {})
     records, _ = simulate_late(cluster, requests, policy, seed=seed)
     g = policy.primary
     lo, hi = g.spread_range
@@ -39,7 +57,23 @@ def report(label: str, cluster, requests, seed: int, slo=None, vs_learned: bool 
         gated_p99 = summarize(records, slo)["ttft_p99_s"]
         learned_p99 = summarize(simulate_late(cluster, requests, served_policy("learned", seed=seed), seed=seed)[0], slo)["ttft_p99_s"]
         line += f"  p99 TTFT gated {gated_p99:.3f} s, learned {learned_p99:.3f} s: {gated_p99 / learned_p99:.3f}x"
+    if ratios is not None:
+        p99 = summarize(records, slo)["ttft_p99_s"]
+        default = summarize(simulate_late(cluster, requests, gate(seed, {}), seed=seed)[0], slo)["ttft_p99_s"]
+        ratios.append(p99 / default)
+        p99s.setdefault(label.split(" seed ")[0], []).append(p99)
+        line += f"  p99 TTFT {p99:.3f} s, the shipped gate {default:.3f} s: {p99 / default:.3f}x"
     print(line, flush=True)
+
+
+def parse_setting(text: str) -> tuple[str, float]:
+    name, _, value = text.partition("=")
+    if name not in SETTINGS:
+        raise argparse.ArgumentTypeError(f"--set {text}: not one of {', '.join(SETTINGS)}")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--set {text}: the value must be a number (inf allowed)") from None
 
 
 def main() -> None:
@@ -51,7 +85,14 @@ def main() -> None:
                     help="where the heuristic decided: p99 TTFT of gated and of learned, both behind late binding")
     ap.add_argument("--random-fleets", type=int, default=0, metavar="N",
                     help="instead: N random fleets per scenario, the instances of tests/bench/random_fleets.py")
+    ap.add_argument("--set", type=parse_setting, action="append", default=[], metavar="NAME=VALUE",
+                    help=f"the gate with this setting instead of the shipped one ({', '.join(SETTINGS)}; repeatable)")
+    ap.add_argument("--vs-default", action="store_true",
+                    help="p99 TTFT per instance against the shipped gate's, the mean per scenario and the geomean")
     args = ap.parse_args()
+    settings = dict(args.set)
+    ratios: list[float] | None = [] if args.vs_default else None
+    p99s: dict[str, list[float]] = {}
     print(f"{'instance':40} {'spread min':>10} {'max':>6} {'last':>6} {'cache':>6} {'learned':>8} {'heuristic':>9} "
           f"{'switches':>8}")
     if args.random_fleets:
@@ -65,13 +106,25 @@ def main() -> None:
             cluster, requests = builder.build(spec)
             n = sum(g.count for g in cluster.replicas)
             report(f"{spec.scenario} seed {spec.seed} ({n} replicas)", cluster, requests, spec.seed,
-                   builder.scenario(spec.scenario).slo, args.vs_learned)
+                   builder.scenario(spec.scenario).slo, args.vs_learned, settings, ratios, p99s)
+        summary(ratios, {})
         return
     for name in resolve_scenarios(args.scenario):
         sc = load_scenario(name, split=args.split)
         for seed in range(args.seeds):
             cluster, requests = sc.build(np.random.default_rng(seed))
-            report(f"{name} seed {seed}", cluster, requests, seed, sc.slo, args.vs_learned)
+            report(f"{name} seed {seed}", cluster, requests, seed, sc.slo, args.vs_learned, settings, ratios, p99s)
+    summary(ratios, p99s)
+
+
+def summary(ratios: list[float] | None, p99s: dict[str, list[float]]) -> None:
+    if not ratios:
+        return
+    for name, values in p99s.items():
+        print(f"{name}: mean p99 TTFT {np.mean(values):.3f} s over {len(values)} seeds")
+    logs = np.log(ratios)
+    print(f"over the shipped gate: geomean {np.exp(logs.mean()):.4f}x, worst {np.exp(logs.max()):.3f}x, best "
+          f"{np.exp(logs.min()):.3f}x, {int(np.sum(np.abs(logs) > 1e-9))} of {len(ratios)} instances differ")
 
 
 if __name__ == "__main__":
