@@ -137,9 +137,9 @@ class HoldQueue(Generic[R]):
     def limits(self, view: ClusterView) -> list[ReplicaLimit]:
         cache = self._limits
         out = []
-        batch_limit = self.replicas.batch_limit
+        batch_cap = self.replicas.batch_cap
         for r in view.replicas:
-            cap = batch_limit(r.replica_id)[0]  # the operator's, else inferred from its /metrics (router.batch_limit)
+            cap = batch_cap(r.replica_id)  # the operator's, else inferred from its /metrics (router.batch_limit)
             key = (UNKNOWN_LIMIT if cap is None else cap, r.kv_capacity_tokens)
             lim = cache.get(key)
             if lim is None:

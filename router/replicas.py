@@ -231,6 +231,12 @@ class ReplicaSet:
             return rep.batch.limit, "inferred"
         return None, None
 
+    def batch_cap(self, rid: str) -> int | None:
+        """The count late binding holds a replica to: the operator's limit, else the inferred one (one more while
+        the inference probes above it, router.batch_limit), else None: no count limit yet."""
+        n, source = self.batch_limit(rid)
+        return self.by_id[rid].batch.cap if source == "inferred" else n
+
     def any_routable(self) -> bool:
         return any(r.routable for r in self.ordered)
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from routewise_vllm.fleet.emulator import EmulatorSettings, make_app
 from routewise_vllm.router.app import REPLICAS, ROUTER
-from routewise_vllm.router.batch_limit import BatchLimitInference
+from routewise_vllm.router.batch_limit import PROBE_SCRAPES, BatchLimitInference
 from routewise_vllm.router.replicas import ReplicaSet
 from routewise_vllm.router.settings import RouterSettings
 from tests.router.conftest import wait_for
@@ -51,6 +51,50 @@ def test_a_larger_running_count_raises_it_and_it_never_falls():
     assert inf.limit == 4
     inf.observe(6, 0)  # no server runs more than its cap
     assert inf.limit == 6
+
+
+def test_a_plateau_below_the_limit_is_probed_and_corrected():
+    """Two scrapes at 7 with one waiting (the token budget's, not the cap's) infer 7 for a server of 8. Late binding
+    then holds it at 7: seven running, nothing waiting. After PROBE_SCRAPES such scrapes one more may go, the server
+    runs it, and the limit is 8."""
+    inf = BatchLimitInference()
+    for running, waiting in [(7, 1), (7, 1)]:
+        inf.observe(running, waiting)
+    assert (inf.limit, inf.cap) == (7, 7)
+    for _ in range(PROBE_SCRAPES - 1):
+        inf.observe(7, 0)
+    assert (inf.cap, inf.probing) == (7, False)  # not yet: one scrape short
+    inf.observe(7, 0)
+    assert (inf.limit, inf.cap, inf.probing) == (7, 8, True)
+    inf.observe(8, 0)  # the probe's request runs
+    assert (inf.limit, inf.cap, inf.probing) == (8, 8, False)
+
+
+def test_a_probe_into_the_real_limit_waits_and_ends():
+    inf = BatchLimitInference()
+    for running, waiting in [(8, 2), (8, 2)] + [(8, 0)] * PROBE_SCRAPES:
+        inf.observe(running, waiting)
+    assert (inf.limit, inf.cap) == (8, 9)
+    inf.observe(8, 1)  # the ninth request waits at the server: 8 is its limit
+    assert (inf.limit, inf.cap, inf.probing) == (8, 8, False)
+    inf.observe(7, 0)  # below the limit: no run of full scrapes, no probe
+    inf.observe(8, 0)
+    assert inf.cap == 8
+    inf = BatchLimitInference()
+    for running, waiting in [(4, 1), (4, 1), (4, 0), (3, 0), (4, 0), (4, 0)]:  # the full scrapes must be in a row
+        inf.observe(running, waiting)
+    assert (inf.limit, inf.cap) == (4, 4)
+
+
+def test_late_binding_holds_a_replica_to_its_cap():
+    s = RouterSettings(replicas=["http://a:1", "http://b:2"], policy="least-outstanding",
+                       late_binding_replica_max_num_seqs={"a:1": 3})
+    reps = ReplicaSet(s.replica_config(), lambda: None)
+    for running, waiting in [(5, 1), (5, 1)] + [(5, 0)] * PROBE_SCRAPES:
+        reps.by_id["a:1"].batch.observe(running, waiting)
+        reps.by_id["b:2"].batch.observe(running, waiting)
+    assert reps.batch_cap("a:1") == 3  # the operator's, never probed
+    assert (reps.batch_limit("b:2"), reps.batch_cap("b:2")) == ((5, "inferred"), 6)
 
 
 def test_the_operators_limit_wins_over_the_inferred_one():
