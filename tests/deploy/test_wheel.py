@@ -147,13 +147,13 @@ def test_the_emulator_serves_from_the_installed_package(installed, tmp_path):
 
 def test_the_wheel_ships_the_traces_and_the_installed_copy_replays_them_from_anywhere(wheel, installed, tmp_path):
     from routewise_vllm.simulator.traces import KNOWN_TRACES, TRACES_DIR_ENV
+    from tests.simulator.test_shipped_traces import LICENSES  # each trace folder's licence file
 
     names = set(_names_in_wheel(wheel))
     for source in KNOWN_TRACES.values():
         assert f"routewise_vllm/simulator/data/traces/{source.relative_path}.gz" in names
-    for license_file in ("azure_llm_2023/LICENSE_CC-BY-4.0.txt", "mooncake_fast25/LICENSE-APACHE",
-                         "arxiv_summarization_lengths/LICENSE-MIT"):
-        assert f"routewise_vllm/simulator/data/traces/{license_file}" in names
+    for folder, license_file in LICENSES.items():
+        assert f"routewise_vllm/simulator/data/traces/{folder}/{license_file}" in names
     env = os.environ | {TRACES_DIR_ENV: ""}
     probe = _run([installed / "python", "-c", "import routewise_vllm.simulator.traces as t; print(t.trace_path('azure-conv'))"],
                  cwd=tmp_path, env=env)
