@@ -49,11 +49,24 @@ class RandomisationConfig(_Strict):
         "capacity); 0 keeps every scenario's own max_num_seqs (256)",
     )
     batch_slots: tuple[int, int] = Field((4, 64), description="max_num_seqs of a few-slots instance, log-uniform in [lo, hi]")
+    kv_events_prob: float = Field(
+        0.0, ge=0, le=1,
+        description="chance that an instance's router sees the replicas' caches through their KV events (the simulator's "
+        "precise view, simulator.config.KVViewConfig) instead of its own guess, as the live router does where the replicas "
+        "publish them; 0 keeps every scenario's own view",
+    )
+    kv_events_lag_s: tuple[float, float] = Field(
+        (0.0, 0.5), description="U(lo, hi) delay from a cache change to the router applying it, on a KV-events instance"
+    )
+    kv_events_loss: tuple[float, float] = Field(
+        (0.0, 0.02), description="U(lo, hi) chance that a batch of KV events is lost, on a KV-events instance (half of "
+        "them with a replay endpoint; without one the router falls back to its guess for the replica until the hold ends)"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> "RandomisationConfig":
         for name in ("replica_count_scale", "speed_factor", "scrape_interval_s", "scrape_lag_s", "scrape_failure_prob", "prompt_scale",
-                     "fleet_replicas", "batch_slots"):
+                     "fleet_replicas", "batch_slots", "kv_events_lag_s", "kv_events_loss"):
             lo, hi = getattr(self, name)
             if lo > hi or lo < 0:
                 raise ValueError(f"{name}: need 0 <= lo <= hi, got ({lo}, {hi})")
@@ -61,6 +74,8 @@ class RandomisationConfig(_Strict):
             raise ValueError(f"fleet_replicas: need at least 1 replica, got {self.fleet_replicas}")
         if self.batch_slots[0] < 1:
             raise ValueError(f"batch_slots: need at least 1 slot, got {self.batch_slots}")
+        if self.kv_events_loss[1] >= 1:
+            raise ValueError(f"kv_events_loss: a loss below 1 is needed, got {self.kv_events_loss}")
         return self
 
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from routewise_vllm.simulator.bench import saturated_rps
-from routewise_vllm.simulator.config import ClusterConfig, ReplicaGroup
+from routewise_vllm.simulator.config import ClusterConfig, KVViewConfig, ReplicaGroup
 from routewise_vllm.simulator.costmodel import known_profiles, load_profile
 from routewise_vllm.simulator.traces import WARMUP_TENANT
 from routewise_vllm.simulator.types import SimRequest
-from routewise_vllm.trainer.config import EnvConfig
+from routewise_vllm.trainer.config import EnvConfig, RandomisationConfig
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,14 @@ def random_fleet_specs(scenarios: list[str], per_scenario: int, seed_base: int, 
 
 
 def _scale_counts(cluster: ClusterConfig, rng: np.random.Generator, lo: float, hi: float, max_replicas: int) -> tuple[ClusterConfig, float]:
-    """Scale every group's count by U(lo, hi); returns the new config and the capacity ratio."""
+    """Scale every group's count by U(lo, hi), keeping at least two replicas where the scenario has two (one replica
+    leaves no decision to learn from); returns the new config and the capacity ratio."""
     groups = [g.model_copy() for g in cluster.replicas]
     before = sum(g.count for g in groups)
     for g in groups:
         g.count = max(1, int(round(g.count * rng.uniform(lo, hi))))
+    if sum(g.count for g in groups) < min(2, before):
+        groups[0].count += 1
     while sum(g.count for g in groups) > max_replicas:
         biggest = max(groups, key=lambda g: g.count)
         biggest.count -= 1
@@ -116,6 +119,14 @@ def few_batch_slots(
     return cluster.model_copy(update={"replicas": groups}), ratio
 
 
+def with_kv_events(cluster: ClusterConfig, r: RandomisationConfig, rng: np.random.Generator) -> ClusterConfig:
+    """The instance's router sees the caches through the replicas' KV events, delivered late and lossy by amounts
+    drawn from `r` (the precise view, degraded as a live subscription can be)."""
+    view = KVViewConfig(mode="precise", lag_s=float(rng.uniform(*r.kv_events_lag_s)),
+                        loss=float(rng.uniform(*r.kv_events_loss)), replay=bool(rng.random() < 0.5))
+    return cluster.model_copy(update={"kv_view": view})
+
+
 def perturb(
     cluster: ClusterConfig,
     requests: list[SimRequest],
@@ -125,7 +136,8 @@ def perturb(
     randomise: bool,
     force_fleet: bool = False,
 ) -> tuple[ClusterConfig, list[SimRequest]]:
-    """Domain randomisation over replica count, GPU mix/speed, batch slots, scrape staleness and workload;
+    """Domain randomisation over replica count, GPU mix/speed, batch slots, scrape staleness, the router's view of
+    the caches and workload;
     `force_fleet`: a random fleet whatever randomisation.fleet_prob says (the generator advances as with fleet_prob 1)."""
     capacity_ratio = 1.0
     prompt_scale = 1.0
@@ -159,6 +171,8 @@ def perturb(
         if r.batch_slots_prob > 0 and rng.random() < r.batch_slots_prob:
             cluster, slots_ratio = few_batch_slots(cluster, requests, *r.batch_slots, rng)
             capacity_ratio *= slots_ratio
+        if r.kv_events_prob > 0 and rng.random() < r.kv_events_prob:
+            cluster = with_kv_events(cluster, r, rng)
     rate = load * capacity_ratio  # more replicas get proportionally more traffic
     out = []
     for q in requests:

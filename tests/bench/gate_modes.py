@@ -11,6 +11,9 @@ mode made, behind late binding as the gate is served (router/policy/gated.py). A
     python tests/bench/gate_modes.py --scenario uniform --seeds 3 --set mixed_min_spread=inf --vs-default
     python tests/bench/gate_modes.py --scenario uniform --seeds 3 --set mixed_min_spread=inf --set cache_on=0 \
         --set cache_off=0 --vs-default          # the heuristic on every decision, routed at once
+    # another model inside the gate (a candidate from `trainer export`), and the model alone (the gate never hands over):
+    python tests/bench/gate_modes.py --scenario uniform --seeds 3 --model new.onnx --vs-default
+    python tests/bench/gate_modes.py --scenario uniform --seeds 3 --model new.onnx --set cache_on=inf --vs-default
 """
 
 from __future__ import annotations
@@ -36,8 +39,15 @@ SETTINGS = {"mixed_min_spread": "mixed_min_spread", "evidence": "max_evidence", 
             "cache_on": "cache_on", "cache_off": "cache_off", "cache_window": "cache_window"}
 
 
-def gate(seed: int, settings: dict[str, float]):
-    policy = served_policy("gated", seed=seed)
+def gate(seed: int, settings: dict[str, float], model: Path | None = None):
+    """The gate as it is served, around `model` (an .onnx file) instead of the shipped model when given."""
+    primary = None
+    if model is not None:
+        from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
+        from routewise_vllm.router.policy.registry import served_as
+
+        primary = served_as("gated", OnnxPolicy(model, seed=seed), seed=seed)
+    policy = served_policy("gated", seed=seed, primary=primary)
     for name, value in settings.items():
         setattr(policy.primary, SETTINGS[name], int(value) if name in ("evidence", "dwell", "cache_window") else value)
     return policy
@@ -45,8 +55,8 @@ def gate(seed: int, settings: dict[str, float]):
 
 def report(label: str, cluster, requests, seed: int, slo=None, vs_learned: bool = False,
            settings: dict[str, float] | None = None, ratios: list[float] | None = None,
-           p99s: dict[str, list[float]] | None = None) -> None:
-    policy = gate(seed, settings or {})
+           p99s: dict[str, list[float]] | None = None, model: Path | None = None) -> None:
+    policy = gate(seed, settings or {}, model)
     records, _ = simulate_late(cluster, requests, policy, seed=seed)
     g = policy.primary
     lo, hi = g.spread_range
@@ -55,7 +65,8 @@ def report(label: str, cluster, requests, seed: int, slo=None, vs_learned: bool 
             f"{g.decisions['heuristic']:>9} {g.switches:>8}")
     if vs_learned and g.decisions["heuristic"]:
         gated_p99 = summarize(records, slo)["ttft_p99_s"]
-        learned_p99 = summarize(simulate_late(cluster, requests, served_policy("learned", seed=seed), seed=seed)[0], slo)["ttft_p99_s"]
+        alone = served_policy("learned" if model is None else str(model), seed=seed)
+        learned_p99 = summarize(simulate_late(cluster, requests, alone, seed=seed)[0], slo)["ttft_p99_s"]
         line += f"  p99 TTFT gated {gated_p99:.3f} s, learned {learned_p99:.3f} s: {gated_p99 / learned_p99:.3f}x"
     if ratios is not None:
         p99 = summarize(records, slo)["ttft_p99_s"]
@@ -87,6 +98,9 @@ def main() -> None:
                     help="instead: N random fleets per scenario, the instances of tests/bench/random_fleets.py")
     ap.add_argument("--set", type=parse_setting, action="append", default=[], metavar="NAME=VALUE",
                     help=f"the gate with this setting instead of the shipped one ({', '.join(SETTINGS)}; repeatable)")
+    ap.add_argument("--model", type=Path, metavar="ONNX",
+                    help="the gate around this model instead of the shipped one (--vs-default still compares with the "
+                    "shipped gate)")
     ap.add_argument("--vs-default", action="store_true",
                     help="p99 TTFT per instance against the shipped gate's, the mean per scenario and the geomean")
     args = ap.parse_args()
@@ -106,14 +120,15 @@ def main() -> None:
             cluster, requests = builder.build(spec)
             n = sum(g.count for g in cluster.replicas)
             report(f"{spec.scenario} seed {spec.seed} ({n} replicas)", cluster, requests, spec.seed,
-                   builder.scenario(spec.scenario).slo, args.vs_learned, settings, ratios, p99s)
+                   builder.scenario(spec.scenario).slo, args.vs_learned, settings, ratios, p99s, args.model)
         summary(ratios, {})
         return
     for name in resolve_scenarios(args.scenario):
         sc = load_scenario(name, split=args.split)
         for seed in range(args.seeds):
             cluster, requests = sc.build(np.random.default_rng(seed))
-            report(f"{name} seed {seed}", cluster, requests, seed, sc.slo, args.vs_learned, settings, ratios, p99s)
+            report(f"{name} seed {seed}", cluster, requests, seed, sc.slo, args.vs_learned, settings, ratios, p99s,
+                   args.model)
     summary(ratios, p99s)
 
 

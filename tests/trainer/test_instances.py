@@ -154,3 +154,46 @@ def test_bad_batch_slots_name_the_field_and_value():
             EnvConfig(scenarios=["x"], randomisation={"batch_slots": bad})
     with pytest.raises(ValidationError, match="batch_slots_prob"):
         EnvConfig(scenarios=["x"], randomisation={"batch_slots_prob": 1.5})
+
+
+def test_kv_events_instances_see_the_caches_through_lagged_lossy_events():
+    """kv_events_prob 1: every instance's router gets the precise view with a lag and a loss drawn within their
+    ranges, replay on some and off on others; everything drawn before it is the same as without it, and
+    kv_events_prob 0 never touches the scenario's view."""
+    cfg = EnvConfig(scenarios=["x"], randomisation={"kv_events_prob": 1.0, "kv_events_lag_s": (0.1, 0.3),
+                                                    "kv_events_loss": (0.0, 0.05)})
+    off = cfg.model_copy(update={"randomisation": cfg.randomisation.model_copy(update={"kv_events_prob": 0.0})})
+    cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-h100", count=4)])
+    reqs = _requests(10)
+    replays = set()
+    for seed in range(16):
+        c, out = perturb(cluster, reqs, cfg, np.random.default_rng(seed), load=1.0, randomise=True)
+        v = c.kv_view
+        assert v.mode == "precise" and 0.1 <= v.lag_s <= 0.3 and 0.0 <= v.loss <= 0.05
+        replays.add(v.replay)
+        plain, plain_out = perturb(cluster, reqs, off, np.random.default_rng(seed), load=1.0, randomise=True)
+        assert plain.kv_view == cluster.kv_view and plain.kv_view.mode == "guess"
+        assert plain.model_copy(update={"kv_view": v}) == c and plain_out == out
+    assert replays == {True, False}
+
+
+def test_bad_kv_events_ranges_name_the_field():
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=re.escape("kv_events_lag_s: need 0 <= lo <= hi, got (0.5, 0.1)")):
+        EnvConfig(scenarios=["x"], randomisation={"kv_events_lag_s": (0.5, 0.1)})
+    with pytest.raises(ValidationError, match=re.escape("kv_events_loss: a loss below 1 is needed, got (0.0, 1.0)")):
+        EnvConfig(scenarios=["x"], randomisation={"kv_events_loss": (0.0, 1.0)})
+    with pytest.raises(ValidationError, match="kv_events_prob"):
+        EnvConfig(scenarios=["x"], randomisation={"kv_events_prob": 2.0})
+
+
+def test_a_two_replica_pool_never_shrinks_to_one():
+    """A uniform pool of two scaled by U(0.5, 1.5) keeps two replicas on the draws that round to one: a fleet of
+    one leaves the environment no decision (simulator.env's 'no routing decision')."""
+    cfg = EnvConfig(scenarios=["x"], randomisation={"replica_count_scale": (0.5, 0.6)})
+    cluster = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-h100", count=2)])
+    for seed in range(8):
+        c, _ = perturb(cluster, _requests(10), cfg, np.random.default_rng(seed), load=1.0, randomise=True)
+        assert c.replica_count() == 2

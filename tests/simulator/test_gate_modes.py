@@ -1,0 +1,38 @@
+"""tests/bench/gate_modes.py: the gate's modes per instance, its settings and another model inside it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.bench import gate_modes
+from routewise_vllm.router.policy.registry import DEFAULT_MODEL_PATH, MODELS_DIR
+from routewise_vllm.simulator.late_binding import simulate_late
+from routewise_vllm.simulator.metrics import summarize
+from routewise_vllm.simulator.scenario import load_scenario
+
+
+SCENARIO = load_scenario("uniform-tenants-2", split="eval")
+
+
+def _routed(policy, cluster, requests) -> tuple[float, list]:
+    """p99 TTFT and where each request went."""
+    records = simulate_late(cluster, requests, policy, seed=0)[0]
+    return summarize(records, SCENARIO.slo)["ttft_p99_s"], [(r.request_id, r.replica_id) for r in records]
+
+
+def test_model_puts_that_model_inside_the_gate():
+    """--model: the gate around the named model. The shipped model's file routes exactly as the shipped gate does;
+    another model changes the learned decisions (uniform-tenants-2's cache share stays near its threshold, so the
+    learned policy routes part of the run)."""
+    cluster, requests = SCENARIO.build(np.random.default_rng(0))
+    requests = requests[:400]
+    shipped = gate_modes.gate(0, {})
+    same = gate_modes.gate(0, {}, DEFAULT_MODEL_PATH)
+    other_path = next(p for p in sorted(MODELS_DIR.glob("*.onnx")) if p != DEFAULT_MODEL_PATH)
+    other = gate_modes.gate(0, {"cache_on": float("inf")}, other_path)
+    assert other.primary.learned.path == other_path and same.primary.learned.path == DEFAULT_MODEL_PATH
+    a, b = _routed(shipped, cluster, requests), _routed(same, cluster, requests)
+    assert a == b
+    c = _routed(other, cluster, requests)
+    assert other.primary.decisions["heuristic"] == 0 and other.primary.decisions["learned"] > 0
+    assert c[1] != a[1]
