@@ -83,8 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--replica", action="append", dest="replicas", metavar="URL",
                    help="vLLM base URL, e.g. http://10.0.0.5:8000 (repeatable)")
     s.add_argument("--discover", metavar="HOST:PORT", help="resolve HOST's A records periodically (headless service)")
-    s.add_argument("--policy", help=f"one of {', '.join(policy_names())}, or a path to an .onnx file (default "
-                   "learned: the recommended shipped model, any-fleet, with late binding)")
+    s.add_argument("--policy", help=f"one of {', '.join(policy_names())}, gated:MODEL (the gate around another "
+                   "model), or a path to an .onnx file (default gated: the recommended shipped model, any-fleet, "
+                   "behind the gate and late binding)")
     s.add_argument("--shadow-policy", help="a second policy (name or .onnx path) that decides on every request "
                    "without acting; agreement is exported as llm_router_shadow_decisions_total")
     s.add_argument("--ab-treatment", help="A/B: the treatment policy (name or .onnx path); control is --policy")

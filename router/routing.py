@@ -277,7 +277,7 @@ class Router:
             return out  # type: ignore[return-value]
         decision = out.decision
         replica = self.replicas.ordered[out.index]
-        self.replicas.cluster.dispatch(out.index, request)
+        self.replicas.cluster.dispatch(out.index, request, self.clock())
         runner._latency.observe(time.perf_counter() - t0)  # applied in a batch, off the request's path
         label = self.model_label(request.model, self.replicas.known_models)
         held = 0.0 if held_s is None else held_s  # the decision log's `t` stays the arrival (replays read it as such)

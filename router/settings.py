@@ -27,6 +27,7 @@ from yarl import URL
 
 from routewise_vllm.router.observe.outlier import EjectionConfig
 from routewise_vllm.router.observe.scraper import ScrapeConfig
+from routewise_vllm.router.policy.kv_view import DEFAULT_INFLIGHT_S
 from routewise_vllm.router.policy.late_binding import LateBindingConfig
 from routewise_vllm.router.policy.registry import DEFAULT_POLICY, check_policy_name, is_learned
 from routewise_vllm.router.paths import DEFAULT_PASSTHROUGH_PATHS, PassthroughConfig, normalise_path
@@ -157,8 +158,9 @@ class RouterSettings(BaseSettings):
 
     # routing
     policy: str = Field(DEFAULT_POLICY, description="a baseline, `gated` (the recommended shipped model, any-fleet, handing "
-                        "uniform pools where the cache decides to llm-d's algorithm), `learned` (the model alone), a "
-                        "shipped model's name (any-fleet, late-fleet, default) or an .onnx path")
+                        "uniform pools where the cache decides to llm-d's algorithm), `gated:MODEL` (the gate around another model, "
+                        "e.g. gated:cache-fleet for pools of one GPU kind), `learned` (the model alone), a shipped "
+                        "model's name (any-fleet, cache-fleet, late-fleet, suite-fleet) or an .onnx path")
     allow_fallback_start: bool = Field(
         False, description="start even when a policy (any arm, the shadow) does not load, serving its decisions with "
         "least-outstanding (the fallback); off: `router serve` exits with one line naming the cause",
@@ -190,6 +192,9 @@ class RouterSettings(BaseSettings):
                                       "the oldest are forgotten (llm_router_kv_view_dropped_blocks_total)")
     kv_events_stale_hold_s: float = Field(30.0, ge=0, description="after a sequence gap no replay filled, bad input "
                                           "or a lost replica, its view is stale (the guess is used) this long")
+    kv_events_inflight_s: float = Field(DEFAULT_INFLIGHT_S, ge=0, description="a prompt's blocks count as cached on "
+                                        "the replica the router sent them to for this long, before its KV events "
+                                        "can report them (a burst on one document stays together); 0: events only")
     kv_events_max_batches_per_s: float = Field(10000.0, ge=0, description="KV event batches read per second per "
                                                "subscription at most (a flooding publisher waits); 0: no limit")
     kv_events_max_batch_events: int = Field(10000, ge=1, description="a KV event batch with more events is ignored "

@@ -276,7 +276,7 @@ class ClusterSim:
                 self._offer(model, queue, t)
             else:
                 del self._held[model]
-        router.dispatch(index, info)
+        router.dispatch(index, info, t)
         self.records[idx].replica_id = self.replica_ids[index]
         self.n_dispatches += 1
         if self._crashed[index]:

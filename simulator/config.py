@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from routewise_vllm.router.policy.kv_view import DEFAULT_INFLIGHT_S
+
 _RANGE = re.compile(r"^(.*)\{(\d+)\.\.(\d+)\}(.*)$")
 
 
@@ -119,6 +121,7 @@ class KVViewConfig(_Strict):
     loss: float = Field(0.0, ge=0, lt=1, description="probability that a batch of events never reaches a router")
     replay: bool = Field(False, description="the replicas have a replay endpoint (vLLM's replay_endpoint)")
     stale_hold_s: float = Field(30.0, gt=0, description="the router's kv_events_stale_hold_s")
+    inflight_s: float = Field(DEFAULT_INFLIGHT_S, ge=0, description="the router's kv_events_inflight_s")
     max_blocks: int = Field(1 << 20, ge=1, description="blocks each router keeps per replica (kv_events_max_blocks)")
 
     @classmethod

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from routewise_vllm.router.policy.registry import BASELINES, DEFAULT_MODEL_PATH, GATED, LEARNED, policy_names
+from routewise_vllm.router.policy.registry import (BASELINES, DEFAULT_MODEL_PATH, GATED, GATED_PREFIX, LEARNED,
+                                                    check_policy_name, policy_names)
 from routewise_vllm.router.policy.served import served_policy
 from routewise_vllm.router.policy.late_binding import LateBindingConfig
 from routewise_vllm.simulator.cluster import ClusterSim, simulate
@@ -62,6 +63,12 @@ def resolve_policies(text: str) -> list[str]:
         raise ExperimentError("no policy given")
     for name in names:
         if name in BASELINES:
+            continue
+        if name.startswith(GATED_PREFIX):
+            try:
+                check_policy_name(name, "policy")
+            except ValueError as e:
+                raise ExperimentError(str(e)) from None
             continue
         if name == LEARNED and not DEFAULT_MODEL_PATH.is_file():
             raise ExperimentError(f"policy 'learned': no shipped model at {DEFAULT_MODEL_PATH} (train and export one first)")

@@ -68,7 +68,7 @@ class KVFeed:
         self.rng = np.random.default_rng(None if seed is None else [seed, _SALT])
         self.views: list[KVView] = []
         for router in sim.routers:
-            view = KVView(max_blocks=config.max_blocks, stale_hold_s=config.stale_hold_s)
+            view = KVView(max_blocks=config.max_blocks, stale_hold_s=config.stale_hold_s, inflight_s=config.inflight_s)
             for rid in sim.replica_ids:
                 view.attach(rid, 0.0, replay=config.replay)
                 view.follow_from(rid, 0)  # a lost first batch is a gap too

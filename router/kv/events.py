@@ -120,7 +120,8 @@ class KVEvents:
         self.replicas = replicas
         self.clock = clock
         self.session = session
-        self.view = KVView(settings.kv_events_max_blocks, settings.kv_events_stale_hold_s)
+        self.view = KVView(settings.kv_events_max_blocks, settings.kv_events_stale_hold_s,
+                           settings.kv_events_inflight_s)
         self.ctx = zmq.asyncio.Context()
         self.tasks: dict[str, asyncio.Task] = {}  # connect topology: by replica id
         self.sources: dict[str, Source] = {}

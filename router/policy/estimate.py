@@ -84,12 +84,13 @@ class PrefixIndex:
     """The router's approximate view of which prefix blocks each replica has cached.
 
     Per replica, an LRU of chained block hashes bounded by the replica's estimated cache
-    capacity (in blocks). Inserting at dispatch mirrors SGLang's approximate radix tree.
+    capacity (in blocks). Inserting at dispatch mirrors SGLang's approximate radix tree. Each block keeps the time
+    it was last sent (`recent_many`: what was sent lately, not yet in a replica's KV events).
     """
 
     def __init__(self, capacity_blocks: int = 4096) -> None:
         self.capacity_blocks = capacity_blocks
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._lru: dict[str, OrderedDict[int, float]] = {}
 
     def match(self, replica_id: str, blocks: tuple[int, ...]) -> int:
         lru = self._lru.get(replica_id)
@@ -122,12 +123,32 @@ class PrefixIndex:
             out.append(n)
         return out
 
-    def insert(self, replica_id: str, blocks: tuple[int, ...], capacity_blocks: int | None = None) -> None:
+    def recent_many(self, replica_ids: list[str], blocks: tuple[int, ...], since_s: float) -> list[int]:
+        """Per replica, the request's leading blocks sent to it at or after `since_s`."""
+        if not blocks:
+            return [0] * len(replica_ids)
+        get = self._lru.get
+        out = []
+        for rid in replica_ids:
+            lru = get(rid)
+            n = 0
+            if lru:
+                for b in blocks:
+                    t = lru.get(b)
+                    if t is None or t < since_s:
+                        break
+                    n += 1
+            out.append(n)
+        return out
+
+    def insert(self, replica_id: str, blocks: tuple[int, ...], capacity_blocks: int | None = None,
+               now_s: float = -math.inf) -> None:
+        """`now_s`: when the blocks were sent (-inf, unknown: never counted by `recent_many`)."""
         if not blocks:
             return
         lru = self._lru.setdefault(replica_id, OrderedDict())
         for b in blocks:
-            lru[b] = None
+            lru[b] = now_s
             lru.move_to_end(b)
         cap = capacity_blocks if capacity_blocks is not None else self.capacity_blocks
         while len(lru) > cap:

@@ -40,6 +40,10 @@ IGNORED_REASONS = ("garbage", "unknown_kind", "huge_batch", "bad_tokens", "unkno
                    "orphan", "medium", "replay_overflow")
 DEFAULT_MAX_BLOCKS = 1 << 20  # per replica: 2^20 blocks of 16 tokens = 16M tokens, ~100 MB of view
 DEFAULT_STALE_HOLD_S = 30.0
+# A block sent to a replica counts as cached there for this long before its KV events can report it (the request
+# waits and prefills first): without it a burst on one document sees the document cached nowhere and spreads
+# (uniform-rag-16 behind the precise view, docs/kv-events.md). llm-d's precise scorer adds speculative entries alike.
+DEFAULT_INFLIGHT_S = 2.0
 MAX_PENDING_BATCHES = 4096  # live batches held while a replay runs
 _CACHED_MEDIA = (None, "GPU")  # offloaded copies (CPU, STORAGE) are not prefix-cache hits of the engine
 
@@ -163,11 +167,15 @@ class ReplicaKV:
 class KVView:
     """Per replica and per LoRA adapter, the router's chain hashes of the blocks the replica reported cached."""
 
-    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS, stale_hold_s: float = DEFAULT_STALE_HOLD_S) -> None:
+    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS, stale_hold_s: float = DEFAULT_STALE_HOLD_S,
+                 inflight_s: float = DEFAULT_INFLIGHT_S) -> None:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        if not inflight_s >= 0:
+            raise ValueError(f"inflight_s must be >= 0, got {inflight_s}")
         self.max_blocks = max_blocks
         self.stale_hold_s = stale_hold_s
+        self.inflight_s = inflight_s  # read by router.policy.tracking: what was sent lately counts as cached
         self.replicas: dict[str, ReplicaKV] = {}
 
     # ---- lifecycle

@@ -1,9 +1,9 @@
 """Policy names to policies. Unknown names raise, listing the known ones.
 
 A policy is a baseline by name, a shipped model by name (the stem of a file in router/policy/models/:
-`any-fleet`, `late-fleet`, `suite-fleet`), `learned` (the recommended shipped model, RECOMMENDED_MODEL), `gated`
-(`learned` gated by the fleet's measured speed spread, router/policy/gated.py), or a
-path to an `.onnx` file. Shipped models are found next to this module, so names work from an installed
+`any-fleet`, `cache-fleet`, `late-fleet`, `suite-fleet`), `learned` (the recommended shipped model,
+RECOMMENDED_MODEL), `gated` (`learned` behind the gate, router/policy/gated.py), `gated:MODEL` (the gate around
+another model: a shipped model's name or an `.onnx` path), or a path to an `.onnx` file. Shipped models are found next to this module, so names work from an installed
 package or image as from a checkout.
 """
 
@@ -30,6 +30,8 @@ RECOMMENDED_MODEL = "any-fleet"
 DEFAULT_MODEL_PATH = MODELS_DIR / f"{RECOMMENDED_MODEL}.onnx"  # what `learned` loads, live and simulated
 # `learned` where the measured speed spread says replicas differ, a heuristic on uniform pools (router/policy/gated.py)
 GATED = "gated"
+# `gated:MODEL`: the gate around MODEL instead of the recommended model (e.g. gated:cache-fleet, docs/peers.md)
+GATED_PREFIX = f"{GATED}:"
 #: What `router serve` serves when given no policy (docs/model-card-default.md, docs/peers.md "The gate")
 DEFAULT_POLICY = GATED
 
@@ -43,11 +45,19 @@ def policy_names(include_learned: bool = True) -> list[str]:
     return list(BASELINES) + ([LEARNED, GATED, *shipped_models()] if include_learned else [])
 
 
+def is_gated(name: str) -> bool:
+    """`gated` or `gated:MODEL`: a model served behind the gate."""
+    return name == GATED or name.startswith(GATED_PREFIX)
+
+
 def model_path(name: str) -> Path | None:
-    """The model file a learned policy name loads (`learned`, a shipped model's name or an .onnx path); None for
-    anything else (a baseline, an unknown name)."""
+    """The model file a learned policy name loads (`learned`, `gated`, `gated:MODEL`, a shipped model's name or an
+    .onnx path); None for anything else (a baseline, an unknown name)."""
     if name in (LEARNED, GATED):
         return DEFAULT_MODEL_PATH
+    if name.startswith(GATED_PREFIX):
+        inner = name[len(GATED_PREFIX):]
+        return None if is_gated(inner) else model_path(inner)
     if name.endswith(".onnx"):
         return Path(name)
     return shipped_models().get(name)
@@ -73,26 +83,34 @@ def model_policy(name: str, path: Path, seed: int | None = None, **kwargs) -> Po
     gated."""
     from routewise_vllm.router.policy.onnx_policy import OnnxPolicy  # onnxruntime only when asked for
 
-    if name == GATED:
+    if is_gated(name):
         return served_as(name, OnnxPolicy(path, seed=seed), seed=seed, **kwargs)
     return OnnxPolicy(path, seed=seed, **kwargs)
 
 
 def served_as(name: str, model: Policy, seed: int | None = None, **kwargs) -> Policy:
     """A learned policy already built (`model`; a gate's own model when it is a gate) served as `name` serves its
-    model: inside a new gate for `gated`, alone otherwise. An A/B promotion hands the treatment's model to the
+    model: inside a new gate for `gated` and `gated:MODEL`, alone otherwise. An A/B promotion hands the treatment's model to the
     control arm this way, so a gated control stays gated."""
     from routewise_vllm.router.policy.gated import GATE_HEURISTIC, GatedPolicy
 
     learned = model.learned if isinstance(model, GatedPolicy) else model
-    if name == GATED:
+    if is_gated(name):
         return GatedPolicy(learned, BASELINES[GATE_HEURISTIC](seed=seed), seed=seed, **kwargs)
     return learned
 
 
 def check_policy_name(value: str, field: str) -> str:
-    """A baseline name, `learned`, a shipped model's name, or the path of an existing `.onnx` file."""
+    """A baseline name, `learned`, `gated`, `gated:MODEL`, a shipped model's name, or the path of an existing `.onnx`
+    file."""
     if value in BASELINES or value in (LEARNED, GATED) or value in shipped_models():
+        return value
+    if value.startswith(GATED_PREFIX):
+        inner = value[len(GATED_PREFIX):]
+        if inner in BASELINES or is_gated(inner) or model_path(inner) is None:
+            raise ValueError(f"{field}={value!r}: the gate serves a model, a shipped model's name ("
+                             f"{', '.join(shipped_models())}) or an .onnx path, not {inner!r}")
+        check_policy_name(inner, field)
         return value
     if value.endswith(".onnx"):
         if not Path(value).is_file():

@@ -229,16 +229,26 @@ class ClusterTracker:
         fresh = kv.fresh_many(ids, now_s)
         if all(fresh):
             self.match_sources[_PRECISE] += 1
-            return kv.match_many(ids, blocks, self.kv_lora(request.model))
+            return self._with_inflight(kv, ids, blocks, now_s, kv.match_many(ids, blocks, self.kv_lora(request.model)))
         guess = self.prefix_index.match_many(ids, blocks)
         if not any(fresh):
             self.match_sources[_GUESS] += 1
             return guess
         self.match_sources[_MIXED] += 1
-        precise = kv.match_many(ids, blocks, self.kv_lora(request.model))
+        precise = self._with_inflight(kv, ids, blocks, now_s, kv.match_many(ids, blocks, self.kv_lora(request.model)))
         return [p if f else g for p, g, f in zip(precise, guess, fresh)]
 
-    def dispatch(self, replica_index: int, request: RequestInfo) -> ReplicaTracker:
+    def _with_inflight(self, kv: KVView, ids: list[str], blocks: tuple[int, ...], now_s: float,
+                       precise: list[int]) -> list[int]:
+        """The KV view's matches, raised to what was sent to each replica in the view's last `inflight_s`: a
+        request routed a moment ago has not been prefilled, so no event reports its blocks yet, and a burst of
+        requests on one document would otherwise each see it cached nowhere (llm-d's speculative entries)."""
+        if kv.inflight_s <= 0:
+            return precise
+        recent = self.prefix_index.recent_many(ids, blocks, now_s - kv.inflight_s)
+        return [p if p >= r else r for p, r in zip(precise, recent)]
+
+    def dispatch(self, replica_index: int, request: RequestInfo, now_s: float = -math.inf) -> ReplicaTracker:
         t = self.trackers[replica_index]
         t.on_dispatch(request)
         blocks = request.prefix_blocks
@@ -246,7 +256,7 @@ class ClusterTracker:
             # bound the index by the replica's scraped cache size, in the request's prefix blocks
             block_tokens = blocks.block_tokens if type(blocks) is TokenBlocks else self.prefix_block_tokens
             cap = max(1, t.kv_capacity_tokens // block_tokens) if t.kv_capacity_tokens else None
-            self.prefix_index.insert(t.replica_id, blocks, cap)
+            self.prefix_index.insert(t.replica_id, blocks, cap, now_s)
         return t
 
 

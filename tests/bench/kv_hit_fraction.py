@@ -14,6 +14,7 @@ with text); p50, p90 and p99 (nearest rank) are printed per arm, with the reques
 
 Arms (every one on KV events, the default, unless it says `--kv-events off`):
     default        `router serve` with no --policy: exactly what an operator gets (`gated` behind late binding)
+    default-events-only   the default with --kv-events-inflight-s 0 (blocks just sent not counted as cached)
     learned        `--policy learned`: the model alone, behind late binding (the default before the gate)
     gated          --policy gated --no-late-binding (the gate, routing every request at once)
     lo             --policy least-outstanding --kv-events off
@@ -61,6 +62,7 @@ from routewise_vllm.fleet.vllm import ensure_tiny_model, free_ports, start_serve
 # arm -> (the policy the router runs, `router serve` flags); NO_POLICY_FLAG arms pass no --policy at all
 ARMS = {
     "default": (DEFAULT_POLICY, []),  # no --policy: what an operator gets
+    "default-events-only": (DEFAULT_POLICY, ["--kv-events-inflight-s", "0"]),  # lately sent blocks not counted
     "learned": ("learned", []),
     "gated": ("gated", ["--no-late-binding"]),
     "lo": ("least-outstanding", ["--kv-events", "off"]),
@@ -73,7 +75,7 @@ ARMS = {
     "guess-two-routers": ("prefix-aware", ["--kv-events", "off"]),
     "events-two-routers": ("prefix-aware", []),
 }
-NO_POLICY_FLAG = {"default"}
+NO_POLICY_FLAG = {"default", "default-events-only"}
 TWO_ROUTERS = "-two-routers"
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "qu", "ex", "th", "sh", "ing", "ed", "er"]
 

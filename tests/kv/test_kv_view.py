@@ -143,3 +143,29 @@ def test_the_tracker_takes_fresh_views_and_guesses_for_stale_ones():
     assert [r.prefix_match_blocks for r in cluster.view(10.0, _request(tuple(REQ))).replicas] == [0, 5]
     assert cluster.match_sources == [1, 2, 1]
     assert math.isfinite(v.stats("a").last_event_s)
+
+
+def test_a_request_just_sent_counts_as_cached_until_its_events_could_say_so():
+    """A dispatch's blocks count on its replica for the view's inflight_s (the replica has not prefilled them, so no
+    event reports them yet); after that only the events do, and with inflight_s 0 they never count. The view's own
+    matches are never lowered, and a stale view still takes the guess."""
+    for inflight, at_1s, at_3s in ((2.0, [2, 6], [2, 0]), (0.0, [2, 0], [2, 0])):
+        cluster = ClusterTracker(["a", "b"])
+        v = view_with([stored([b"h0", b"h1"], None, 0)], stale_hold_s=5.0)
+        v.inflight_s = inflight
+        v.attach("b", 0.0)
+        cluster.kv_view = v
+        cluster.dispatch(1, _request(REQ), now_s=0.5)  # sent to b at 0.5 s
+        cluster.dispatch(0, _request(REQ[:1]), now_s=0.5)  # and one block to a, below what a reported
+        assert [r.prefix_match_blocks for r in cluster.view(1.0, _request(REQ)).replicas] == at_1s
+        assert [r.prefix_match_blocks for r in cluster.view(3.0, _request(REQ)).replicas] == at_3s
+    v.reject("b", 3.0, "garbage")
+    assert [r.prefix_match_blocks for r in cluster.view(3.0, _request(REQ)).replicas] == [2, 6]  # the guess
+
+
+
+def test_inflight_s_is_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="inflight_s must be >= 0, got -1"):
+        KVView(inflight_s=-1)

@@ -131,3 +131,16 @@ def test_a_flooding_publisher_is_read_at_a_bounded_rate(monkeypatch):
 
     asyncio.run(flood())
     assert sum(waited) == pytest.approx((1000 - 10) / 100.0, rel=0.01)  # 100 a second after a burst of 10
+
+
+def test_the_routers_and_the_simulators_views_take_their_inflight_window_from_one_default():
+    from routewise_vllm.simulator.config import ClusterConfig, KVViewConfig, ReplicaGroup
+    from routewise_vllm.simulator.kv_feed import KVFeed
+    from routewise_vllm.simulator.cluster import ClusterSim
+
+    assert kv_events().view.inflight_s == KVView().inflight_s == KVViewConfig().inflight_s == 2.0
+    assert kv_events(kv_events_inflight_s=0.25).view.inflight_s == 0.25
+    cfg = ClusterConfig(replicas=[ReplicaGroup(profile="llama3-8b-h100", count=2)],
+                        kv_view=KVViewConfig(mode="precise", inflight_s=0.75))
+    sim = ClusterSim(cfg, [], seed=0)
+    assert [r.kv_view.inflight_s for r in sim.routers] == [0.75]

@@ -54,11 +54,12 @@ def test_c_inputs_equal_model_inputs(width: int, healthy_share: float) -> None:
         np.testing.assert_array_equal(got[:, :N_FEATURES], rows)
 
 
-SHIPPED_MODELS = sorted(DEFAULT_MODEL_PATH.parent.glob("*.onnx"))  # suite-fleet.onnx, any-fleet.onnx, late-fleet.onnx
+SHIPPED_MODELS = sorted(DEFAULT_MODEL_PATH.parent.glob("*.onnx"))
 
 
-def test_the_three_models_ship():
-    assert {p.name for p in SHIPPED_MODELS} == {"suite-fleet.onnx", "any-fleet.onnx", "late-fleet.onnx"}
+def test_the_four_models_ship():
+    assert {p.name for p in SHIPPED_MODELS} == {"suite-fleet.onnx", "any-fleet.onnx", "late-fleet.onnx",
+                                                "cache-fleet.onnx"}
 
 
 @needs_ext

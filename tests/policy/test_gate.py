@@ -11,7 +11,8 @@ from routewise_vllm.router.policy.base import Policy
 from routewise_vllm.router.policy.fallback import FallbackPolicy
 from routewise_vllm.router.policy.gated import GatedPolicy, cached_fraction, next_cache, next_state, speed_spread
 from routewise_vllm.router.policy.late_binding import restrict
-from routewise_vllm.router.policy.registry import GATED, check_policy_name, is_learned, make_policy, policy_names
+from routewise_vllm.router.policy.registry import (DEFAULT_MODEL_PATH, GATED, check_policy_name, is_learned, make_policy,
+                                                   policy_names)
 from routewise_vllm.router.policy.served import guard_settings
 
 REQ = RequestInfo("q", 1000, 64)
@@ -239,3 +240,28 @@ def test_a_model_served_as_gated_is_put_behind_a_new_gate_and_a_gate_hands_its_m
     again = served_as(GATED, gate)  # a gated treatment promoted into a gated control: one gate, the same model
     assert isinstance(again, GatedPolicy) and again is not gate and again.learned is model
     assert served_as("learned", gate) is model and served_as("/models/x.onnx", model) is model
+
+
+def test_gated_model_puts_the_gate_around_that_model_and_keeps_it_there():
+    """`gated:MODEL`: the gate around a shipped model or an .onnx file; reloads and A/B promotions of that arm stay
+    gated; names the gate cannot serve are refused, each naming what was wrong."""
+    from routewise_vllm.router.policy.registry import MODELS_DIR, model_path, model_policy, served_as
+    from routewise_vllm.simulator.experiments import ExperimentError, resolve_policies
+
+    cache = MODELS_DIR / "cache-fleet.onnx"
+    for name in ("gated:cache-fleet", f"gated:{cache}"):
+        assert check_policy_name(name, "policy") == name and is_learned(name) and model_path(name) == cache
+        gate = make_policy(name, seed=0)
+        assert isinstance(gate, GatedPolicy) and gate.learned.path == cache and gate.heuristic.name == "llm-d"
+        assert gate.describe()["version"].startswith("cache-fleet")
+        reloaded = model_policy(name, DEFAULT_MODEL_PATH, seed=0)  # router.serving.reload with a new file
+        assert isinstance(reloaded, GatedPolicy) and reloaded.learned.path == DEFAULT_MODEL_PATH
+        assert isinstance(served_as(name, Scorer()), GatedPolicy)
+        assert guard_settings(name) == guard_settings(GATED)
+    assert resolve_policies("gated:cache-fleet,gated") == ["gated:cache-fleet", "gated"]
+    for bad, words in (("gated:llm-d", "not 'llm-d'"), ("gated:gated", "not 'gated'"), ("gated:nope", "not 'nope'"),
+                       ("gated:/no/such.onnx", "model file not found")):
+        with pytest.raises(ValueError, match=words):
+            check_policy_name(bad, "policy")
+        with pytest.raises(ExperimentError, match=words):
+            resolve_policies(bad)

@@ -36,3 +36,16 @@ def test_late_fleet_card_was_trained_behind_late_binding_by_its_config_file():
     evaluation = card["evaluation"]  # evaluated as it is meant to run: behind late binding, like with like
     assert evaluation["late_binding"] is not None
     assert all("late_ttft_p99_ratio" in s for s in evaluation["vs_best_heuristic"])
+
+
+def test_cache_fleet_card_was_trained_on_the_uniform_pools_with_kv_event_views_by_its_config_file():
+    cache = DEFAULT_MODEL_PATH.parent / "cache-fleet.onnx"
+    card = json.loads(cache.with_suffix(".json").read_text())
+    config = load_config(ROOT / "trainer/configs/cache-fleet.yaml").model_dump(mode="json")
+    assert TrainConfig.model_validate(card["training"]["config"]).model_dump(mode="json") == config
+    env = config["env"]
+    assert env["late_binding"] is True and env["randomisation"]["kv_events_prob"] == 0.5
+    assert {s for s in env["scenarios"] if s.startswith("uniform-")} == {
+        "uniform-tenants-8", "uniform-tenants-2", "uniform-chat-4", "uniform-chat-32", "uniform-rag-16", "uniform-rag-4-l4"}
+    assert card["policy_version"] == f"cache-fleet-{card['training']['selected_checkpoint']}"
+    assert OnnxPolicy(cache).describe()["version"] == card["policy_version"]
