@@ -85,7 +85,7 @@ class PrefixIndex:
 
     Per replica, an LRU of chained block hashes bounded by the replica's estimated cache
     capacity (in blocks). Inserting at dispatch mirrors SGLang's approximate radix tree. Each block keeps the time
-    it was last sent (`recent_many`: what was sent lately, not yet in a replica's KV events).
+    it was last sent (`extend_recent`: what was sent lately, not yet in a replica's KV events).
     """
 
     def __init__(self, capacity_blocks: int = 4096) -> None:
@@ -123,27 +123,26 @@ class PrefixIndex:
             out.append(n)
         return out
 
-    def recent_many(self, replica_ids: list[str], blocks: tuple[int, ...], since_s: float) -> list[int]:
-        """Per replica, the request's leading blocks sent to it at or after `since_s`."""
-        if not blocks:
-            return [0] * len(replica_ids)
+    def extend_recent(self, replica_ids: list[str], blocks: tuple[int, ...], matched: list[int], since_s: float) -> list[int]:
+        """Per replica, `matched` (leading blocks known cached there) extended over the following blocks sent to it
+        at or after `since_s`. A block's time is never older than a later block's of the same chain (a prompt sends
+        its whole prefix), so this is the larger of `matched` and the recently sent prefix, found with one lookup per
+        replica once the events have caught up."""
+        n_blocks = len(blocks)
         get = self._lru.get
         out = []
-        for rid in replica_ids:
+        for rid, n in zip(replica_ids, matched):
             lru = get(rid)
-            n = 0
             if lru:
-                for b in blocks:
-                    t = lru.get(b)
-                    if t is None or t < since_s:
-                        break
+                at = lru.get
+                while n < n_blocks and at(blocks[n], -math.inf) >= since_s:
                     n += 1
             out.append(n)
         return out
 
     def insert(self, replica_id: str, blocks: tuple[int, ...], capacity_blocks: int | None = None,
                now_s: float = -math.inf) -> None:
-        """`now_s`: when the blocks were sent (-inf, unknown: never counted by `recent_many`)."""
+        """`now_s`: when the blocks were sent (-inf, unknown: never counted by `extend_recent`)."""
         if not blocks:
             return
         lru = self._lru.setdefault(replica_id, OrderedDict())

@@ -245,8 +245,7 @@ class ClusterTracker:
         requests on one document would otherwise each see it cached nowhere (llm-d's speculative entries)."""
         if kv.inflight_s <= 0:
             return precise
-        recent = self.prefix_index.recent_many(ids, blocks, now_s - kv.inflight_s)
-        return [p if p >= r else r for p, r in zip(precise, recent)]
+        return self.prefix_index.extend_recent(ids, blocks, precise, now_s - kv.inflight_s)
 
     def dispatch(self, replica_index: int, request: RequestInfo, now_s: float = -math.inf) -> ReplicaTracker:
         t = self.trackers[replica_index]
