@@ -15,6 +15,7 @@ with text); p50, p90 and p99 (nearest rank) are printed per arm, with the reques
 Arms (every one on KV events, the default, unless it says `--kv-events off`):
     default        `router serve` with no --policy: exactly what an operator gets (`gated` behind late binding)
     default-events-only   the default with --kv-events-inflight-s 0 (blocks just sent not counted as cached)
+    gated-cache    --policy gated:cache-fleet (the gate around cache-fleet, behind late binding)
     learned        `--policy learned`: the model alone, behind late binding (the default before the gate)
     gated          --policy gated --no-late-binding (the gate, routing every request at once)
     lo             --policy least-outstanding --kv-events off
@@ -64,6 +65,7 @@ ARMS = {
     "default": (DEFAULT_POLICY, []),  # no --policy: what an operator gets
     "default-events-only": (DEFAULT_POLICY, ["--kv-events-inflight-s", "0"]),  # lately sent blocks not counted
     "learned": ("learned", []),
+    "gated-cache": ("gated:cache-fleet", []),  # the gate around the model trained for the cache
     "gated": ("gated", ["--no-late-binding"]),
     "lo": ("least-outstanding", ["--kv-events", "off"]),
     "prefix-aware": ("prefix-aware", []),
