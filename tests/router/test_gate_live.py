@@ -23,3 +23,20 @@ async def test_gated_serves_and_hands_a_shared_prompt_pool_to_its_heuristic(fake
     assert sum(gate.decisions.values()) == 12
     info = client.app[ROUTER].main.policy.describe()["primary"]
     assert info["name"] == "gated" and info["heuristic"]["name"] == "llm-d" and info["version"].startswith("any-fleet")
+
+
+async def test_gated_model_serves_live_with_that_model_deciding(fakes, router_client):
+    """`--policy gated:cache-fleet`: the router builds the gate around the named model, and that model decides the
+    learned decisions (no fallback to least-outstanding)."""
+    a, b = await fakes(2)
+    client = await router_client([a.url, b.url], policy="gated:cache-fleet")
+    for i in range(12):
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT + f"question {i}",
+                                                          "max_tokens": 4})
+        assert resp.status == 200, await resp.text()
+    served = client.app[ROUTER].main.policy
+    gate = served.primary
+    assert gate.decisions["learned"] >= 1 and sum(gate.decisions.values()) == 12, gate.describe()
+    assert served.fallback_share == 0.0
+    info = served.describe()["primary"]
+    assert info["name"] == "gated" and info["version"].startswith("cache-fleet")
