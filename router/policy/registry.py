@@ -3,8 +3,8 @@
 A policy is a baseline by name, a shipped model by name (the stem of a file in router/policy/models/:
 `any-fleet`, `cache-fleet`, `late-fleet`, `suite-fleet`), `learned` (the recommended shipped model,
 RECOMMENDED_MODEL), `gated` (`learned` behind the gate, router/policy/gated.py), `gated:MODEL` (the gate around
-another model: a shipped model's name or an `.onnx` path), or a path to an `.onnx` file. Shipped models are found next to this module, so names work from an installed
-package or image as from a checkout.
+another model: a shipped model's name or an `.onnx` path), or a path to an `.onnx` file. Shipped models are found
+next to this module, so names work from an installed package or image as from a checkout.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def model_policy(name: str, path: Path, seed: int | None = None, **kwargs) -> Po
 
 def served_as(name: str, model: Policy, seed: int | None = None, **kwargs) -> Policy:
     """A learned policy already built (`model`; a gate's own model when it is a gate) served as `name` serves its
-    model: inside a new gate for `gated` and `gated:MODEL`, alone otherwise. An A/B promotion hands the treatment's model to the
-    control arm this way, so a gated control stays gated."""
+    model: inside a new gate for `gated` and `gated:MODEL`, alone otherwise. An A/B promotion hands the treatment's
+    model to the control arm this way, so a gated control stays gated."""
     from routewise_vllm.router.policy.gated import GATE_HEURISTIC, GatedPolicy
 
     learned = model.learned if isinstance(model, GatedPolicy) else model

@@ -40,14 +40,8 @@ SETTINGS = {"mixed_min_spread": "mixed_min_spread", "evidence": "max_evidence", 
 
 
 def gate(seed: int, settings: dict[str, float], model: Path | None = None):
-    """The gate as it is served, around `model` (an .onnx file) instead of the shipped model when given."""
-    primary = None
-    if model is not None:
-        from routewise_vllm.router.policy.onnx_policy import OnnxPolicy
-        from routewise_vllm.router.policy.registry import served_as
-
-        primary = served_as("gated", OnnxPolicy(model, seed=seed), seed=seed)
-    policy = served_policy("gated", seed=seed, primary=primary)
+    """The gate as it is served, around `model` (an .onnx file: `gated:MODEL`) instead of the shipped model when given."""
+    policy = served_policy("gated" if model is None else f"gated:{model}", seed=seed)
     for name, value in settings.items():
         setattr(policy.primary, SETTINGS[name], int(value) if name in ("evidence", "dwell", "cache_window") else value)
     return policy
