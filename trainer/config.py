@@ -214,6 +214,10 @@ class PPOConfig(_Strict):
     paired_baseline: bool = Field(
         True, description="subtract the best heuristic's per-decision reward on the same arrival sequence (variance cut)"
     )
+    paired_with_peers: bool = Field(
+        False, description="choose the paired (and selection's) best heuristic among the peers' algorithms too "
+        "(llm-d, llm-d-blend, dynamo-kv), not only routewise's own",
+    )
     relative_paired: bool = Field(
         True, description="divide paired rewards by the heuristic's mean cost per decision (balances light and overloaded episodes)"
     )

@@ -141,14 +141,21 @@ def validation_specs(cfg: TrainConfig) -> list[InstanceSpec]:
     return random_fleet_specs(list(cfg.env.scenarios), cfg.run.validation_fleets, VALIDATION_SEED_BASE, cfg.env.eval_max_requests)
 
 
+def compared_heuristics(cfg: TrainConfig) -> tuple[str, ...]:
+    """The heuristics a run pairs its rewards with and measures itself against: routewise's own, and the peers'
+    algorithms with `ppo.paired_with_peers`."""
+    from routewise_vllm.router.policy.registry import COMPARED_BASELINES, PEER_BASELINES
+
+    return COMPARED_BASELINES + (PEER_BASELINES if cfg.ppo.paired_with_peers else ())
+
+
 def select_best_heuristics(pool: WorkerPool, cfg: TrainConfig) -> tuple[dict[str, str], dict[str, dict[str, float]], dict]:
     """Per scenario, the baseline with the lowest mean p99 TTFT on TRAIN-window instances.
 
     Returns (best name per scenario, mean p99 per scenario and baseline, every run's summary by
     (scenario, seed, policy) for later comparisons on the same instances).
     """
-    from routewise_vllm.router.policy.registry import COMPARED_BASELINES as names
-
+    names = compared_heuristics(cfg)
     specs = eval_specs(cfg, max(cfg.warm_start.selection_seeds, cfg.run.eval_seeds))
     jobs = [HeuristicJob(s, p) for s in specs + validation_specs(cfg) for p in names]
     results: list[HeuristicRun] = pool.run("heuristics", [{"jobs": part} for part in pool.split(jobs, key=lambda j: j.spec.seed)])
@@ -438,8 +445,7 @@ def evaluate_on_train(pool: WorkerPool, cfg: TrainConfig, net: RoutingNet, best:
     eps = [e for e in every if not e.spec.random_fleet]
     out: dict[str, float] = {}
     if validation:  # p99 over the best of the heuristics on each instance (chosen with hindsight, as the bench does)
-        from routewise_vllm.router.policy.registry import COMPARED_BASELINES as names
-
+        names = compared_heuristics(cfg)
         ratios = [
             e.summary["ttft_p99_s"] / max(1e-9, min(heuristic_runs[(e.spec.scenario, e.spec.seed, n)]["ttft_p99_s"] for n in names))
             for e in every

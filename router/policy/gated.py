@@ -24,7 +24,12 @@ learned policy, 1.2-2.9x under the heuristic, which spreads prefill work evenly)
 2.0 now and then (for a few decisions). So the spread is judged while the heuristic decides, over 50 decisions'
 worth of evidence, and the learned policy then keeps the fleet for `dwell` decisions before the gate looks again.
 
-Each decision applies the rule to its own view, then decides in the resulting mode. The gate serves behind
+Each request applies the rule once, to the view of the first time the gate is asked about it, and is decided in the
+resulting mode. Behind late binding that is the room stage's question (`binds_late`), before the request can be held
+or handed to the only replica with room without a pick: so every request counts in the rule, and one that arrives
+once the cache decides goes at once to the heuristic's pick. (Judged at the pick only, an overloaded pool whose
+requests late binding held and handed out without a pick kept the gate in the mode it had before they came: on
+uniform-tenants-2 a fifth of the requests went to whichever replica freed first.) The gate serves behind
 FallbackPolicy, which asks a primary for `best`, then `scores` (the learned policy scores the whole fleet behind
 late binding), and for `choose` on the view late binding restricted when both say None (router.policy.base.Policy).
 So in `learned` mode the gate answers `best` and `scores` with the learned policy's; in `heuristic` mode both say
@@ -34,6 +39,7 @@ None and `choose` is the heuristic's, on the same restricted view it gets when i
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Literal
 
 import numpy as np
@@ -57,6 +63,9 @@ MIN_MEASURED_SHARE = 0.5
 CACHE_ON = 0.3
 CACHE_OFF = 0.2
 CACHE_WINDOW = 200
+# Requests judged by the room stage whose pick has not come yet (held ones wait in the router's queue); a request
+# handed to its only replica with room is never picked, so the oldest are forgotten past this many.
+JUDGED_MEMORY = 4096
 
 
 def speed_spread(view: ClusterView, min_measured: int = MIN_MEASURED,
@@ -153,14 +162,26 @@ class GatedPolicy(Policy):
         self.spread_range = (math.inf, 0.0)  # the least and the most measured so far
         self.switches = 0
         self.decisions = {m: 0 for m in MODES}
-        self._request: RequestInfo | None = None  # the request whose decision the mode is for
+        self._request: RequestInfo | None = None  # the request the last question was about
+        self._request_mode: Mode = "learned"  # ... and its mode
+        self._judged: OrderedDict[str, Mode] = OrderedDict()  # judged requests' modes by id (JUDGED_MEMORY)
 
     def _update(self, view: ClusterView, request: RequestInfo) -> Mode:
-        """The mode for this decision: the rule applied once per request (FallbackPolicy may ask `best`, `scores`
-        and `choose` for one decision, on the view or on the late-binding context, which carry the same floors)."""
+        """The request's mode: the rule applied once per request, on the view of the first question about it (the
+        room stage's `binds_late`, or the pick's; FallbackPolicy may ask `best`, `scores` and `choose` for one
+        decision, on the view or on the late-binding context, which carry the same floors)."""
         if request is self._request:
-            return self.mode
-        self._request = request
+            return self._request_mode
+        mode = self._judged.get(request.request_id)
+        if mode is None:
+            mode = self._judge(view, request)
+            self._judged[request.request_id] = mode
+            if len(self._judged) > JUDGED_MEMORY:
+                self._judged.popitem(last=False)
+        self._request, self._request_mode = request, mode
+        return mode
+
+    def _judge(self, view: ClusterView, request: RequestInfo) -> Mode:
         spread = speed_spread(view, self.min_measured, self.min_measured_share)
         if spread is not None:
             self.spread = spread
@@ -203,9 +224,9 @@ class GatedPolicy(Policy):
 
     def binds_late(self, view: ClusterView, request: RequestInfo) -> bool:
         """Not while the heuristic routes: behind late binding a held request goes to whichever replica frees first,
-        which undoes what a cache-aware pick wins (docs/peers.md, "The gate"). The mode of the last decision: the
-        rule itself runs once per request, at the pick."""
-        return self.mode != "heuristic"
+        which undoes what a cache-aware pick wins (docs/peers.md, "The gate"). The room stage asks before a request
+        can be held, so the rule judges the request here (the module's docstring)."""
+        return self._update(view, request) != "heuristic"
 
     def choose(self, view: ClusterView, request: RequestInfo) -> int:
         mode = self._update(view, request)

@@ -176,9 +176,9 @@ def test_behind_late_binding_learned_scores_the_fleet_and_the_heuristic_sees_the
 
 
 def test_late_binding_holds_for_the_learned_policy_not_while_the_heuristic_routes():
-    """The room stage asks the gate first (router.policy.pipeline): in learned mode late binding's rule applies; once
-    the heuristic routes, requests go at once to its pick over every candidate (held, a request would go to
-    whichever replica frees first, undoing the cache-aware pick)."""
+    """The room stage asks the gate first (router.policy.pipeline), and the gate judges the request then: in learned
+    mode late binding's rule applies; a request that finds the cache deciding goes at once to the heuristic's pick over
+    every candidate (held, a request would go to whichever replica frees first, undoing the cache-aware pick)."""
     from routewise_vllm.router.policy.late_binding import LateBindingConfig, ReplicaLimit
     from routewise_vllm.router.policy.pipeline import HELD, POLICY_ROUTES, Pipeline, Room
 
@@ -187,11 +187,40 @@ def test_late_binding_holds_for_the_learned_policy_not_while_the_heuristic_route
     full = Room([ReplicaLimit(max_outstanding=1, max_prefill_tokens=10_000)] * 3, 0, False, 0.0, LateBindingConfig())
     busy = ClusterView(tuple(ReplicaSnapshot(f"r{i}", True, 1, 0, tpot_floor_s=0.010, prefix_match_blocks=m)
                              for i, m in enumerate((0, 2, 0))))
-    assert gate.binds_late(busy, req(0)) and Pipeline().decide(busy, req(0), pol, room=full) is HELD
-    pol.decide(view(0.010, 0.011, 0.010), req(1))  # the cache share turns on: the heuristic routes
-    assert gate.mode == "heuristic" and not pol.binds_late(busy, req(2))
-    out = Pipeline().decide(busy, req(2), pol, room=full)
-    assert (out.index, out.late) == (0, POLICY_ROUTES)  # Lowest's pick over all three, none of which has room
+    # no blocks: fraction 0, the share stays 0, learned: held
+    assert pol.binds_late(busy, req(0, cached=False)) and Pipeline().decide(busy, req(0, cached=False), pol, room=full) is HELD
+    assert (gate.seen, gate.mode) == (1, "learned")  # asked twice about one request: judged once
+    # replica 1 holds both blocks: fraction 1, share (0 + 1) / 2 = 0.5 >= 0.3: this very request goes at once
+    out = Pipeline().decide(busy, req(1), pol, room=full)
+    assert (out.index, out.late, gate.mode, gate.seen) == (0, POLICY_ROUTES, "heuristic", 2)  # Lowest's pick of all three
+
+
+def test_every_request_the_room_stage_asks_about_counts_once_picked_or_not():
+    """Requests late binding holds and then hands to the only replica with room are never picked: judged by the room
+    stage's question, they still move the rule (before, an overloaded pool stayed in the mode it had before them), and
+    one judged then keeps its mode at its pick, however many others came between."""
+    gate = GatedPolicy(Scorer(), Lowest(), cache_window=4)
+    uniform = view(0.010, 0.011, 0.010)
+    assert gate.binds_late(uniform, req(0, cached=False))  # share 0: learned, may be held
+    for i in range(1, 4):  # three cached requests, asked about and never picked: (0 + 1 + 1 + 1) / 4 = 0.75
+        gate.binds_late(uniform, req(i))
+    assert (gate.seen, gate.mode, gate.cache_share) == (4, "heuristic", pytest.approx(0.75))
+    assert gate.decisions == {"learned": 0, "heuristic": 0}  # no pick yet
+    # the first request, picked at last: in its own mode (learned: the scorer's pick, the last replica), not judged again
+    assert served(gate).decide(uniform, req(0, cached=False)).index == 2
+    assert gate.seen == 4 and gate.decisions == {"learned": 1, "heuristic": 0}
+
+
+def test_the_judged_requests_are_forgotten_past_a_bound(monkeypatch):
+    from routewise_vllm.router.policy import gated
+
+    monkeypatch.setattr(gated, "JUDGED_MEMORY", 3)
+    gate = GatedPolicy(Scorer(), Lowest())
+    for i in range(5):
+        gate.binds_late(view(0.010, 0.010), req(i))
+    assert list(gate._judged) == ["q2", "q3", "q4"]
+    gate.binds_late(view(0.010, 0.010), req(0))  # forgotten: judged as a new request
+    assert gate.seen == 6
 
 
 def test_reset_starts_over_in_learned_mode():
