@@ -1,4 +1,4 @@
-"""The gated policy's modes per instance: the speed spread it measured, its cache share, and how many decisions each
+r"""The gated policy's modes per instance: the speed spread it measured, its cache share, and how many decisions each
 mode made, behind late binding as the gate is served (router/policy/gated.py). An instance whose decisions were all
 `learned` was routed exactly as `learned` routes it (the gate hands every decision to the same model).
 

@@ -1,4 +1,4 @@
-"""vLLM's own prefix-cache hit fraction and the client's TTFT behind the router, per arm (a policy and its flags):
+r"""vLLM's own prefix-cache hit fraction and the client's TTFT behind the router, per arm (a policy and its flags):
 the product's default, least-outstanding, prefix-aware (on the router's guess or on the replicas' KV events), gated,
 and the peers' algorithms (llm-d, llm-d-blend, dynamo-kv).
 
@@ -28,6 +28,9 @@ Arms (every one on KV events, the default, unless it says `--kv-events off`):
 
     flock /tmp/vllm.lock .venv/bin/python tests/bench/kv_hit_fraction.py [--requests 96] [--seed 0] \
         [--arms lo,prefix-aware,llm-d,llm-d-blend,dynamo-kv,gated,default] [--tokenizer] [--json FILE]
+    # where the cache decides: ~1,900-token prompts, which no longer all fit one server's cache (docs/fidelity.md)
+    flock /tmp/vllm.lock .venv/bin/python tests/bench/kv_hit_fraction.py --words 800 --requests 1000 \
+        --arms default,lo,prefix-aware,lo,prefix-aware,default,prefix-aware,default,lo
 
 Needs the vLLM venv (scripts/install-vllm.sh or ROUTEWISE_VLLM_PYTHON). Run time on 2 cores shared with other
 jobs (load average 2-8): the servers' start (about 60 s) plus, per arm, 2-3 s of router start and 25-50 ms a
@@ -235,7 +238,8 @@ def main() -> int:
                     "twice runs twice, each time on prompts of its own")
     ap.add_argument("--seed", type=int, default=0, help="the arm at position i (from 1) has prompts and request order "
                     "of seed + i")
-    ap.add_argument("--words", type=int, default=400)
+    ap.add_argument("--words", type=int, default=400, help="words per system prompt (~2.4 tokens each); 800 makes the "
+                    "twelve prompts outgrow one server's 16 MiB cache, so routing decides the hit fraction")
     ap.add_argument("--kv-bytes", default="16M")
     ap.add_argument("--warmup", type=int, default=8, help="requests straight to each server before the first arm")
     ap.add_argument("--router-args", default="", help="more `router serve` flags for every arm")

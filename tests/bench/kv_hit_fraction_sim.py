@@ -1,4 +1,4 @@
-"""The hit-fraction bench (tests/bench/kv_hit_fraction.py) replayed in the simulator: the same three arms
+r"""The hit-fraction bench (tests/bench/kv_hit_fraction.py) replayed in the simulator: the same three arms
 (least-outstanding, prefix-aware on the guess, prefix-aware on the KV events) on the same workload, reported beside
 the live hit fractions.
 
