@@ -162,23 +162,18 @@ class GatedPolicy(Policy):
         self.spread_range = (math.inf, 0.0)  # the least and the most measured so far
         self.switches = 0
         self.decisions = {m: 0 for m in MODES}
-        self._request: RequestInfo | None = None  # the request the last question was about
-        self._request_mode: Mode = "learned"  # ... and its mode
         self._judged: OrderedDict[str, Mode] = OrderedDict()  # judged requests' modes by id (JUDGED_MEMORY)
 
     def _update(self, view: ClusterView, request: RequestInfo) -> Mode:
         """The request's mode: the rule applied once per request, on the view of the first question about it (the
         room stage's `binds_late`, or the pick's; FallbackPolicy may ask `best`, `scores` and `choose` for one
         decision, on the view or on the late-binding context, which carry the same floors)."""
-        if request is self._request:
-            return self._request_mode
         mode = self._judged.get(request.request_id)
         if mode is None:
             mode = self._judge(view, request)
             self._judged[request.request_id] = mode
             if len(self._judged) > JUDGED_MEMORY:
                 self._judged.popitem(last=False)
-        self._request, self._request_mode = request, mode
         return mode
 
     def _judge(self, view: ClusterView, request: RequestInfo) -> Mode:
