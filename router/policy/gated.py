@@ -14,7 +14,9 @@ simulated alike; no configuration of the fleet is read:
   (`tpot_floor_s`, a low percentile of its measured time per output token, router.policy.tracking), known once at
   least `min_measured` replicas, and at least `min_measured_share` of the view's, have one. Evidence: +1 for each
   spread >= `mixed_min_spread` (2.0), -1 for each below, between 0 and `evidence` (50). Evidence at 50 latches
-  `learned` for `dwell` decisions (this one included), renewed while it stays at 50.
+  `learned` for `dwell` decisions (this one included), renewed while it stays at 50. A spread the load explains is
+  no evidence either way: where the slowest replica has at least `max_load_ratio` (3) times the fastest's requests
+  in flight (each plus one), its floor measures its batch, not its GPU.
 
 The heuristic decides when the cache share is on and no latch runs; otherwise the learned policy.
 
@@ -23,6 +25,10 @@ replicas more than slow ones, which brings their floors together (an H100 + A100
 learned policy, 1.2-2.9x under the heuristic, which spreads prefill work evenly), and a uniform pool's floors touch
 2.0 now and then (for a few decisions). So the spread is judged while the heuristic decides, over 50 decisions'
 worth of evidence, and the learned policy then keeps the fleet for `dwell` decisions before the gate looks again.
+Why the load ratio: the heuristic's cache affinity piles a hot prefix's requests onto a few replicas of a uniform
+pool, whose floors then reach 3.6-4.3x the others' (uniform-rag-16 under llm-d: 170-220 running where the fastest
+floor's replica runs 6-9); a mixed fleet's slow replicas carry about what its fast ones do (1.1-1.6x under llm-d:
+heterogeneous, shape-conv-mix2x, the random fleets with shared prefixes; docs/peers.md, "The gate").
 
 Each request applies the rule once, to the view of the first time the gate is asked about it, and is decided in the
 resulting mode. Behind late binding that is the room stage's question (`binds_late`), before the request can be held
@@ -57,6 +63,7 @@ GATE_HEURISTIC = "llm-d"
 # A100 mix passes it on most decisions, an H100 + L4 mix on all (docs/peers.md, "The gate").
 MIXED_MIN_SPREAD = 2.0
 MIXED_EVIDENCE = 50
+MAX_LOAD_RATIO = 3.0
 DWELL_DECISIONS = 10_000
 MIN_MEASURED = 2
 MIN_MEASURED_SHARE = 0.5
@@ -87,6 +94,22 @@ def speed_spread(view: ClusterView, min_measured: int = MIN_MEASURED,
     if n < min_measured or n < min_measured_share * len(view.replicas):
         return None
     return hi / lo
+
+
+def load_ratio(view: ClusterView) -> float | None:
+    """Requests in flight at the replica with the slowest TPOT floor over those at the fastest's, each plus one
+    (None while fewer than two replicas have a floor)."""
+    slow = fast = None
+    for r in view.replicas:
+        f = r.tpot_floor_s
+        if f is not None and f > 0:
+            if slow is None or f > slow.tpot_floor_s:
+                slow = r
+            if fast is None or f < fast.tpot_floor_s:
+                fast = r
+    if slow is None or slow is fast:
+        return None
+    return (slow.outstanding + 1) / (fast.outstanding + 1)
 
 
 def next_state(latch: int, evidence: int, spread: float | None, mixed_min_spread: float = MIXED_MIN_SPREAD,
@@ -127,7 +150,7 @@ class GatedPolicy(Policy):
                  mixed_min_spread: float = MIXED_MIN_SPREAD, evidence: int = MIXED_EVIDENCE,
                  dwell: int = DWELL_DECISIONS, cache_on: float = CACHE_ON, cache_off: float = CACHE_OFF,
                  cache_window: int = CACHE_WINDOW, min_measured: int = MIN_MEASURED,
-                 min_measured_share: float = MIN_MEASURED_SHARE) -> None:
+                 min_measured_share: float = MIN_MEASURED_SHARE, max_load_ratio: float = MAX_LOAD_RATIO) -> None:
         super().__init__(seed)
         if not mixed_min_spread >= 1.0:
             raise ValueError(f"mixed_min_spread must be >= 1 (a ratio of speeds), got {mixed_min_spread}")
@@ -136,6 +159,8 @@ class GatedPolicy(Policy):
         if not 0.0 <= cache_off <= cache_on <= 1.0 or cache_window < 1:
             raise ValueError(f"need 0 <= cache_off <= cache_on <= 1 and cache_window >= 1, got {cache_off}, {cache_on} "
                              f"and {cache_window}")
+        if not max_load_ratio > 1.0:
+            raise ValueError(f"max_load_ratio must be > 1 (a ratio of loads), got {max_load_ratio}")
         if min_measured < 1 or not 0.0 <= min_measured_share <= 1.0:
             raise ValueError(f"need min_measured >= 1 and min_measured_share in [0, 1], got {min_measured} and "
                              f"{min_measured_share}")
@@ -149,6 +174,7 @@ class GatedPolicy(Policy):
         self.cache_window = cache_window
         self.min_measured = min_measured
         self.min_measured_share = min_measured_share
+        self.max_load_ratio = max_load_ratio
         self._start()
 
     def _start(self) -> None:
@@ -182,6 +208,8 @@ class GatedPolicy(Policy):
             self.spread = spread
             lo, hi = self.spread_range
             self.spread_range = (min(lo, spread), max(hi, spread))
+            if spread >= self.mixed_min_spread and (load_ratio(view) or 1.0) >= self.max_load_ratio:
+                spread = None  # the load explains it (the module's docstring)
         self.latch, self.evidence = next_state(self.latch, self.evidence, spread, self.mixed_min_spread,
                                                self.max_evidence, self.dwell)
         self.seen += 1
@@ -243,6 +271,7 @@ class GatedPolicy(Policy):
         # the learned model's version, feature hash and load state: what the router's policy info reports
         return {**{k: v for k, v in learned.items() if k != "name"}, "name": self.name, "mode": self.mode,
                 "speed_spread": self.spread, "switches": self.switches, "decisions": dict(self.decisions),
-                "mixed_min_spread": self.mixed_min_spread, "dwell": self.dwell, "latch": self.latch,
+                "mixed_min_spread": self.mixed_min_spread, "max_load_ratio": self.max_load_ratio, "dwell": self.dwell,
+                "latch": self.latch,
                 "evidence": self.evidence, "cache_share": self.cache_share, "cache_heavy": self.cache_heavy,
                 "learned": learned, "heuristic": self.heuristic.describe()}

@@ -36,7 +36,8 @@ from routewise_vllm.simulator.scenario import load_scenario  # noqa: E402
 
 # --set NAME=VALUE: GatedPolicy's keyword arguments, as the attribute each one sets
 SETTINGS = {"mixed_min_spread": "mixed_min_spread", "evidence": "max_evidence", "dwell": "dwell",
-            "cache_on": "cache_on", "cache_off": "cache_off", "cache_window": "cache_window"}
+            "cache_on": "cache_on", "cache_off": "cache_off", "cache_window": "cache_window",
+            "max_load_ratio": "max_load_ratio"}
 
 
 def gate(seed: int, settings: dict[str, float], model: Path | None = None):

@@ -51,7 +51,7 @@ def test_follow_fine_tunes_on_the_live_log_and_hands_over(vllm_servers, tmp_path
     try:
         statuses = asyncio.run(stream_requests(router.base_url, 160))
         assert statuses == [200] * 160
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # an outer bound for a busy host: the log writer flushes in the background
         while sum(f.read_text().count("\n") for f in logdir.glob("decisions-*.jsonl")) < 160 and time.monotonic() < deadline:
             time.sleep(0.1)
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), ROUTEWISE_ADMIN_TOKEN=ADMIN_TOKEN, OMP_NUM_THREADS="1")

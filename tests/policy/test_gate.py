@@ -9,7 +9,8 @@ import pytest
 from routewise_vllm.router.policy import ClusterView, ReplicaSnapshot, RequestInfo
 from routewise_vllm.router.policy.base import Policy
 from routewise_vllm.router.policy.fallback import FallbackPolicy
-from routewise_vllm.router.policy.gated import GatedPolicy, cached_fraction, next_cache, next_state, speed_spread
+from routewise_vllm.router.policy.gated import (GatedPolicy, cached_fraction, load_ratio, next_cache, next_state,
+                                                speed_spread)
 from routewise_vllm.router.policy.late_binding import restrict
 from routewise_vllm.router.policy.registry import (DEFAULT_MODEL_PATH, GATED, check_policy_name, is_learned, make_policy,
                                                    policy_names)
@@ -62,6 +63,34 @@ def test_speed_spread_is_unknown_until_enough_replicas_are_measured(floors):
 def test_speed_spread_counts_half_the_replicas_as_enough():
     # 2 of 4 measured: 2 >= 2 and 2 >= 0.5 x 4; 0.015 / 0.010 = 1.5
     assert speed_spread(view(0.010, None, 0.015, None)) == pytest.approx(1.5)
+
+
+def loaded(*replicas: tuple[float | None, int]) -> ClusterView:
+    """Replicas with these (TPOT floor, requests in flight), each holding a request's 2 blocks."""
+    return ClusterView(tuple(ReplicaSnapshot(f"r{i}", True, n, 0, tpot_floor_s=f, prefix_match_blocks=2)
+                             for i, (f, n) in enumerate(replicas)))
+
+
+def test_load_ratio_is_the_slowest_floors_load_over_the_fastest_floors():
+    # slowest floor 0.040 has 11 in flight, fastest 0.010 has 2: (11 + 1) / (2 + 1) = 4; the unmeasured one's 50 is not
+    # counted
+    assert load_ratio(loaded((0.010, 2), (0.020, 0), (0.040, 11), (None, 50))) == pytest.approx(4.0)
+    assert load_ratio(loaded((0.010, 2), (None, 9))) is None  # one floor: nothing to compare
+
+
+def test_a_spread_the_load_explains_is_no_evidence():
+    # floors 4x apart every decision; evidence 2 latches. The slow replica with 8 in flight where the fast one has 2:
+    # (8 + 1) / (2 + 1) = 3 >= 3, explained by its batch: never latches, the heuristic decides (Lowest: replica 0)
+    gate = GatedPolicy(Scorer(), Lowest(), evidence=2, dwell=10, cache_window=1)
+    pol = served(gate)
+    for i in range(5):
+        assert pol.decide(loaded((0.010, 2), (0.040, 8)), req(i)).index == 0
+    assert (gate.evidence, gate.latch, gate.spread) == (0, 0, pytest.approx(4.0))
+    # the same floors with 7 in flight: 8 / 3 < 3, evidence of speed; the second such decision latches learned
+    # (the scorer: the last replica)
+    assert pol.decide(loaded((0.010, 2), (0.040, 7)), req(5)).index == 0
+    assert pol.decide(loaded((0.010, 2), (0.040, 7)), req(6)).index == 1
+    assert (gate.evidence, gate.latch) == (2, 10)
 
 
 # (latch, evidence) before, the decision's spread, (latch, evidence) after; thresholds 2.0, at most 3 of evidence, a
@@ -236,6 +265,8 @@ def test_thresholds_are_checked():
         GatedPolicy(Scorer(), Lowest(), mixed_min_spread=0.5)
     with pytest.raises(ValueError, match="dwell"):
         GatedPolicy(Scorer(), Lowest(), dwell=0)
+    with pytest.raises(ValueError, match="max_load_ratio"):
+        GatedPolicy(Scorer(), Lowest(), max_load_ratio=1.0)
 
 
 # ---------------------------------------------------------------- the served name
