@@ -103,6 +103,10 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
                    help="the router's picture of the replicas' prefix caches in every scenario: guess (its own index), "
                    "precise (the replicas' KV events) or lagged:S (events S seconds late); default: each scenario's "
                    "cluster.kv_view (guess unless it says)")
+    p.add_argument("--warm-up", type=int, default=0, metavar="N",
+                   help="serve each instance's first N requests (by arrival) as the others but leave them out of the "
+                   "figures: a pool already running, its caches warm and queues settled (default 0: every replica "
+                   "starts empty and idle, and the first second's burst counts)")
     _split_argument(p)  # fmt: skip
 
 
@@ -138,6 +142,8 @@ def _compare(args: argparse.Namespace) -> int:
             KVViewConfig.parse(args.kv_view)
         except ValueError as e:
             raise UsageError(f"--kv-view: {e}") from None
+    if args.warm_up < 0:
+        raise UsageError(f"--warm-up must be >= 0 requests, got {args.warm_up}")
     late: bool | LateBindingConfig = args.late_binding
     for flag, value in (("--late-timeout", args.late_timeout), ("--late-room", args.late_room)):
         if value is not None and not args.late_binding:
@@ -150,7 +156,7 @@ def _compare(args: argparse.Namespace) -> int:
                                  room_in_time=args.late_room != "tokens")
     start = time.perf_counter()
     doc = compare(scenarios, policies, args.seeds, split=args.split, workers=args.workers, late_binding=late,
-                  profile_swap=swap, kv_view=args.kv_view)
+                  profile_swap=swap, kv_view=args.kv_view, warm_up=args.warm_up)
     wall = time.perf_counter() - start
     if args.json:
         print(to_json(doc))
@@ -164,6 +170,8 @@ def _compare(args: argparse.Namespace) -> int:
             print(f"replicas on {old} ran on {new}")
         if args.kv_view is not None:
             print(f"the routers' view of the prefix caches: {doc['kv_view']}")
+        if args.warm_up:
+            print(f"each instance's first {args.warm_up} requests were served but not scored (--warm-up)")
     return 0
 
 

@@ -98,18 +98,23 @@ def run_policies(
     late_binding: bool | LateBindingConfig = False,
     profile_swap: Mapping[str, str] | None = None,
     kv_view: str | None = None,
+    warm_up: int = 0,
 ) -> dict[str, dict]:
     """All `policies` on the same requests of (scenario, seed): built once, simulated once per policy.
     With `late_binding` (True: the router's defaults, or a LateBindingConfig), every policy (heuristic or learned)
     also runs behind late binding, as `<name>+late`; with `profile_swap`
     ({OLD: NEW}) the scenario's replicas on profile OLD run on NEW (`Scenario.with_profiles`); with `kv_view`
-    (`guess`, `precise`, `lagged:S`) the router's picture of the caches is that one (`Scenario.with_kv_view`)."""
+    (`guess`, `precise`, `lagged:S`) the router's picture of the caches is that one (`Scenario.with_kv_view`); with
+    `warm_up` the first that many requests are served but not scored (`Scenario.with_warm_up`)."""
     sc = load_scenario(scenario, split=split, library=library)
     if profile_swap:
         sc = sc.with_profiles(profile_swap)
     if kv_view is not None:
         sc = sc.with_kv_view(KVViewConfig.parse(kv_view))
-    cluster, requests = sc.build(np.random.default_rng(seed))
+    try:
+        cluster, requests = sc.with_warm_up(warm_up).build(np.random.default_rng(seed))
+    except ValueError as e:  # the warm-up leaves nothing to score
+        raise ExperimentError(str(e)) from None
     out = {}
     for name in policies:
         policy = served_policy(name, seed=seed)  # guards + deterministic decision-cost budget, as the router serves it
@@ -135,10 +140,9 @@ def _replica_ids(cluster) -> list[str]:
 
 
 def _task(args: tuple) -> tuple[str, int, dict[str, dict]]:
-    scenario, policies, seed, split, late_binding, profile_swap, kv_view = args
-    return scenario, seed, run_policies(
-        scenario, policies, seed, split, late_binding=late_binding, profile_swap=dict(profile_swap), kv_view=kv_view
-    )
+    scenario, policies, seed, split, late_binding, profile_swap, kv_view, warm_up = args
+    return scenario, seed, run_policies(scenario, policies, seed, split, late_binding=late_binding,
+                                        profile_swap=dict(profile_swap), kv_view=kv_view, warm_up=warm_up)
 
 
 RESULT_FIELDS = ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "goodput", "throughput_rps")
@@ -155,6 +159,7 @@ def compare(
     executor: Executor | None = None,
     profile_swap: Mapping[str, str] | None = None,
     kv_view: str | None = None,
+    warm_up: int = 0,
 ) -> dict:
     """Every policy on every scenario for each seed; seeds fix the arrivals, so policies see the same requests.
 
@@ -165,8 +170,11 @@ def compare(
     throughput_rps, <each>_ci95, ttft_p99_vs_best_heuristic, metrics: {all aggregated figures}}, ...]}`,
     one record per (scenario, policy), averaged over seeds with 95 % t-interval half-widths. With
     `profile_swap` ({OLD: NEW}) every scenario runs with its OLD replicas on profile NEW (the document says so);
-    with `kv_view` (`guess`, `precise`, `lagged:S`) every scenario's router sees the caches so (the document says so).
+    with `kv_view` (`guess`, `precise`, `lagged:S`) every scenario's router sees the caches so (the document says so);
+    with `warm_up` every instance's first that many requests are served but not scored (the document says so).
     """
+    if warm_up < 0:
+        raise ExperimentError(f"warm-up must be >= 0 requests, got {warm_up}")
     if kv_view is not None:
         try:
             KVViewConfig.parse(kv_view)
@@ -174,7 +182,8 @@ def compare(
             raise ExperimentError(str(e)) from None
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     swap = tuple(sorted((profile_swap or {}).items()))
-    tasks = [(s, tuple(policies), seed, split, late_binding, swap, kv_view) for s in scenarios for seed in seed_list]
+    tasks = [(s, tuple(policies), seed, split, late_binding, swap, kv_view, warm_up) for s in scenarios
+             for seed in seed_list]
     if late_binding:
         policies = list(policies) + [p + LATE_SUFFIX for p in policies]
     runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in scenarios for p in policies}
@@ -215,6 +224,8 @@ def compare(
         doc["profile_swap"] = dict(swap)
     if kv_view is not None:
         doc["kv_view"] = KVViewConfig.parse(kv_view).label()
+    if warm_up:
+        doc["warm_up_requests"] = warm_up
     return doc
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from routewise_vllm.simulator.config import ClusterConfig, KVViewConfig, expand_names
 from routewise_vllm.simulator.costmodel import load_profile
 from routewise_vllm.simulator.metrics import Slo
-from routewise_vllm.simulator.traces import Split, TraceLibrary
+from routewise_vllm.simulator.traces import WARMUP_TENANT, Split, TraceLibrary
 from routewise_vllm.simulator.types import SimRequest
 from routewise_vllm.simulator.workload import WorkloadSpec
 
@@ -118,6 +118,7 @@ class Scenario:
     split: Split
     source: Path
     library: TraceLibrary = field(default_factory=TraceLibrary, repr=False)
+    warm_up: int = 0  # the first requests served but not scored (`with_warm_up`)
 
     @property
     def name(self) -> str:
@@ -146,6 +147,14 @@ class Scenario:
         spec = self.spec.model_copy(update={"cluster": self.spec.cluster.model_copy(update={"kv_view": kv_view})})
         return dataclasses.replace(self, spec=spec)
 
+    def with_warm_up(self, requests: int) -> Scenario:
+        """The same scenario with its first `requests` arrivals served and routed as the others but not scored (tenant
+        `warmup`, as a trace's warm-up replay): the figures of a pool already running, its caches warm and its
+        queues settled, where the scenario as written starts every replica empty and idle."""
+        if requests < 0:
+            raise ValueError(f"warm-up must be >= 0 requests, got {requests}")
+        return dataclasses.replace(self, warm_up=requests)
+
     def build(self, rng: np.random.Generator) -> tuple[ClusterConfig, list[SimRequest]]:
         workload_rng = np.random.default_rng([int(rng.integers(2**63)), _SPLIT_SALT[self.split]])
         requests = self.spec.workload.build(workload_rng, self.split, self.library, self.spec.time_scale)
@@ -153,11 +162,24 @@ class Scenario:
             requests = assign_models(requests, self.spec.models, np.random.default_rng(int(rng.integers(2**63))))
         if self.spec.classes:  # drawn after the workload: the same arrivals as without classes
             requests = assign_classes(requests, self.spec.classes, np.random.default_rng(int(rng.integers(2**63))))
+        if self.warm_up:
+            requests = _warm_up(requests, self.warm_up, self.name)
         return self.spec.cluster.model_copy(deep=True), requests
 
     def class_targets(self) -> dict[str, Slo]:
         """Each request class's targets ("" = the requests in no class: the scenario's `slo`)."""
         return {"": self.slo, **{c.name: Slo(ttft_s=c.ttft_s, tpot_s=c.tpot_s) for c in self.spec.classes}}
+
+
+def _warm_up(requests: list[SimRequest], n: int, scenario: str) -> list[SimRequest]:
+    """`requests` with the first `n` by arrival (after any warm-up of their own) marked as warm-up."""
+    scored = [i for i, r in enumerate(requests) if r.tenant != WARMUP_TENANT]
+    if n >= len(scored):
+        raise ValueError(f"scenario {scenario!r}: a warm-up of {n} requests leaves none of its {len(scored)} to score")
+    out = list(requests)
+    for i in sorted(scored, key=lambda i: (requests[i].arrival_s, i))[:n]:
+        out[i] = dataclasses.replace(requests[i], tenant=WARMUP_TENANT)
+    return out
 
 
 def model_names(models: list[ModelShareSpec]) -> list[str]:
