@@ -163,7 +163,7 @@ class Scenario:
         if self.spec.classes:  # drawn after the workload: the same arrivals as without classes
             requests = assign_classes(requests, self.spec.classes, np.random.default_rng(int(rng.integers(2**63))))
         if self.warm_up:
-            requests = _warm_up(requests, self.warm_up, self.name)
+            requests = mark_warm_up(requests, self.warm_up, self.name)
         return self.spec.cluster.model_copy(deep=True), requests
 
     def class_targets(self) -> dict[str, Slo]:
@@ -171,8 +171,9 @@ class Scenario:
         return {"": self.slo, **{c.name: Slo(ttft_s=c.ttft_s, tpot_s=c.tpot_s) for c in self.spec.classes}}
 
 
-def _warm_up(requests: list[SimRequest], n: int, scenario: str) -> list[SimRequest]:
-    """`requests` with the first `n` by arrival (after any warm-up of their own) marked as warm-up."""
+def mark_warm_up(requests: list[SimRequest], n: int, scenario: str) -> list[SimRequest]:
+    """`requests` with the first `n` by arrival (after any warm-up of their own) marked as warm-up (`scenario` names
+    the instance in the error when none would be left to score)."""
     scored = [i for i, r in enumerate(requests) if r.tenant != WARMUP_TENANT]
     if n >= len(scored):
         raise ValueError(f"scenario {scenario!r}: a warm-up of {n} requests leaves none of its {len(scored)} to score")

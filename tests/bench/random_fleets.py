@@ -11,6 +11,9 @@ Seeds start at 3,000,000, apart from every seed training and its TRAIN-window ev
     python tests/bench/random_fleets.py --fleets 20 --models learned,runs/a.onnx --workers 2
     python tests/bench/random_fleets.py --fleets 20 --split train ...   # a validation set for choosing between models
     python tests/bench/random_fleets.py --fleets 5 --late --models ...  # also every policy behind late binding
+    python tests/bench/random_fleets.py --fleets 20 --late --peers --warm-up 250 --models gated
+        # the peers' algorithms among the heuristics; and each figure again without each instance's first 250
+        # requests (the same runs: a pool already running, where the first rows are a cold start)
 
 Per model, over all instances: the geometric mean of its p99 TTFT over the best heuristic on that instance
 (chosen with hindsight, a high bar), over the best single heuristic (the one with the lowest geometric mean
@@ -38,17 +41,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from routewise_vllm.router.policy.registry import COMPARED_BASELINES  # noqa: E402
+from routewise_vllm.router.policy.registry import COMPARED_BASELINES, PEER_BASELINES, is_learned  # noqa: E402
 from routewise_vllm.router.policy.served import served_policy  # noqa: E402
 from routewise_vllm.simulator.bench import saturated_rps  # noqa: E402
 from routewise_vllm.simulator.cluster import simulate  # noqa: E402
 from routewise_vllm.simulator.late_binding import LATE_SUFFIX, simulate_late  # noqa: E402
 from routewise_vllm.simulator.metrics import summarize  # noqa: E402
+from routewise_vllm.simulator.scenario import mark_warm_up  # noqa: E402
+from routewise_vllm.simulator.traces import WARMUP_TENANT  # noqa: E402
 from routewise_vllm.trainer.config import load_config  # noqa: E402
 from routewise_vllm.trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs  # noqa: E402
 
 SEED_BASE = 3_000_000  # the trainer's validation fleets (run.validation_fleets) start at 2,000,000
-HEURISTICS = list(COMPARED_BASELINES)
+HEURISTICS = list(COMPARED_BASELINES)  # with --peers also PEER_BASELINES (`heuristics`)
 SIZE_BUCKETS = ((2, 4), (5, 12), (13, 32))
 SPREAD_BUCKETS = ((1.0, 2.0), (2.0, 5.0), (5.0, math.inf))  # labelled <2x, 2-5x, >=5x
 PROBE_REQUESTS = 200
@@ -72,26 +77,39 @@ def speed_spread(cluster, requests) -> float:
     return max(rates) / min(rates)
 
 
-def run_instance(args: tuple[InstanceSpec, tuple[str, ...], bool]) -> dict:
+def heuristics(peers: bool) -> list[str]:
+    """The heuristics each model is compared with: ours, and with `peers` the peers' algorithms too."""
+    return HEURISTICS + (list(PEER_BASELINES) if peers else [])
+
+
+def run_instance(args: tuple[InstanceSpec, tuple[str, ...], bool, bool, int]) -> dict:
     """Every heuristic and model on one instance (with `late`, also behind late binding as `<name>+late`): p99
-    TTFT and goodput each, with the fleet's size and spread."""
-    spec, models, late = args
+    TTFT and goodput each, with the fleet's size and spread. With `warm_up` N, also both without the instance's
+    first N requests (`p99_warm`, `goodput_warm`: the same runs scored as a pool already running)."""
+    spec, models, late, peers, warm_up = args
     scenario, seed = spec.scenario, spec.seed
     assert _builder is not None
     cluster, requests = _builder.build(spec)
     slo = _builder.scenario(scenario).slo
+    warm = {r.request_id for r in mark_warm_up(requests, warm_up, f"{scenario} seed {seed}")
+            if r.tenant == WARMUP_TENANT} if warm_up else set()
     row = {
         "scenario": scenario, "seed": seed, "replicas": sum(g.count for g in cluster.replicas),
         "profiles": sorted({g.profile for g in cluster.replicas}), "spread": speed_spread(cluster, requests),
-        "p99": {}, "goodput": {},
+        "p99": {}, "goodput": {}, **({"p99_warm": {}, "goodput_warm": {}} if warm_up else {}),
     }  # fmt: skip
-    for name in (*HEURISTICS, *models):
-        summary = summarize(simulate(cluster, requests, served_policy(name, seed=seed), seed=seed), slo)
+
+    def score(name: str, records) -> None:
+        summary = summarize(records, slo)
         row["p99"][name], row["goodput"][name] = summary["ttft_p99_s"], summary["goodput"]
+        if warm_up:
+            summary = summarize([r for r in records if r.request_id not in warm], slo)
+            row["p99_warm"][name], row["goodput_warm"][name] = summary["ttft_p99_s"], summary["goodput"]
+
+    for name in (*heuristics(peers), *models):
+        score(name, simulate(cluster, requests, served_policy(name, seed=seed), seed=seed))
         if late:
-            records, _ = simulate_late(cluster, requests, served_policy(name, seed=seed), seed=seed)
-            summary = summarize(records, slo)
-            row["p99"][name + LATE_SUFFIX], row["goodput"][name + LATE_SUFFIX] = summary["ttft_p99_s"], summary["goodput"]
+            score(name + LATE_SUFFIX, simulate_late(cluster, requests, served_policy(name, seed=seed), seed=seed)[0])
     return row
 
 
@@ -110,14 +128,16 @@ def _by_bucket(rows: list[dict], ratio: np.ndarray, suffix: str) -> dict[str, di
     return {"by_size" + suffix: size, "by_spread" + suffix: spread}
 
 
-def summarise(rows: list[dict], models: Sequence[str]) -> dict:
-    """Per model, the ratios of its p99 TTFT to the best heuristic per instance and to the best single heuristic."""
-    best_p99 = [min(r["p99"][h] for h in HEURISTICS) for r in rows]
-    best_goodput = [max(r["goodput"][h] for h in HEURISTICS) for r in rows]
-    single = min(HEURISTICS, key=lambda h: _geomean([r["p99"][h] / b for r, b in zip(rows, best_p99)]))
+def summarise(rows: list[dict], models: Sequence[str], peers: bool = False) -> dict:
+    """Per model, the ratios of its p99 TTFT to the best heuristic per instance and to the best single heuristic
+    (with `peers`, the peers' algorithms among the heuristics)."""
+    compared = heuristics(peers)
+    best_p99 = [min(r["p99"][h] for h in compared) for r in rows]
+    best_goodput = [max(r["goodput"][h] for h in compared) for r in rows]
+    single = min(compared, key=lambda h: _geomean([r["p99"][h] / b for r, b in zip(rows, best_p99)]))
     out = {"instances": len(rows), "best_single_heuristic": single, "models": {}}
-    late = HEURISTICS[0] + LATE_SUFFIX in rows[0]["p99"] if rows else False
-    best_late = [min(r["p99"][h + LATE_SUFFIX] for h in HEURISTICS) for r in rows] if late else []
+    late = compared[0] + LATE_SUFFIX in rows[0]["p99"] if rows else False
+    best_late = [min(r["p99"][h + LATE_SUFFIX] for h in compared) for r in rows] if late else []
     for m in (*models, *(m + LATE_SUFFIX for m in models if late)):
         ratio = np.array([r["p99"][m] / b for r, b in zip(rows, best_p99)])
         vs_single = np.array([r["p99"][m] / r["p99"][single] for r in rows])
@@ -178,22 +198,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write every instance's figures and the summary here")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--late", action="store_true", help="also every heuristic and model behind late binding (<name>+late)")
+    ap.add_argument("--peers", action="store_true",
+                    help=f"the peers' algorithms ({', '.join(PEER_BASELINES)}) among the heuristics each model is "
+                    "compared with (default: routewise's own, as the model cards' figures were measured)")
+    ap.add_argument("--warm-up", type=int, default=0, metavar="N",
+                    help="also every figure without each instance's first N requests (the same runs: a pool already "
+                    "running, where the default figures include the cold start)")
     args = ap.parse_args(argv)
     models = tuple(m for m in args.models.split(",") if m)
     for m in models:
-        if m != "learned" and not Path(m).is_file():
-            ap.error(f"--models: {m!r} is neither `learned` nor an existing .onnx file")
+        if not is_learned(m) or (m.endswith(".onnx") and not Path(m).is_file()):
+            ap.error(f"--models: {m!r} is neither a learned policy's name (learned, gated, gated:MODEL, a shipped "
+                     "model) nor an existing .onnx file")
+    if args.warm_up < 0:
+        ap.error(f"--warm-up must be >= 0 requests, got {args.warm_up}")
     cfg = load_config(args.config)
     scenarios = args.scenarios.split(",") if args.scenarios else list(cfg.env.scenarios)
-    jobs = [(spec, models, args.late) for spec in random_fleet_specs(scenarios, args.fleets, SEED_BASE, cfg.env.eval_max_requests)]
+    jobs = [(spec, models, args.late, args.peers, args.warm_up)
+            for spec in random_fleet_specs(scenarios, args.fleets, SEED_BASE, cfg.env.eval_max_requests)]
     from tqdm import tqdm
 
     with Pool(args.workers, initializer=_init, initargs=(args.config, args.split)) as pool:
         rows = list(tqdm(pool.imap(run_instance, jobs), total=len(jobs), desc="instances", disable=args.no_progress))
-    doc = summarise(rows, models)
+    doc = summarise(rows, models, args.peers)
     print(format_summary(doc))
+    out = {"summary": doc, "instances": rows}
+    if args.warm_up:
+        warm = summarise([r | {"p99": r["p99_warm"], "goodput": r["goodput_warm"]} for r in rows], models, args.peers)
+        print(f"\nwithout each instance's first {args.warm_up} requests (--warm-up):\n" + format_summary(warm))
+        out["summary_warm"] = warm
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": doc, "instances": rows}, indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.bench import random_fleets
+from routewise_vllm.router.policy.registry import PEER_BASELINES
 from routewise_vllm.trainer.config import load_config
 from routewise_vllm.trainer.instances import InstanceBuilder, InstanceSpec, random_fleet_specs
 
@@ -92,17 +93,37 @@ def test_the_builder_reads_the_split_it_is_given():
 
 
 def test_one_instance_end_to_end_writes_every_policy(tmp_path, capsys):
+    """--peers puts the peers' algorithms among the heuristics; --warm-up scores the same runs again without the
+    instance's first requests."""
     out = tmp_path / "rf.json"
     assert random_fleets.main(["--fleets", "1", "--scenarios", "steady-chat", "--workers", "1", "--no-progress",
-                               "--json", str(out)]) == 0  # fmt: skip
+                               "--models", "learned,gated", "--peers", "--warm-up", "1000", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     (row,) = doc["instances"]
-    assert set(row["p99"]) == set(random_fleets.HEURISTICS) | {"learned"}
+    names = set(random_fleets.HEURISTICS) | set(PEER_BASELINES) | {"learned", "gated"}
+    assert set(row["p99"]) == set(row["p99_warm"]) == names
     assert 2 <= row["replicas"] <= 32 and row["spread"] >= 1.0
-    assert "learned" in capsys.readouterr().out
+    # the warm figures are the last ~500 of 1,500 requests: a p99 over other requests than the cold one's
+    assert row["p99_warm"] != row["p99"]
+    warm = doc["summary_warm"]["models"]["gated"]
+    best = min(row["p99_warm"][h] for h in names - {"learned", "gated"})
+    assert warm["vs_best_per_instance"] == pytest.approx(row["p99_warm"]["gated"] / best)
+    text = capsys.readouterr().out
+    assert "learned" in text and "without each instance's first 1000 requests" in text
 
 
-def test_a_missing_model_file_is_named(capsys):
+def test_the_peers_are_compared_only_when_asked():
+    rows = [_row("a", 1, 3, 1.5, {"least-outstanding": 2.0, "m": 2.0})]
+    for p in PEER_BASELINES:
+        rows[0]["p99"][p] = rows[0]["goodput"][p] = 1.0
+    assert random_fleets.summarise(rows, ["m"])["models"]["m"]["vs_best_per_instance"] == pytest.approx(1.0)
+    assert random_fleets.summarise(rows, ["m"], peers=True)["models"]["m"]["vs_best_per_instance"] == pytest.approx(2.0)
+
+
+def test_a_missing_model_file_or_unknown_model_is_named(capsys):
     with pytest.raises(SystemExit):
         random_fleets.main(["--models", "learned,nope.onnx", "--fleets", "1"])
     assert "nope.onnx" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        random_fleets.main(["--models", "least-outstanding", "--fleets", "1"])
+    assert "'least-outstanding' is neither a learned policy's name" in capsys.readouterr().err
