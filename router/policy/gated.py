@@ -272,6 +272,6 @@ class GatedPolicy(Policy):
         return {**{k: v for k, v in learned.items() if k != "name"}, "name": self.name, "mode": self.mode,
                 "speed_spread": self.spread, "switches": self.switches, "decisions": dict(self.decisions),
                 "mixed_min_spread": self.mixed_min_spread, "max_load_ratio": self.max_load_ratio, "dwell": self.dwell,
-                "latch": self.latch,
-                "evidence": self.evidence, "cache_share": self.cache_share, "cache_heavy": self.cache_heavy,
+                "latch": self.latch, "evidence": self.evidence, "cache_share": self.cache_share,
+                "cache_heavy": self.cache_heavy,
                 "learned": learned, "heuristic": self.heuristic.describe()}
