@@ -14,6 +14,8 @@ mode made, behind late binding as the gate is served (router/policy/gated.py). A
     # another model inside the gate (a candidate from `trainer export`), and the model alone (the gate never hands over):
     python tests/bench/gate_modes.py --scenario uniform --seeds 3 --model new.onnx --vs-default
     python tests/bench/gate_modes.py --scenario uniform --seeds 3 --model new.onnx --set cache_on=inf --vs-default
+    # a pool already running: each instance's first 500 requests served but not scored (simulator compare --warm-up)
+    python tests/bench/gate_modes.py --scenario uniform --seeds 3 --set max_load_ratio=inf --vs-default --warm-up 500
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from routewise_vllm.router.policy.served import served_policy  # noqa: E402
 from routewise_vllm.simulator.experiments import resolve_scenarios  # noqa: E402
 from routewise_vllm.simulator.late_binding import simulate_late  # noqa: E402
 from routewise_vllm.simulator.metrics import summarize  # noqa: E402
-from routewise_vllm.simulator.scenario import load_scenario  # noqa: E402
+from routewise_vllm.simulator.scenario import load_scenario, mark_warm_up  # noqa: E402
 
 
 # --set NAME=VALUE: GatedPolicy's keyword arguments, as the attribute each one sets
@@ -82,7 +84,7 @@ def parse_setting(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"--set {text}: the value must be a number (inf allowed)") from None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", default="uniform,all,shapes")
     ap.add_argument("--seeds", type=int, default=1)
@@ -98,7 +100,12 @@ def main() -> None:
                     "shipped gate)")
     ap.add_argument("--vs-default", action="store_true",
                     help="p99 TTFT per instance against the shipped gate's, the mean per scenario and the geomean")
-    args = ap.parse_args()
+    ap.add_argument("--warm-up", type=int, default=0, metavar="N",
+                    help="each instance's first N requests served but not scored: a pool already running (default 0: "
+                    "the figures include the cold start)")
+    args = ap.parse_args(argv)
+    if args.warm_up < 0:
+        ap.error(f"--warm-up must be >= 0 requests, got {args.warm_up}")
     settings = dict(args.set)
     ratios: list[float] | None = [] if args.vs_default else None
     p99s: dict[str, list[float]] = {}
@@ -114,7 +121,8 @@ def main() -> None:
         for spec in random_fleet_specs(args.scenario.split(","), args.random_fleets, SEED_BASE, env.eval_max_requests):
             cluster, requests = builder.build(spec)
             n = sum(g.count for g in cluster.replicas)
-            report(f"{spec.scenario} seed {spec.seed} ({n} replicas)", cluster, requests, spec.seed,
+            label = f"{spec.scenario} seed {spec.seed} ({n} replicas)"
+            report(label, cluster, mark_warm_up(requests, args.warm_up, label), spec.seed,
                    builder.scenario(spec.scenario).slo, args.vs_learned, settings, ratios, p99s, args.model)
         summary(ratios, {})
         return
@@ -122,8 +130,9 @@ def main() -> None:
         sc = load_scenario(name, split=args.split)
         for seed in range(args.seeds):
             cluster, requests = sc.build(np.random.default_rng(seed))
-            report(f"{name} seed {seed}", cluster, requests, seed, sc.slo, args.vs_learned, settings, ratios, p99s,
-                   args.model)
+            label = f"{name} seed {seed}"
+            report(label, cluster, mark_warm_up(requests, args.warm_up, label), seed, sc.slo, args.vs_learned,
+                   settings, ratios, p99s, args.model)
     summary(ratios, p99s)
 
 

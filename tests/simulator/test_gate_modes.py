@@ -36,3 +36,17 @@ def test_model_puts_that_model_inside_the_gate():
     c = _routed(other, cluster, requests)
     assert other.primary.decisions["heuristic"] == 0 and other.primary.decisions["learned"] > 0
     assert c[1] != a[1]
+
+
+def test_warm_up_compares_the_gates_without_the_first_requests(capsys):
+    """--warm-up: the same instance scored without its first requests. uniform-tenants-2 seed 0's p99 is its cold
+    start (1.049 s, docs/peers.md); past the first 1,000 of its 1,500 requests the shipped gate's is well below."""
+    gate_modes.main(["--scenario", "uniform-tenants-2", "--seeds", "1", "--vs-default"])
+    cold = capsys.readouterr().out
+    gate_modes.main(["--scenario", "uniform-tenants-2", "--seeds", "1", "--vs-default", "--warm-up", "1000"])
+    warm = capsys.readouterr().out
+
+    def p99(text: str) -> float:
+        return float(text.split("the shipped gate ")[1].split(" s")[0])
+
+    assert p99(cold) > 0.9 and p99(warm) < 0.5 * p99(cold)
