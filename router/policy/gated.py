@@ -51,7 +51,7 @@ from typing import Literal
 import numpy as np
 
 from routewise_vllm.router.policy.base import Policy, best_of
-from routewise_vllm.router.policy.types import ClusterView, Outcome, RequestInfo
+from routewise_vllm.router.policy.types import ClusterView, Outcome, ReplicaSnapshot, RequestInfo
 
 Mode = Literal["learned", "heuristic"]
 MODES: tuple[str, ...] = ("learned", "heuristic")
@@ -75,39 +75,39 @@ CACHE_WINDOW = 200
 JUDGED_MEMORY = 4096
 
 
-def speed_spread(view: ClusterView, min_measured: int = MIN_MEASURED,
-                 min_measured_share: float = MIN_MEASURED_SHARE) -> float | None:
-    """The slowest replica's TPOT floor over the fastest one's, among replicas with a floor (healthy or not: a replica
-    late binding marked full still has its speed); None while fewer than `min_measured` replicas, or fewer than
-    `min_measured_share` of the view's, have one."""
-    lo = math.inf
-    hi = 0.0
+def floor_extremes(view: ClusterView) -> tuple[int, ReplicaSnapshot | None, ReplicaSnapshot | None]:
+    """How many replicas have a TPOT floor (healthy or not: a replica late binding marked full still has its speed),
+    and the ones with the slowest and the fastest (None without any)."""
     n = 0
-    for r in view.replicas:
-        f = r.tpot_floor_s
-        if f is not None and f > 0:
-            n += 1
-            if f < lo:
-                lo = f
-            if f > hi:
-                hi = f
-    if n < min_measured or n < min_measured_share * len(view.replicas):
-        return None
-    return hi / lo
-
-
-def load_ratio(view: ClusterView) -> float | None:
-    """Requests in flight at the replica with the slowest TPOT floor over those at the fastest's, each plus one
-    (None while fewer than two replicas have a floor)."""
     slow = fast = None
     for r in view.replicas:
         f = r.tpot_floor_s
         if f is not None and f > 0:
+            n += 1
             if slow is None or f > slow.tpot_floor_s:
                 slow = r
             if fast is None or f < fast.tpot_floor_s:
                 fast = r
-    if slow is None or slow is fast:
+    return n, slow, fast
+
+
+def speed_spread(view: ClusterView, min_measured: int = MIN_MEASURED, min_measured_share: float = MIN_MEASURED_SHARE,
+                 extremes: tuple[int, ReplicaSnapshot | None, ReplicaSnapshot | None] | None = None) -> float | None:
+    """The slowest replica's TPOT floor over the fastest one's, among replicas with a floor; None while fewer than
+    `min_measured` replicas, or fewer than `min_measured_share` of the view's, have one. `extremes`: the view's
+    `floor_extremes`, when already known."""
+    n, slow, fast = extremes or floor_extremes(view)
+    if slow is None or fast is None or n < min_measured or n < min_measured_share * len(view.replicas):
+        return None
+    return slow.tpot_floor_s / fast.tpot_floor_s
+
+
+def load_ratio(view: ClusterView,
+               extremes: tuple[int, ReplicaSnapshot | None, ReplicaSnapshot | None] | None = None) -> float | None:
+    """Requests in flight at the replica with the slowest TPOT floor over those at the fastest's, each plus one
+    (None while fewer than two replicas have a floor). `extremes`: the view's `floor_extremes`, when already known."""
+    _, slow, fast = extremes or floor_extremes(view)
+    if slow is None or fast is None or slow is fast:
         return None
     return (slow.outstanding + 1) / (fast.outstanding + 1)
 
@@ -203,12 +203,13 @@ class GatedPolicy(Policy):
         return mode
 
     def _judge(self, view: ClusterView, request: RequestInfo) -> Mode:
-        spread = speed_spread(view, self.min_measured, self.min_measured_share)
+        extremes = floor_extremes(view)
+        spread = speed_spread(view, self.min_measured, self.min_measured_share, extremes)
         if spread is not None:
             self.spread = spread
             lo, hi = self.spread_range
             self.spread_range = (min(lo, spread), max(hi, spread))
-            if spread >= self.mixed_min_spread and (load_ratio(view) or 1.0) >= self.max_load_ratio:
+            if spread >= self.mixed_min_spread and (load_ratio(view, extremes) or 1.0) >= self.max_load_ratio:
                 spread = None  # the load explains it (the module's docstring)
         self.latch, self.evidence = next_state(self.latch, self.evidence, spread, self.mixed_min_spread,
                                                self.max_evidence, self.dwell)
