@@ -14,6 +14,8 @@ mode made, behind late binding as the gate is served (router/policy/gated.py). A
     # another model inside the gate (a candidate from `trainer export`), and the model alone (the gate never hands over):
     python tests/bench/gate_modes.py --scenario uniform --seeds 3 --model new.onnx --vs-default
     python tests/bench/gate_modes.py --scenario uniform --seeds 3 --model new.onnx --set cache_on=inf --vs-default
+    # where each instance's p99 TTFT comes from: how early its slowest 1 % arrive, p99 over its first 400 and the rest
+    python tests/bench/gate_modes.py --scenario uniform --seeds 3 --tail
     # a pool already running: each instance's first 500 requests served but not scored (simulator compare --warm-up)
     python tests/bench/gate_modes.py --scenario uniform --seeds 3 --set max_load_ratio=inf --vs-default --warm-up 500
 """
@@ -32,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 from routewise_vllm.router.policy.served import served_policy  # noqa: E402
 from routewise_vllm.simulator.experiments import resolve_scenarios  # noqa: E402
 from routewise_vllm.simulator.late_binding import simulate_late  # noqa: E402
-from routewise_vllm.simulator.metrics import summarize  # noqa: E402
+from routewise_vllm.simulator.metrics import request_table, summarize  # noqa: E402
+from routewise_vllm.simulator.traces import WARMUP_TENANT  # noqa: E402
 from routewise_vllm.simulator.scenario import load_scenario, mark_warm_up  # noqa: E402
 
 
@@ -50,9 +53,20 @@ def gate(seed: int, settings: dict[str, float], model: Path | None = None):
     return policy
 
 
+def tail(records, first: int = 400) -> str:
+    """Where a run's p99 TTFT comes from: how many of its scored requests are at or above it and the latest arrival
+    index among them, and p99 TTFT over its first `first` arrivals and over the rest."""
+    t = request_table(r for r in records if r.tenant != WARMUP_TENANT)
+    ttft = t["ttft_s"][np.argsort(t["arrival_s"], kind="stable")]
+    p99 = np.nanpercentile(ttft, 99)
+    slow = np.flatnonzero(ttft >= p99)
+    return (f"  slowest 1 %: {len(slow)} among the first {int(slow.max()) + 1} of {len(ttft)}; p99 TTFT first {first} "
+            f"{np.nanpercentile(ttft[:first], 99):.3f} s, rest {np.nanpercentile(ttft[first:], 99):.3f} s")
+
+
 def report(label: str, cluster, requests, seed: int, slo=None, vs_learned: bool = False,
            settings: dict[str, float] | None = None, ratios: list[float] | None = None,
-           p99s: dict[str, list[float]] | None = None, model: Path | None = None) -> None:
+           p99s: dict[str, list[float]] | None = None, model: Path | None = None, show_tail: bool = False) -> None:
     policy = gate(seed, settings or {}, model)
     records, _ = simulate_late(cluster, requests, policy, seed=seed)
     g = policy.primary
@@ -71,6 +85,8 @@ def report(label: str, cluster, requests, seed: int, slo=None, vs_learned: bool 
         ratios.append(p99 / default)
         p99s.setdefault(label.split(" seed ")[0], []).append(p99)
         line += f"  p99 TTFT {p99:.3f} s, the shipped gate {default:.3f} s: {p99 / default:.3f}x"
+    if show_tail:
+        line += tail(records)
     print(line, flush=True)
 
 
@@ -100,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
                     "shipped gate)")
     ap.add_argument("--vs-default", action="store_true",
                     help="p99 TTFT per instance against the shipped gate's, the mean per scenario and the geomean")
+    ap.add_argument("--tail", action="store_true",
+                    help="where each instance's p99 TTFT comes from: how early its slowest 1 %% of requests arrive, and "
+                    "p99 TTFT over its first 400 requests and over the rest")
     ap.add_argument("--warm-up", type=int, default=0, metavar="N",
                     help="each instance's first N requests served but not scored: a pool already running (default 0: "
                     "the figures include the cold start)")
@@ -123,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             n = sum(g.count for g in cluster.replicas)
             label = f"{spec.scenario} seed {spec.seed} ({n} replicas)"
             report(label, cluster, mark_warm_up(requests, args.warm_up, label), spec.seed,
-                   builder.scenario(spec.scenario).slo, args.vs_learned, settings, ratios, p99s, args.model)
+                   builder.scenario(spec.scenario).slo, args.vs_learned, settings, ratios, p99s, args.model, args.tail)
         summary(ratios, {})
         return
     for name in resolve_scenarios(args.scenario):
@@ -132,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             cluster, requests = sc.build(np.random.default_rng(seed))
             label = f"{name} seed {seed}"
             report(label, cluster, mark_warm_up(requests, args.warm_up, label), seed, sc.slo, args.vs_learned,
-                   settings, ratios, p99s, args.model)
+                   settings, ratios, p99s, args.model, args.tail)
     summary(ratios, p99s)
 
 

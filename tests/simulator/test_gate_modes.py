@@ -50,3 +50,15 @@ def test_warm_up_compares_the_gates_without_the_first_requests(capsys):
         return float(text.split("the shipped gate ")[1].split(" s")[0])
 
     assert p99(cold) > 0.9 and p99(warm) < 0.5 * p99(cold)
+
+
+def test_tail_says_how_early_the_slowest_requests_arrive():
+    """--tail on hand-made records: 200 requests by arrival, TTFT 1 s for the 3rd and 5th, 0.1 s for the others."""
+    from routewise_vllm.simulator.types import RequestRecord
+
+    records = [RequestRecord(i, "r0", float(i), 100, 10, first_token_s=i + (1.0 if i in (2, 4) else 0.1),
+                             finish_s=i + 2.0) for i in range(200)]
+    text = gate_modes.tail(records, first=100)
+    # p99 of 200 (linear interpolation, as simulator.metrics) is 0.109 s: the two slow ones are at or above it; of the
+    # first 100, which hold both, 1.0 s; of the rest, 0.1 s
+    assert "slowest 1 %: 2 among the first 5 of 200; p99 TTFT first 100 1.000 s, rest 0.100 s" in text
